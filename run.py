@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Bootstrap and run onebit on a fresh machine that has nothing but Python.
+
+    python3 run.py train [ARGS...]   # the main job (`onebit train`), default settings
+    python3 run.py test  [ARGS...]   # the test suite (pytest)
+    python3 run.py onebit ARGS...    # any `onebit` sub-command
+
+The first call creates a virtual environment in `.venv` next to this file and installs
+onebit into it with its training and test extras; torch is pinned to a CPU build here.
+Later calls reuse it (it is rebuilt when pyproject.toml changes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+TORCH_PIN = "torch==2.13.0"
+STAMP = VENV / ".onebit-installed"
+
+
+def _venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _wanted_stamp() -> str:
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
+    digest.update(TORCH_PIN.encode())
+    return digest.hexdigest()
+
+
+def ensure_environment() -> Path:
+    python = _venv_python()
+    if STAMP.exists() and STAMP.read_text() == _wanted_stamp() and python.exists():
+        return python
+    if not python.exists():
+        print(f"[run.py] creating virtual environment in {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    print(f"[run.py] installing {TORCH_PIN} and onebit[train,dev]", flush=True)
+    subprocess.run([*pip, TORCH_PIN], check=True)
+    subprocess.run([*pip, "-e", f"{ROOT}[train,dev]"], check=True)
+    STAMP.write_text(_wanted_stamp())
+    return python
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"train", "test", "onebit"}:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    python = str(ensure_environment())
+    command, rest = argv[0], argv[1:]
+    if command == "test":
+        args = [python, "-m", "pytest", *rest]
+    elif command == "train":
+        args = [python, "-m", "onebit", "train", *rest]
+    else:
+        args = [python, "-m", "onebit", *rest]
+    return subprocess.call(args, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
