@@ -1,0 +1,29 @@
+"""onebit: 1-bit LAMB and 1-bit Adam for PyTorch, on plain ``torch.distributed``.
+
+Public API:
+
+* :class:`OneBitLamb`, :class:`OneBitAdam`: the 1-bit optimizers (warm-up, then momentum
+  exchanged at 1 bit per element with two-sided error feedback).
+* :class:`Lamb`: the uncompressed LAMB baseline (the warm-up stage of 1-bit LAMB).
+* :func:`compressed_allreduce`, :func:`padded_size`: the compressed collective itself.
+* :data:`TRAFFIC`: bytes sent by onebit's collectives in this process.
+"""
+
+from onebit.collectives import (
+    TRAFFIC,
+    NonFiniteError,
+    TrafficCounter,
+    allreduce_mean_,
+    compressed_allreduce,
+    padded_size,
+)
+
+__all__ = [
+    "TRAFFIC",
+    "NonFiniteError",
+    "TrafficCounter",
+    "allreduce_mean_",
+    "compressed_allreduce",
+    "padded_size",
+]
+__version__ = "0.1.0"

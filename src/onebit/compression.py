@@ -1,0 +1,212 @@
+"""Pure tensor maths of 1-bit compression with error feedback.
+
+Everything here is local to one process: signs, bit packing, scales, the error-feedback
+compression step, and :func:`simulate_compressed_allreduce`, a single-process model of the
+whole two-phase exchange over ``n`` workers. The distributed implementation in
+:mod:`onebit.collectives` is built from the same pieces and is tested against the simulation.
+
+Conventions (ALGORITHM.md):
+
+* ``sign(x) = +1`` for ``x >= 0`` (so ``sign(0) = sign(-0.0) = +1``) and ``-1`` otherwise.
+* Bits are packed eight to a byte, most significant bit first (``numpy.packbits`` order):
+  element ``8k + j`` is bit ``7 - j`` of byte ``k``; a set bit means ``+1``.
+* The scale of a buffer ``x`` with ``N`` elements is ``||x||_2 / sqrt(N)``, so that
+  ``scale(x) * sign(x)`` has the same Euclidean norm as ``x``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "sign_bits",
+    "signs",
+    "pack_signs",
+    "unpack_signs",
+    "scale",
+    "scale_dtype",
+    "compress",
+    "update_error",
+    "server_average",
+    "simulate_compressed_allreduce",
+]
+
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+_SIGN_TABLES: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def sign_bits(x: Tensor) -> Tensor:
+    """Boolean tensor that is True where ``sign(x) = +1``, i.e. ``x >= 0`` (True for -0.0)."""
+    return x >= 0
+
+
+def signs(x: Tensor) -> Tensor:
+    """``sign(x)`` as ``+1``/``-1`` of ``x``'s dtype, with ``sign(0) = sign(-0.0) = +1``."""
+    one = torch.ones((), dtype=x.dtype, device=x.device)
+    return torch.where(sign_bits(x), one, -one)
+
+
+def pack_signs(x: Tensor) -> Tensor:
+    """Pack ``sign(x)`` of a flat tensor into ``ceil(numel / 8)`` bytes (uint8, MSB first).
+
+    Bits past the end of ``x`` in the last byte are zero.
+    """
+    flat = x.reshape(-1)
+    if flat.device.type == "cpu":
+        bits = sign_bits(flat).numpy()
+        return torch.from_numpy(np.packbits(bits))
+    return _pack_bits_torch(sign_bits(flat))
+
+
+def _pack_bits_torch(bits: Tensor) -> Tensor:
+    """Device-agnostic packing of a flat boolean tensor (used on accelerators)."""
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
+    return (bits.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _sign_table(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The ``[256, 8]`` lookup table from a byte to its eight signs as ``+1``/``-1``."""
+    key = (device, dtype)
+    table = _SIGN_TABLES.get(key)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+        weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.int32)
+        table = torch.where((codes & weights) != 0, 1.0, -1.0).to(device=device, dtype=dtype)
+        _SIGN_TABLES[key] = table
+    return table
+
+
+def unpack_signs(
+    packed: Tensor,
+    numel: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Unpack ``numel`` signs from ``packed`` bytes into ``+1``/``-1`` values.
+
+    Uses a 256-entry lookup table, one gather per byte. With ``out`` (contiguous, ``numel``
+    elements, a multiple of 8) the result is written there without allocating.
+    """
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    nbytes = math.ceil(numel / 8)
+    if packed.numel() < nbytes:
+        raise ValueError(f"{packed.numel()} packed bytes cannot hold {numel} signs")
+    target_dtype = out.dtype if out is not None else dtype
+    table = _sign_table(packed.device, target_dtype)
+    index = packed.reshape(-1)[:nbytes].to(torch.int32)
+    if out is not None and numel % 8 == 0:
+        if out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous with {numel} elements, got {out.numel()}")
+        torch.index_select(table, 0, index, out=out.view(nbytes, 8))
+        return out
+    result = torch.index_select(table, 0, index).reshape(-1)[:numel]
+    if out is not None:
+        return out.copy_(result.view_as(out))
+    return result
+
+
+def scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Precision of scales for buffers of ``dtype``: float32, or wider for wider buffers."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def scale(x: Tensor) -> Tensor:
+    """``||x||_2 / sqrt(numel(x))`` as a 0-d tensor of :func:`scale_dtype` precision."""
+    if x.numel() == 0:
+        raise ValueError("cannot take the scale of an empty tensor")
+    norm = torch.linalg.vector_norm(x.reshape(-1), dtype=scale_dtype(x.dtype))
+    return norm / math.sqrt(x.numel())
+
+
+def compress(x: Tensor) -> tuple[Tensor, Tensor]:
+    """1-bit compression of ``x``: its packed signs and its scale ``||x|| / sqrt(numel)``."""
+    return pack_signs(x), scale(x)
+
+
+def update_error(error: Tensor, x: Tensor, packed: Tensor, x_scale: Tensor, work: Tensor) -> Tensor:
+    """Error feedback: ``error = x - scale * sign(x)``, with ``sign(x)`` read from ``packed``.
+
+    ``work`` is a scratch tensor of ``x``'s size and dtype. The product ``scale * (+-1)`` is
+    exact, so the result does not depend on how the backend fuses the multiply-add.
+    """
+    unpack_signs(packed, x.numel(), out=work.view(-1))
+    return torch.addcmul(x, work, x_scale.to(x.dtype), value=-1, out=error)
+
+
+def server_average(chunk_signs: Tensor, scales: Tensor, out: Tensor) -> Tensor:
+    """``out = (1/n) * sum_i scales[i] * chunk_signs[i]`` for ``chunk_signs`` of shape ``[n, C]``.
+
+    Summed in rank order with exact products (the signs are +-1), so the result is
+    bit-reproducible for a given ``n`` and chunk size, on any number of threads.
+    """
+    weights = (scales / scales.numel()).to(out.dtype)
+    torch.mul(chunk_signs[0], weights[0], out=out)
+    for rank in range(1, chunk_signs.shape[0]):
+        out.addcmul_(chunk_signs[rank], weights[rank])
+    return out
+
+
+def simulate_compressed_allreduce(
+    buffers: Tensor, worker_errors: Tensor, server_errors: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Single-process model of :func:`onebit.compressed_allreduce` over ``n`` workers.
+
+    Args:
+        buffers: ``[n, N]``, row ``i`` is worker ``i``'s buffer; ``N`` a multiple of ``8 * n``.
+        worker_errors: ``[n, N]``, each worker's error-feedback state.
+        server_errors: ``[n, N // n]``, row ``j`` is the server error of chunk ``j``.
+
+    Returns:
+        ``(result, new_worker_errors, new_server_errors)``; ``result`` has ``N`` elements and
+        is what every worker receives. The inputs are left unchanged.
+
+    Per worker ``i``: ``x_i = buf_i + e_i``, ``a_i = ||x_i|| / sqrt(N)``,
+    ``e_i <- x_i - a_i sign(x_i)``. Per chunk ``j``:
+    ``y_j = (1/n) sum_i a_i sign(x_i)[chunk j] + s_j``, ``b_j = ||y_j|| / sqrt(N / n)``,
+    ``s_j <- y_j - b_j sign(y_j)``. The result is ``concat_j b_j sign(y_j)``.
+    """
+    if buffers.dim() != 2 or worker_errors.shape != buffers.shape:
+        raise ValueError(
+            f"buffers and worker_errors must both be [n, N]; got {tuple(buffers.shape)} and "
+            f"{tuple(worker_errors.shape)}"
+        )
+    n, numel = buffers.shape
+    if numel % (8 * n):
+        raise ValueError(f"N={numel} must be a multiple of 8 * n = {8 * n}")
+    chunk = numel // n
+    if server_errors.shape != (n, chunk):
+        raise ValueError(
+            f"server_errors must be [n, N // n] = [{n}, {chunk}], got {tuple(server_errors.shape)}"
+        )
+    new_worker_errors = torch.empty_like(worker_errors)
+    worker_signs = torch.empty_like(buffers)
+    worker_scales = torch.empty(n, dtype=scale_dtype(buffers.dtype), device=buffers.device)
+    work = torch.empty(numel, dtype=buffers.dtype, device=buffers.device)
+    for i in range(n):
+        x = buffers[i] + worker_errors[i]
+        packed, worker_scales[i] = compress(x)
+        update_error(new_worker_errors[i], x, packed, worker_scales[i], work)
+        unpack_signs(packed, numel, out=worker_signs[i])
+
+    result = torch.empty(numel, dtype=buffers.dtype, device=buffers.device)
+    new_server_errors = torch.empty_like(server_errors)
+    y = torch.empty(chunk, dtype=buffers.dtype, device=buffers.device)
+    for j in range(n):
+        chunk_signs = worker_signs[:, j * chunk : (j + 1) * chunk].contiguous()
+        server_average(chunk_signs, worker_scales, out=y)
+        y.add_(server_errors[j])
+        packed, server_scale = compress(y)
+        update_error(new_server_errors[j], y, packed, server_scale, work[:chunk])
+        out = result[j * chunk : (j + 1) * chunk]
+        unpack_signs(packed, chunk, out=out)
+        out.mul_(server_scale.to(out.dtype))
+    return result, new_worker_errors, new_server_errors

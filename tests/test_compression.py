@@ -1,0 +1,150 @@
+"""Compression maths against independent float64 / numpy references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onebit.compression import (
+    _pack_bits_torch,
+    pack_signs,
+    scale,
+    signs,
+    simulate_compressed_allreduce,
+    unpack_signs,
+)
+
+
+def reference_signs(x: np.ndarray) -> np.ndarray:
+    """sign with sign(0) = sign(-0.0) = +1, written without torch."""
+    return np.array([1.0 if v >= 0 else -1.0 for v in x.tolist()])
+
+
+def test_sign_of_zero_and_negative_zero_is_plus_one():
+    x = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 2.0, -2.0])
+    assert signs(x).tolist() == [1.0, 1.0, 1.0, -1.0, 1.0, -1.0]
+    assert unpack_signs(pack_signs(x), 6).tolist() == [1.0, 1.0, 1.0, -1.0, 1.0, -1.0]
+
+
+def test_bit_order_is_msb_first_like_numpy_packbits():
+    x = torch.tensor([1.0, -1, -1, -1, -1, -1, -1, 1, -1])
+    assert pack_signs(x).tolist() == [0b10000001, 0]
+
+
+values = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=True, width=32),
+    st.sampled_from([0.0, -0.0]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(values, min_size=1, max_size=100))
+def test_pack_unpack_round_trip(data):
+    x = torch.tensor(data, dtype=torch.float32)
+    expected = reference_signs(np.array(data, dtype=np.float32))
+    packed = pack_signs(x)
+    assert packed.numel() == math.ceil(len(data) / 8)
+    assert torch.equal(_pack_bits_torch(x >= 0), packed)  # the accelerator path agrees
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert unpack_signs(packed, len(data), dtype=dtype).tolist() == expected.tolist()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(min_value=1, max_value=64).map(lambda k: 8 * k), st.integers(0, 2**31 - 1))
+def test_unpack_into_preallocated_output(numel, seed):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    out = torch.empty(numel)
+    result = unpack_signs(pack_signs(x), numel, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    assert torch.equal(out, signs(x))
+
+
+def test_unpack_rejects_too_few_bytes():
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_signs(torch.zeros(1, dtype=torch.uint8), 9)
+
+
+def test_scale_matches_float64():
+    x = torch.randn(1000, dtype=torch.float64)
+    expected = math.sqrt(float((x**2).sum()) / 1000)
+    assert scale(x.float()).item() == pytest.approx(expected, rel=1e-6)
+
+
+def reference_exchange(buffers, worker_errors, server_errors):
+    """Independent float64 model of ALGORITHM.md's compressed allreduce, in numpy."""
+    n, numel = buffers.shape
+    chunk = numel // n
+    worker_out, new_we = [], []
+    scales = []
+    for i in range(n):
+        x = buffers[i] + worker_errors[i]
+        a = np.linalg.norm(x) / math.sqrt(numel)
+        s = reference_signs(x)
+        scales.append(a)
+        worker_out.append(a * s)
+        new_we.append(x - a * s)
+    result, new_se = [], []
+    for j in range(n):
+        sl = slice(j * chunk, (j + 1) * chunk)
+        y = sum(worker_out[i][sl] for i in range(n)) / n + server_errors[j]
+        b = np.linalg.norm(y) / math.sqrt(chunk)
+        s = reference_signs(y)
+        result.append(b * s)
+        new_se.append(y - b * s)
+    return np.concatenate(result), np.stack(new_we), np.stack(new_se)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_simulation_matches_float64_reference(n):
+    gen = torch.Generator().manual_seed(n)
+    numel = 8 * n * 13
+    buffers = torch.randn(n, numel, generator=gen) * torch.arange(1, n + 1).unsqueeze(1)
+    worker_errors = torch.randn(n, numel, generator=gen) * 0.1
+    server_errors = torch.randn(n, numel // n, generator=gen) * 0.1
+    before = (buffers.clone(), worker_errors.clone(), server_errors.clone())
+    result, we, se = simulate_compressed_allreduce(buffers, worker_errors, server_errors)
+    ref = reference_exchange(*(t.double().numpy() for t in (buffers, worker_errors, server_errors)))
+    np.testing.assert_allclose(result.numpy(), ref[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(we.numpy(), ref[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(se.numpy(), ref[2], rtol=1e-5, atol=1e-5)
+    for original, after in zip(before, (buffers, worker_errors, server_errors)):
+        assert torch.equal(original, after), "inputs must be left unchanged"
+
+
+def test_simulation_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        simulate_compressed_allreduce(torch.zeros(2, 12), torch.zeros(2, 12), torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="server_errors"):
+        simulate_compressed_allreduce(torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(2, 16))
+
+
+def test_error_feedback_running_mean_converges_to_true_mean():
+    """Telescoping identity of two-sided error feedback, and its 1/T bound.
+
+    With constant inputs, sum_t result_t = T * mean_i(buf_i) - mean_i(e_i(T)) - s(T), so
+    the running mean's error is ||mean_i e_i(T) + s(T)|| / T: it vanishes like 1/T as long
+    as the error states stay bounded, which the test also checks.
+    """
+    n, numel, calls = 4, 8 * 4 * 64, 400
+    gen = torch.Generator().manual_seed(0)
+    buffers = torch.randn(n, numel, generator=gen, dtype=torch.float64)
+    true_mean = buffers.mean(0)
+    we = torch.zeros(n, numel, dtype=torch.float64)
+    se = torch.zeros(n, numel // n, dtype=torch.float64)
+    total = torch.zeros(numel, dtype=torch.float64)
+    max_error_norm = 0.0
+    for t in range(1, calls + 1):
+        result, we, se = simulate_compressed_allreduce(buffers, we, se)
+        total += result
+        residual = we.mean(0) + se.reshape(-1)
+        max_error_norm = max(max_error_norm, residual.norm().item())
+        torch.testing.assert_close(total, t * true_mean - residual, rtol=1e-9, atol=1e-9)
+    relative_error = ((total / calls - true_mean).norm() / true_mean.norm()).item()
+    assert max_error_norm < 10 * true_mean.norm().item() * math.sqrt(n)
+    assert relative_error <= max_error_norm / calls / true_mean.norm().item() + 1e-12
+    assert relative_error < 0.02
