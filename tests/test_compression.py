@@ -112,7 +112,7 @@ def test_simulation_matches_float64_reference(n):
     np.testing.assert_allclose(result.numpy(), ref[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(we.numpy(), ref[1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(se.numpy(), ref[2], rtol=1e-5, atol=1e-5)
-    for original, after in zip(before, (buffers, worker_errors, server_errors)):
+    for original, after in zip(before, (buffers, worker_errors, server_errors), strict=True):
         assert torch.equal(original, after), "inputs must be left unchanged"
 
 
