@@ -17,8 +17,17 @@ from onebit.collectives import (
     compressed_allreduce,
     padded_size,
 )
+from onebit.consistency import ReplicaMismatchError, broadcast_parameters, verify_replicas
+from onebit.optim import Lamb, OneBitAdam, OneBitLamb, OneBitOptimizer
 
 __all__ = [
+    "Lamb",
+    "OneBitAdam",
+    "OneBitLamb",
+    "OneBitOptimizer",
+    "ReplicaMismatchError",
+    "broadcast_parameters",
+    "verify_replicas",
     "TRAFFIC",
     "NonFiniteError",
     "TrafficCounter",

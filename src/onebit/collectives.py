@@ -99,8 +99,13 @@ def allreduce_mean_(tensor: Tensor, group: dist.ProcessGroup | None = None) -> T
         return tensor
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     tensor.div_(n)
-    TRAFFIC.record("allreduce", 2 * (n - 1) * tensor.numel() * tensor.element_size() // n)
+    record_allreduce(tensor, n)
     return tensor
+
+
+def record_allreduce(tensor: Tensor, n: int) -> None:
+    """Count a dense ring allreduce of ``tensor`` over ``n`` ranks: ``2 (n-1)/n`` of its bytes."""
+    TRAFFIC.record("allreduce", 2 * (n - 1) * tensor.numel() * tensor.element_size() // n)
 
 
 class _Workspace:

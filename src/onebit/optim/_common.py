@@ -1,0 +1,134 @@
+"""What every onebit optimizer shares: argument checks, state creation, checkpoint loading."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+def check_lr(lr: float) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate lr={lr}: it must be >= 0")
+
+
+def check_betas(betas: tuple[float, float]) -> None:
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas={betas}: expected a pair (beta1, beta2)")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid betas[{index}]={beta}: it must be in [0, 1)")
+
+
+def check_non_negative(name: str, value: float) -> None:
+    if not value >= 0.0:
+        raise ValueError(f"Invalid {name}={value}: it must be >= 0")
+
+
+def check_positive(name: str, value: float) -> None:
+    if not value > 0.0:
+        raise ValueError(f"Invalid {name}={value}: it must be > 0")
+
+
+def check_coeff_bounds(min_coeff: float, max_coeff: float) -> None:
+    check_positive("min_coeff", min_coeff)
+    if not min_coeff <= max_coeff:
+        raise ValueError(f"Invalid coefficient bounds: min_coeff={min_coeff} > max_coeff={max_coeff}")
+
+
+def state_dtype(param: Tensor) -> torch.dtype:
+    """Optimizer state is float32, or float64 for float64 parameters."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def init_param_state(param: Tensor, state: dict[str, Any]) -> None:
+    """Zero moments in state precision, and an fp32 master copy of a half-precision param."""
+    if state:
+        return
+    if param.is_sparse:
+        raise RuntimeError("onebit optimizers do not support sparse parameters")
+    dtype = state_dtype(param)
+    state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+    state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+    if param.dtype != dtype:
+        state["master_param"] = param.detach().to(dtype).contiguous()
+
+
+def master(param: Tensor, state: Mapping[str, Any]) -> Tensor:
+    """The tensor the update is applied to: the fp32 master copy, or the parameter itself."""
+    return state.get("master_param", param.data)
+
+
+def sync_param_from_master(param: Tensor, state: Mapping[str, Any]) -> None:
+    if "master_param" in state:
+        param.data.copy_(state["master_param"])
+
+
+def dense_grad(param: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """``param.grad`` in state precision; sparse gradients are rejected with a clear error."""
+    grad = param.grad
+    if grad is None:
+        return None
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"parameter of shape {tuple(param.shape)} has a sparse gradient; onebit optimizers "
+            "need dense gradients (e.g. nn.Embedding(sparse=False))"
+        )
+    return grad.to(dtype)
+
+
+def trainable_params(optimizer: Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+
+def validate_checkpoint(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first thing in ``state_dict`` that does not fit.
+
+    Checked before anything is loaded, so a bad checkpoint leaves the optimizer untouched.
+    """
+    if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict:
+        raise ValueError("not an optimizer state_dict: it has no 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"checkpoint has {len(saved_groups)} parameter groups, this optimizer has "
+            f"{len(optimizer.param_groups)}"
+        )
+    saved_state = state_dict.get("state", {})
+    for group_index, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+        if len(group["params"]) != len(saved["params"]):
+            raise ValueError(
+                f"parameter group {group_index}: checkpoint has {len(saved['params'])} "
+                f"parameters, this optimizer has {len(group['params'])}"
+            )
+        for param, key in zip(group["params"], saved["params"], strict=True):
+            for name, value in saved_state.get(key, {}).items():
+                if name in {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "master_param"} and (
+                    tuple(value.shape) != tuple(param.shape)
+                ):
+                    raise ValueError(
+                        f"parameter {key} (group {group_index}): checkpoint's {name} has shape "
+                        f"{tuple(value.shape)}, the parameter has shape {tuple(param.shape)}"
+                    )
+
+
+def restore_state_precision(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Undo ``Optimizer.load_state_dict``'s cast of state tensors to the parameter's dtype.
+
+    torch casts floating state to the dtype of the parameter; for half-precision parameters
+    that would round the fp32 moments and master copy, so the saved tensors are put back in
+    their own precision (on the parameter's device).
+    """
+    saved_state = state_dict.get("state", {})
+    for group, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=True):
+        for param, key in zip(group["params"], saved["params"], strict=True):
+            for name, value in saved_state.get(key, {}).items():
+                if isinstance(value, Tensor) and value.is_floating_point():
+                    optimizer.state[param][name] = value.to(param.device, copy=True)
+
+
+def params_in_order(param_groups: Iterable[Mapping[str, Any]]) -> list[Tensor]:
+    return [p for group in param_groups for p in group["params"]]

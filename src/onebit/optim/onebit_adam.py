@@ -1,0 +1,69 @@
+"""1-bit Adam (Tang et al., 2021), the compressed baseline of the 1-bit LAMB paper."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from onebit.optim import _common
+from onebit.optim._onebit import OneBitOptimizer
+from onebit.optim.functional import adam_step_, update_moments_
+
+__all__ = ["OneBitAdam"]
+
+
+class OneBitAdam(OneBitOptimizer):
+    r"""1-bit Adam: Adam warm-up, then 1-bit momentum with the variance frozen.
+
+    Warm-up (steps ``1 .. freeze_step``), on gradients averaged over ranks:
+    ``m, v <- moments(g)``, ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
+    Compression (later steps): ``m <- b1 m + (1 - b1) g_local`` on each rank, exchanged by
+    :func:`onebit.compressed_allreduce` (scaled per tensor as in :class:`OneBitLamb`), then
+    the same update with ``v`` frozen. No bias correction.
+
+    Arguments as DeepSpeed's ``OnebitAdam``; ``process_group``, ``on_nonfinite`` and the
+    ``exp_avg_mask`` group option as in :class:`onebit.OneBitLamb`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        process_group: dist.ProcessGroup | None = None,
+        on_nonfinite: str = "skip",
+    ) -> None:
+        _common.check_lr(lr)
+        _common.check_betas(betas)
+        _common.check_positive("eps", eps)
+        _common.check_non_negative("weight_decay", weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(
+            params, defaults, freeze_step=freeze_step, process_group=process_group,
+            on_nonfinite=on_nonfinite,
+        )
+
+    def _warmup_update(
+        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], grad: Tensor
+    ) -> None:
+        update_moments_(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
+        self._apply(group, param, state)
+
+    def _compressed_update(
+        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], exp_avg: Tensor
+    ) -> None:
+        state["exp_avg"].copy_(exp_avg)
+        self._apply(group, param, state)
+
+    @staticmethod
+    def _apply(group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
+        adam_step_(
+            _common.master(param, state), state["exp_avg"], state["exp_avg_sq"],
+            lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
+        )

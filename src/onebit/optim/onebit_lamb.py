@@ -1,0 +1,145 @@
+"""1-bit LAMB (Li et al., 2021, arXiv 2104.06069)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from onebit.optim import _common
+from onebit.optim._onebit import OneBitOptimizer
+from onebit.optim.functional import (
+    lamb_step_,
+    onebit_lamb_compressed_step_,
+    reconstruct_gradient,
+    update_fresh_variance_,
+)
+
+__all__ = ["OneBitLamb"]
+
+
+class OneBitLamb(OneBitOptimizer):
+    r"""1-bit LAMB: LAMB warm-up, then 1-bit momentum with a bounded adaptive trust ratio.
+
+    **Warm-up** (steps ``1 .. freeze_step``): exactly :class:`onebit.Lamb` on gradients
+    averaged over ranks, recording an EMA of the trust ratio,
+    ``c_frz <- coeff_beta c_frz + (1 - coeff_beta) c`` (from 0, never de-biased).
+
+    **Compression** (later steps): ``m <- b1 m + (1 - b1) g_local`` on each rank; the momenta
+    of all tensors, scaled by ``s_p = mean_q rms(m_q) / rms(m_p)`` (fixed at the switch), are
+    averaged by :func:`onebit.compressed_allreduce`. The variance ``v`` stays frozen, while
+    ``v_fresh`` tracks the gradient reconstructed from consecutive momenta,
+    ``g = (m_t - b1 m_{t-1}) / (1 - b1)``. Each tensor then steps by
+    ``p <- p - lr (c_frz f) (m / (sqrt(v) + eps) + wd p)`` with the factor
+    ``f = max(d / (sqrt(v_fresh) + eps))`` (``d = sqrt(v) + eps``), pulled towards 1 by the
+    weight-decay share of the update, clamped to ``[factor_min, factor_max]`` and to within
+    ``factor_threshold`` of its previous value.
+
+    Argument names and defaults follow DeepSpeed's ``OnebitLamb``. Param groups may override
+    every hyper-parameter except ``freeze_step``, and may carry ``exp_avg_mask`` (a tensor, or
+    one per parameter, of the parameter's shape) that multiplies the exchanged momentum so
+    masked entries stay zero. Every ``step()`` updates the parameters.
+
+    Gradients: in a plain loop each rank calls ``backward()`` and ``step()``; the optimizer
+    averages warm-up gradients itself. Under ``DistributedDataParallel``, register
+    :func:`onebit.ddp.register_comm_hook` so DDP averages in warm-up and stays silent after.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        freeze_step: number of warm-up steps (LAMB) before compression starts; the reference
+            tutorial suggests 15-25 % of all steps.
+        betas: ``(beta1, beta2)``.
+        eps: added to ``sqrt(v)``.
+        weight_decay: decoupled weight decay, part of the update ``u``.
+        max_coeff, min_coeff: clamp of the warm-up trust ratio.
+        coeff_beta: EMA factor of the frozen trust ratio ``c_frz``.
+        factor_max, factor_min: clamp of the compression-stage factor ``f``.
+        factor_threshold: largest relative change of ``f`` per step.
+        process_group: the data-parallel group (default: the world).
+        on_nonfinite: ``"skip"`` (default) skips a step on every rank when any rank's
+            gradients hold NaN/Inf, with a warning; ``"raise"`` raises on every rank.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        process_group: dist.ProcessGroup | None = None,
+        on_nonfinite: str = "skip",
+    ) -> None:
+        _common.check_lr(lr)
+        _common.check_betas(betas)
+        _common.check_positive("eps", eps)
+        _common.check_non_negative("weight_decay", weight_decay)
+        _common.check_coeff_bounds(min_coeff, max_coeff)
+        if not 0.0 <= coeff_beta < 1.0:
+            raise ValueError(f"Invalid coeff_beta={coeff_beta}: it must be in [0, 1)")
+        _common.check_positive("factor_min", factor_min)
+        if not factor_min <= factor_max:
+            raise ValueError(
+                f"Invalid factor bounds: factor_min={factor_min} > factor_max={factor_max}"
+            )
+        _common.check_non_negative("factor_threshold", factor_threshold)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+            min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
+            factor_min=factor_min, factor_threshold=factor_threshold,
+        )
+        super().__init__(
+            params, defaults, freeze_step=freeze_step, process_group=process_group,
+            on_nonfinite=on_nonfinite,
+        )
+
+    def _init_state(self, state: dict[str, Any]) -> None:
+        state["lamb_coeff_freeze"] = 0.0
+        state["last_factor"] = 1.0
+
+    def _warmup_update(
+        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], grad: Tensor
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        coeff = lamb_step_(
+            _common.master(param, state), grad, state["exp_avg"], state["exp_avg_sq"],
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], min_coeff=group["min_coeff"],
+            max_coeff=group["max_coeff"],
+        )
+        beta_c = group["coeff_beta"]
+        state["lamb_coeff_freeze"] = beta_c * state["lamb_coeff_freeze"] + (1 - beta_c) * coeff
+        state["lamb_coeff"] = coeff
+
+    def _start_compression(self, params: list[Tensor]) -> None:
+        super()._start_compression(params)
+        for param in params:
+            state = self.state[param]
+            state.setdefault("exp_avg_sq_fresh", state["exp_avg_sq"].clone())
+
+    def _compressed_update(
+        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], exp_avg: Tensor
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        grad = reconstruct_gradient(exp_avg, state["exp_avg"], beta1)
+        update_fresh_variance_(state["exp_avg_sq_fresh"], grad, beta2)
+        state["exp_avg"].copy_(exp_avg)
+        factor = onebit_lamb_compressed_step_(
+            _common.master(param, state), state["exp_avg"], state["exp_avg_sq"],
+            state["exp_avg_sq_fresh"], lr=group["lr"], eps=group["eps"],
+            weight_decay=group["weight_decay"], lamb_coeff_freeze=state["lamb_coeff_freeze"],
+            last_factor=state["last_factor"], factor_min=group["factor_min"],
+            factor_max=group["factor_max"], factor_threshold=group["factor_threshold"],
+        )
+        state["last_factor"] = factor
+        state["lamb_coeff"] = state["lamb_coeff_freeze"] * factor
