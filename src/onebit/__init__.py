@@ -9,6 +9,7 @@ Public API:
 * :data:`TRAFFIC`: bytes sent by onebit's collectives in this process.
 """
 
+from onebit import ddp
 from onebit.collectives import (
     TRAFFIC,
     NonFiniteError,
@@ -22,6 +23,7 @@ from onebit.optim import Lamb, OneBitAdam, OneBitLamb, OneBitOptimizer
 
 __all__ = [
     "Lamb",
+    "ddp",
     "OneBitAdam",
     "OneBitLamb",
     "OneBitOptimizer",

@@ -103,9 +103,13 @@ def allreduce_mean_(tensor: Tensor, group: dist.ProcessGroup | None = None) -> T
     return tensor
 
 
-def record_allreduce(tensor: Tensor, n: int) -> None:
-    """Count a dense ring allreduce of ``tensor`` over ``n`` ranks: ``2 (n-1)/n`` of its bytes."""
-    TRAFFIC.record("allreduce", 2 * (n - 1) * tensor.numel() * tensor.element_size() // n)
+def record_allreduce(tensor: Tensor, n: int) -> int:
+    """Count a dense ring allreduce of ``tensor`` over ``n`` ranks: ``2 (n-1)/n`` of its bytes.
+
+    Returns the bytes counted."""
+    nbytes = 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+    TRAFFIC.record("allreduce", nbytes)
+    return nbytes
 
 
 class _Workspace:

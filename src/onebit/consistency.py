@@ -47,9 +47,7 @@ def tensor_signatures(tensors: Sequence[Tensor]) -> Tensor:
         flat = tensor.detach().reshape(-1)
         bits = flat.contiguous().view(_INT_VIEW[flat.element_size()])
         checksum = int(bits.sum(dtype=torch.int64)) if flat.numel() else 0
-        rows.append(
-            [flat.numel(), _dtype_code(tensor.dtype), _shape_code(tensor.shape), checksum]
-        )
+        rows.append([flat.numel(), _dtype_code(tensor.dtype), _shape_code(tensor.shape), checksum])
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
 
 

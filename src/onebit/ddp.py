@@ -12,8 +12,7 @@ through untouched and the optimizer exchanges the 1-bit compressed momentum inst
 optimizer is told that DDP averages its warm-up gradients, so nothing is averaged twice.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit.collectives import record_allreduce, world_size
-from onebit.optim._onebit import COMPRESSION, OneBitOptimizer
+from onebit.optim._onebit import COMPRESSION, WARMUP, OneBitOptimizer
 
 __all__ = ["OneBitHookState", "onebit_hook", "register_comm_hook"]
 
@@ -49,7 +48,7 @@ def onebit_hook(
         return future
     n = world_size(state.process_group)
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
-    record_allreduce(buffer, n)
+    state.optimizer.count_bytes_sent(WARMUP, record_allreduce(buffer, n))
     return work.get_future().then(lambda done: done.value()[0].div_(n))
 
 

@@ -116,7 +116,8 @@ def spawn_workers(
                     outcomes[rank] = (ok, value)
                 except queue.Empty:
                     dead = [
-                        r for r, p in enumerate(processes)
+                        r
+                        for r, p in enumerate(processes)
                         if r not in outcomes and p.exitcode is not None
                     ]
                     if dead:

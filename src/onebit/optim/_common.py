@@ -36,7 +36,9 @@ def check_positive(name: str, value: float) -> None:
 def check_coeff_bounds(min_coeff: float, max_coeff: float) -> None:
     check_positive("min_coeff", min_coeff)
     if not min_coeff <= max_coeff:
-        raise ValueError(f"Invalid coefficient bounds: min_coeff={min_coeff} > max_coeff={max_coeff}")
+        raise ValueError(
+            f"Invalid coefficient bounds: min_coeff={min_coeff} > max_coeff={max_coeff}"
+        )
 
 
 def state_dtype(param: Tensor) -> torch.dtype:
@@ -52,7 +54,9 @@ def init_param_state(param: Tensor, state: dict[str, Any]) -> None:
         raise RuntimeError("onebit optimizers do not support sparse parameters")
     dtype = state_dtype(param)
     state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
-    state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+    state["exp_avg_sq"] = torch.zeros_like(
+        param, dtype=dtype, memory_format=torch.contiguous_format
+    )
     if param.dtype != dtype:
         state["master_param"] = param.detach().to(dtype).contiguous()
 
@@ -98,7 +102,9 @@ def validate_checkpoint(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> 
             f"{len(optimizer.param_groups)}"
         )
     saved_state = state_dict.get("state", {})
-    for group_index, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+    for group_index, (group, saved) in enumerate(
+        zip(optimizer.param_groups, saved_groups, strict=True)
+    ):
         if len(group["params"]) != len(saved["params"]):
             raise ValueError(
                 f"parameter group {group_index}: checkpoint has {len(saved['params'])} "

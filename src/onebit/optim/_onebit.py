@@ -110,6 +110,10 @@ class OneBitOptimizer(Optimizer):
         """Bytes this rank has sent in each stage (a copy)."""
         return dict(self._counters["bytes_sent"])
 
+    def count_bytes_sent(self, stage: str, nbytes: int) -> None:
+        """Add traffic sent on this optimizer's behalf outside ``step()`` (the DDP hook)."""
+        self._counters["bytes_sent"][stage] += nbytes
+
     @property
     def world_size(self) -> int:
         return world_size(self.process_group)
@@ -173,7 +177,7 @@ class OneBitOptimizer(Optimizer):
             else:
                 applied = self._compression_step()
         finally:
-            self._counters["bytes_sent"][stage] += TRAFFIC.total() - traffic_before
+            self.count_bytes_sent(stage, TRAFFIC.total() - traffic_before)
         if applied:
             self._counters["step"] += 1
         return loss
@@ -204,7 +208,9 @@ class OneBitOptimizer(Optimizer):
         total = sum(p.numel() for p in params)
         if self._flat_grads is None or self._flat_grads.numel() != total + len(params):
             dtype = self._buffer_dtype(params)
-            self._flat_grads = torch.empty(total + len(params), dtype=dtype, device=params[0].device)
+            self._flat_grads = torch.empty(
+                total + len(params), dtype=dtype, device=params[0].device
+            )
         flat = self._flat_grads
         flags = flat[total:]
         views, offset = [], 0
@@ -322,9 +328,7 @@ class OneBitOptimizer(Optimizer):
 
     def _start_compression(self, params: list[Tensor]) -> None:
         """At the first compression step: ``s_p = mean_q rms(m_q) / rms(m_p)`` (1 if 0)."""
-        rms = [
-            self.state[p]["exp_avg"].norm().item() / math.sqrt(p.numel()) for p in params
-        ]
+        rms = [self.state[p]["exp_avg"].norm().item() / math.sqrt(p.numel()) for p in params]
         mean_rms = sum(rms) / len(rms)
         for param, value in zip(params, rms, strict=True):
             self.state[param]["scaling_coeff"] = mean_rms / value if value > 0 else 1.0
@@ -360,11 +364,11 @@ class OneBitOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint; with another world size the error buffers restart from zero."""
-        _common.validate_checkpoint(self, state_dict)
         extra = state_dict.get("onebit")
         if not isinstance(extra, dict) or extra.get("optimizer") != type(self).__name__:
             found = extra.get("optimizer") if isinstance(extra, dict) else "a non-onebit optimizer"
             raise ValueError(f"checkpoint was saved by {found}, not by {type(self).__name__}")
+        _common.validate_checkpoint(self, state_dict)
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
         _common.restore_state_precision(self, state_dict)
         self._counters = {

@@ -41,13 +41,14 @@ def adam_direction(
     return update
 
 
-def trust_ratio(param: Tensor, update: Tensor, min_coeff: float, max_coeff: float) -> float:
-    """LAMB's layer-wise coefficient ``clamp(||p|| / ||u||, c_min, c_max)``; 1 if a norm is 0."""
+def trust_ratio(param: Tensor, update: Tensor, min_coeff: float, max_coeff: float) -> float | None:
+    """LAMB's layer-wise coefficient ``clamp(||p|| / ||u||, c_min, c_max)``; ``None`` where
+    ``||p||`` or ``||u||`` is 0 (the step then uses ``c = 1``)."""
     param_norm = param.norm().item()
     update_norm = update.norm().item()
     if param_norm > 0 and update_norm > 0:
         return min(max(param_norm / update_norm, min_coeff), max_coeff)
-    return 1.0
+    return None
 
 
 def lamb_step_(
@@ -63,21 +64,26 @@ def lamb_step_(
     weight_decay: float,
     min_coeff: float,
     max_coeff: float,
-) -> float:
-    """One LAMB step on one tensor; returns the trust ratio ``c`` it used.
+) -> float | None:
+    """One LAMB step on one tensor; returns its trust ratio (``None`` if undefined).
 
     ``m, v <- moments(g)``; ``u = m / (sqrt(v) + eps) + wd p``;
-    ``c = clamp(||p|| / ||u||, c_min, c_max)``; ``p <- p - lr c u``.
+    ``c = clamp(||p|| / ||u||, c_min, c_max)``, or 1 where a norm is 0; ``p <- p - lr c u``.
     """
     update_moments_(exp_avg, exp_avg_sq, grad, beta1, beta2)
     update = adam_direction(exp_avg, exp_avg_sq, param, eps, weight_decay)
     coeff = trust_ratio(param, update, min_coeff, max_coeff)
-    param.add_(update, alpha=-lr * coeff)
+    param.add_(update, alpha=-lr * (1.0 if coeff is None else coeff))
     return coeff
 
 
 def adam_step_(
-    param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, lr: float, eps: float,
+    param: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    lr: float,
+    eps: float,
     weight_decay: float,
 ) -> None:
     """``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with moments already updated."""
@@ -115,7 +121,9 @@ def compression_factor(
     factor = denom.div(fresh_denom).max().item()
     factor = update_norm_ratio * factor + (1 - update_norm_ratio)
     factor = min(max(factor, factor_min), factor_max)
-    return min(max(factor, last_factor * (1 - factor_threshold)), last_factor * (1 + factor_threshold))
+    return min(
+        max(factor, last_factor * (1 - factor_threshold)), last_factor * (1 + factor_threshold)
+    )
 
 
 def onebit_lamb_compressed_step_(

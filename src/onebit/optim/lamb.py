@@ -56,8 +56,12 @@ class Lamb(Optimizer):
         _common.check_non_negative("weight_decay", weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            max_coeff=max_coeff, min_coeff=min_coeff,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
         )
         super().__init__(params, defaults)
 
@@ -75,7 +79,7 @@ class Lamb(Optimizer):
                 if grad is None:
                     continue
                 _common.init_param_state(param, state)
-                state["lamb_coeff"] = lamb_step_(
+                coeff = lamb_step_(
                     _common.master(param, state),
                     grad,
                     state["exp_avg"],
@@ -88,6 +92,7 @@ class Lamb(Optimizer):
                     min_coeff=group["min_coeff"],
                     max_coeff=group["max_coeff"],
                 )
+                state["lamb_coeff"] = 1.0 if coeff is None else coeff
                 _common.sync_param_from_master(param, state)
         return loss
 

@@ -45,7 +45,10 @@ class OneBitAdam(OneBitOptimizer):
         _common.check_non_negative("weight_decay", weight_decay)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(
-            params, defaults, freeze_step=freeze_step, process_group=process_group,
+            params,
+            defaults,
+            freeze_step=freeze_step,
+            process_group=process_group,
             on_nonfinite=on_nonfinite,
         )
 
@@ -64,6 +67,10 @@ class OneBitAdam(OneBitOptimizer):
     @staticmethod
     def _apply(group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
         adam_step_(
-            _common.master(param, state), state["exp_avg"], state["exp_avg_sq"],
-            lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
+            _common.master(param, state),
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            lr=group["lr"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
         )

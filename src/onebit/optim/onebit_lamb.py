@@ -94,12 +94,22 @@ class OneBitLamb(OneBitOptimizer):
             )
         _common.check_non_negative("factor_threshold", factor_threshold)
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
-            min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
-            factor_min=factor_min, factor_threshold=factor_threshold,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            coeff_beta=coeff_beta,
+            factor_max=factor_max,
+            factor_min=factor_min,
+            factor_threshold=factor_threshold,
         )
         super().__init__(
-            params, defaults, freeze_step=freeze_step, process_group=process_group,
+            params,
+            defaults,
+            freeze_step=freeze_step,
+            process_group=process_group,
             on_nonfinite=on_nonfinite,
         )
 
@@ -112,11 +122,21 @@ class OneBitLamb(OneBitOptimizer):
     ) -> None:
         beta1, beta2 = group["betas"]
         coeff = lamb_step_(
-            _common.master(param, state), grad, state["exp_avg"], state["exp_avg_sq"],
-            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], min_coeff=group["min_coeff"],
+            _common.master(param, state),
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            min_coeff=group["min_coeff"],
             max_coeff=group["max_coeff"],
         )
+        if coeff is None:  # ||p|| or ||u|| is 0: c = 1 was used, and c_frz is not updated
+            state["lamb_coeff"] = 1.0
+            return
         beta_c = group["coeff_beta"]
         state["lamb_coeff_freeze"] = beta_c * state["lamb_coeff_freeze"] + (1 - beta_c) * coeff
         state["lamb_coeff"] = coeff
@@ -135,11 +155,18 @@ class OneBitLamb(OneBitOptimizer):
         update_fresh_variance_(state["exp_avg_sq_fresh"], grad, beta2)
         state["exp_avg"].copy_(exp_avg)
         factor = onebit_lamb_compressed_step_(
-            _common.master(param, state), state["exp_avg"], state["exp_avg_sq"],
-            state["exp_avg_sq_fresh"], lr=group["lr"], eps=group["eps"],
-            weight_decay=group["weight_decay"], lamb_coeff_freeze=state["lamb_coeff_freeze"],
-            last_factor=state["last_factor"], factor_min=group["factor_min"],
-            factor_max=group["factor_max"], factor_threshold=group["factor_threshold"],
+            _common.master(param, state),
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["exp_avg_sq_fresh"],
+            lr=group["lr"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            lamb_coeff_freeze=state["lamb_coeff_freeze"],
+            last_factor=state["last_factor"],
+            factor_min=group["factor_min"],
+            factor_max=group["factor_max"],
+            factor_threshold=group["factor_threshold"],
         )
         state["last_factor"] = factor
         state["lamb_coeff"] = state["lamb_coeff_freeze"] * factor

@@ -1,0 +1,103 @@
+"""An independent float64 model of ALGORITHM.md: 1-bit LAMB and 1-bit Adam over n workers.
+
+Written from the spec with plain tensor arithmetic, one simulated worker per row; the
+compressed exchange is onebit.compression.simulate_compressed_allreduce (itself tested
+against a numpy model). Used as the reference the multi-process optimizers must follow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from onebit.compression import simulate_compressed_allreduce
+
+
+def _rms(x):
+    return math.sqrt(float((x * x).sum()) / x.numel())
+
+
+def reference_run(kind, init, grad_fn, n, steps, freeze, groups, hyper, masks=None):
+    """Return the parameters after each step, as lists of float64 tensors.
+
+    groups[i] = (lr, weight_decay) of tensor i; hyper holds betas, eps and the LAMB bounds;
+    masks[i] is tensor i's exp_avg_mask or None; grad_fn(rank, i, p) is worker rank's
+    gradient of tensor i at parameter value p.
+    """
+    b1, b2 = hyper["betas"]
+    eps = hyper["eps"]
+    params = [p.clone().double() for p in init]
+    k = len(params)
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    v_fresh = [None] * k
+    c_frz = [0.0] * k
+    f_last = [1.0] * k
+    scaling = None
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
+    unit = 8 * n
+    padded = max(unit, -(-total // unit) * unit)
+    we = torch.zeros(n, padded, dtype=torch.float64)
+    se = torch.zeros(n, padded // n, dtype=torch.float64)
+    history = []
+    for t in range(1, steps + 1):
+        if t <= freeze:
+            for i in range(k):
+                lr, wd = groups[i]
+                g = sum(grad_fn(r, i, params[i]) for r in range(n)) / n
+                m[i] = b1 * m[i] + (1 - b1) * g
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+                u = m[i] / (v[i].sqrt() + eps) + wd * params[i]
+                if kind == "lamb":
+                    pn, un = params[i].norm().item(), u.norm().item()
+                    c = 1.0
+                    if pn > 0 and un > 0:
+                        c = min(max(pn / un, hyper["min_coeff"]), hyper["max_coeff"])
+                        c_frz[i] = hyper["coeff_beta"] * c_frz[i] + (1 - hyper["coeff_beta"]) * c
+                    params[i] = params[i] - lr * c * u
+                else:
+                    params[i] = params[i] - lr * u
+                if t == freeze:
+                    v_fresh[i] = v[i].clone()
+        else:
+            if scaling is None:
+                rms = [_rms(x) for x in m]
+                mean = sum(rms) / k
+                scaling = [mean / r if r > 0 else 1.0 for r in rms]
+            buffers = torch.zeros(n, padded, dtype=torch.float64)
+            for r in range(n):
+                pieces = [
+                    scaling[i] * (b1 * m[i] + (1 - b1) * grad_fn(r, i, params[i])).reshape(-1)
+                    for i in range(k)
+                ]
+                buffers[r, :total] = torch.cat(pieces)
+            result, we, se = simulate_compressed_allreduce(buffers, we, se)
+            offset = 0
+            for i in range(k):
+                lr, wd = groups[i]
+                m_prev = m[i]
+                m[i] = result[offset : offset + sizes[i]].reshape(params[i].shape) / scaling[i]
+                if masks is not None and masks[i] is not None:
+                    m[i] = m[i] * masks[i].double()
+                offset += sizes[i]
+                d = v[i].sqrt() + eps
+                u0 = m[i] / d
+                u = u0 + wd * params[i]
+                if kind == "lamb":
+                    g_hat = (m[i] - b1 * m_prev) / (1 - b1)
+                    v_fresh[i] = b2 * v_fresh[i] + (1 - b2) * g_hat * g_hat
+                    f = (d / (v_fresh[i].sqrt() + eps)).max().item()
+                    if wd > 0:
+                        rho = min(1.0, u0.norm().item() / u.norm().item())
+                        f = rho * f + (1 - rho)
+                    f = min(max(f, hyper["factor_min"]), hyper["factor_max"])
+                    tau = hyper["factor_threshold"]
+                    f = min(max(f, f_last[i] * (1 - tau)), f_last[i] * (1 + tau))
+                    f_last[i] = f
+                    params[i] = params[i] - lr * c_frz[i] * f * u
+                else:
+                    params[i] = params[i] - lr * u
+        history.append([p.clone() for p in params])
+    return history
