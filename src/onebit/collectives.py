@@ -119,6 +119,7 @@ class _Workspace:
         chunk = numel // n
         self.x = torch.empty(numel, dtype=dtype, device=device)
         self.signs = torch.empty(numel, dtype=dtype, device=device)
+        self.bits = torch.empty(numel, dtype=torch.bool, device=device)
         self.received = torch.empty(numel // 8, dtype=torch.uint8, device=device)
         self.gathered = torch.empty(numel // 8, dtype=torch.uint8, device=device)
         self.y = torch.empty(chunk, dtype=dtype, device=device)
@@ -240,7 +241,7 @@ def compressed_allreduce(
     # Phase 1, worker side: compress buffer + error; check every rank's scale before any
     # state changes; then send chunk j of the signs to rank j.
     torch.add(buffer.view(-1), flat_worker_error, out=ws.x)
-    packed, worker_scale = compress(ws.x)
+    packed, worker_scale = compress(ws.x, work=ws.bits)
     packed = packed.to(buffer.device)
     _all_gather(ws.worker_scales, worker_scale, group, n)
     _check_finite(ws.worker_scales, "worker scale")
@@ -250,13 +251,12 @@ def compressed_allreduce(
     else:
         dist.all_to_all_single(ws.received, packed, group=group)
 
-    # Phase 1, server side: average chunk `rank` over all workers, add the server error,
+    # Phase 1, server side: average chunk `rank` over all workers plus the server error,
     # compress again.
     chunk_signs = ws.signs[:numel].view(n, chunk)
     unpack_signs(ws.received, numel, out=chunk_signs.view(-1))
-    server_average(chunk_signs, ws.worker_scales, out=ws.y)
-    ws.y.add_(flat_server_error)
-    server_packed, server_scale = compress(ws.y)
+    server_average(chunk_signs, ws.worker_scales, flat_server_error, out=ws.y)
+    server_packed, server_scale = compress(ws.y, work=ws.bits[:chunk])
     server_packed = server_packed.to(buffer.device)
 
     # Phase 2: every rank gathers every server's compressed chunk and scale.
@@ -265,8 +265,13 @@ def compressed_allreduce(
     update_error(flat_server_error, ws.y, server_packed, server_scale, ws.signs[:chunk])
     _all_gather(ws.gathered, server_packed, group, n)
     result = out.view(-1)
-    unpack_signs(ws.gathered, numel, out=result)
-    result.view(n, chunk).mul_(ws.server_scales.to(result.dtype).unsqueeze(1))
+    for j in range(n):
+        unpack_signs(
+            ws.gathered[j * chunk // 8 : (j + 1) * chunk // 8],
+            chunk,
+            out=result[j * chunk : (j + 1) * chunk],
+            scale=ws.server_scales[j],
+        )
 
     if n > 1:
         sign_bytes = (n - 1) * chunk // 8  # all-to-all and all-gather each send this much

@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 _SIGN_TABLES: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
 
@@ -50,16 +51,22 @@ def signs(x: Tensor) -> Tensor:
     return torch.where(sign_bits(x), one, -one)
 
 
-def pack_signs(x: Tensor) -> Tensor:
+def pack_signs(x: Tensor, *, work: Tensor | None = None) -> Tensor:
     """Pack ``sign(x)`` of a flat tensor into ``ceil(numel / 8)`` bytes (uint8, MSB first).
 
-    Bits past the end of ``x`` in the last byte are zero.
+    Bits past the end of ``x`` in the last byte are zero. On CPU the comparison runs in numpy
+    (several times faster than torch's for this) and ``work``, a bool tensor of ``x``'s size,
+    avoids allocating its result.
     """
     flat = x.reshape(-1)
-    if flat.device.type == "cpu":
+    if flat.device.type != "cpu":
+        return _pack_bits_torch(sign_bits(flat))
+    if flat.dtype in _NUMPY_FLOATS:
+        values = flat.detach().numpy()
+        bits = np.greater_equal(values, 0, out=None if work is None else work.numpy())
+    else:  # bfloat16 and other types numpy lacks
         bits = sign_bits(flat).numpy()
-        return torch.from_numpy(np.packbits(bits))
-    return _pack_bits_torch(sign_bits(flat))
+    return torch.from_numpy(np.packbits(bits))
 
 
 def _pack_bits_torch(bits: Tensor) -> Tensor:
@@ -89,11 +96,13 @@ def unpack_signs(
     *,
     dtype: torch.dtype = torch.float32,
     out: Tensor | None = None,
+    scale: Tensor | None = None,
 ) -> Tensor:
-    """Unpack ``numel`` signs from ``packed`` bytes into ``+1``/``-1`` values.
+    """Unpack ``numel`` signs from ``packed`` bytes into ``+1``/``-1`` values (``+-scale``).
 
-    Uses a 256-entry lookup table, one gather per byte. With ``out`` (contiguous, ``numel``
-    elements, a multiple of 8) the result is written there without allocating.
+    Uses a 256-entry lookup table, one gather per byte; with ``scale`` (a 0-d tensor) the
+    table is scaled first, so ``scale * sign`` costs no extra pass. With ``out``
+    (contiguous, ``numel`` elements, a multiple of 8) nothing is allocated for the result.
     """
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
@@ -102,6 +111,8 @@ def unpack_signs(
         raise ValueError(f"{packed.numel()} packed bytes cannot hold {numel} signs")
     target_dtype = out.dtype if out is not None else dtype
     table = _sign_table(packed.device, target_dtype)
+    if scale is not None:
+        table = table * scale.to(target_dtype)
     index = packed.reshape(-1)[:nbytes].to(torch.int32)
     if out is not None and numel % 8 == 0:
         if out.numel() != numel or not out.is_contiguous():
@@ -127,9 +138,11 @@ def scale(x: Tensor) -> Tensor:
     return norm / math.sqrt(x.numel())
 
 
-def compress(x: Tensor) -> tuple[Tensor, Tensor]:
-    """1-bit compression of ``x``: its packed signs and its scale ``||x|| / sqrt(numel)``."""
-    return pack_signs(x), scale(x)
+def compress(x: Tensor, *, work: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """1-bit compression of ``x``: its packed signs and its scale ``||x|| / sqrt(numel)``.
+
+    ``work``: optional bool scratch tensor of ``x``'s size (see :func:`pack_signs`)."""
+    return pack_signs(x, work=work), scale(x)
 
 
 def update_error(error: Tensor, x: Tensor, packed: Tensor, x_scale: Tensor, work: Tensor) -> Tensor:
@@ -142,14 +155,17 @@ def update_error(error: Tensor, x: Tensor, packed: Tensor, x_scale: Tensor, work
     return torch.addcmul(x, work, x_scale.to(x.dtype), value=-1, out=error)
 
 
-def server_average(chunk_signs: Tensor, scales: Tensor, out: Tensor) -> Tensor:
-    """``out = (1/n) * sum_i scales[i] * chunk_signs[i]`` for ``chunk_signs`` of shape ``[n, C]``.
+def server_average(
+    chunk_signs: Tensor, scales: Tensor, server_error: Tensor, out: Tensor
+) -> Tensor:
+    """``out = server_error + (1/n) sum_i scales[i] chunk_signs[i]``, ``chunk_signs`` ``[n, C]``.
 
-    Summed in rank order with exact products (the signs are +-1), so the result is
+    What a server compresses: the average of the workers' decompressed chunks plus its own
+    error. Summed in rank order with exact products (the signs are +-1), so the result is
     bit-reproducible for a given ``n`` and chunk size, on any number of threads.
     """
     weights = (scales / scales.numel()).to(out.dtype)
-    torch.mul(chunk_signs[0], weights[0], out=out)
+    torch.addcmul(server_error, chunk_signs[0], weights[0], out=out)
     for rank in range(1, chunk_signs.shape[0]):
         out.addcmul_(chunk_signs[rank], weights[rank])
     return out
@@ -202,11 +218,8 @@ def simulate_compressed_allreduce(
     y = torch.empty(chunk, dtype=buffers.dtype, device=buffers.device)
     for j in range(n):
         chunk_signs = worker_signs[:, j * chunk : (j + 1) * chunk].contiguous()
-        server_average(chunk_signs, worker_scales, out=y)
-        y.add_(server_errors[j])
+        server_average(chunk_signs, worker_scales, server_errors[j], out=y)
         packed, server_scale = compress(y)
         update_error(new_server_errors[j], y, packed, server_scale, work[:chunk])
-        out = result[j * chunk : (j + 1) * chunk]
-        unpack_signs(packed, chunk, out=out)
-        out.mul_(server_scale.to(out.dtype))
+        unpack_signs(packed, chunk, out=result[j * chunk : (j + 1) * chunk], scale=server_scale)
     return result, new_worker_errors, new_server_errors
