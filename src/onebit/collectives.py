@@ -113,16 +113,19 @@ def record_allreduce(tensor: Tensor, n: int) -> int:
 
 
 class _Workspace:
-    """Buffers of one compressed allreduce shape, allocated once and reused across calls."""
+    """Scratch of one compressed allreduce shape, allocated once and reused across calls.
+
+    For a buffer of ``N`` elements: ``N`` bools for the sign comparison, two chunk-sized
+    buffers (``2 N / n`` elements) for the server, and ``N / 4`` bytes of packed signs.
+    """
 
     def __init__(self, numel: int, n: int, dtype: torch.dtype, device: torch.device) -> None:
         chunk = numel // n
-        self.x = torch.empty(numel, dtype=dtype, device=device)
-        self.signs = torch.empty(numel, dtype=dtype, device=device)
         self.bits = torch.empty(numel, dtype=torch.bool, device=device)
-        self.received = torch.empty(numel // 8, dtype=torch.uint8, device=device)
-        self.gathered = torch.empty(numel // 8, dtype=torch.uint8, device=device)
+        self.received = torch.empty(n, chunk // 8, dtype=torch.uint8, device=device)
+        self.gathered = torch.empty(n, chunk // 8, dtype=torch.uint8, device=device)
         self.y = torch.empty(chunk, dtype=dtype, device=device)
+        self.work = torch.empty(chunk, dtype=dtype, device=device)
         self.worker_scales = torch.empty(n, dtype=scale_dtype(dtype), device=device)
         self.server_scales = torch.empty(n, dtype=scale_dtype(dtype), device=device)
 
@@ -222,7 +225,7 @@ def compressed_allreduce(
     Raises:
         ValueError: on sizes, dtypes or devices that do not fit (before any communication).
         NonFiniteError: on every rank, if any rank's buffer (or a server's average) is not
-            finite; the error states are left unchanged.
+            finite; the error states are left unchanged (``out`` holds scratch values).
 
     Each rank sends about ``2 (n-1)/n * numel / 8`` bytes plus ``8 (n-1)`` bytes of scales.
     """
@@ -234,40 +237,41 @@ def compressed_allreduce(
         out = torch.empty_like(buffer)
     elif out.numel() != numel or out.dtype != buffer.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {buffer.dtype} tensor of {numel} elements")
+    elif out.data_ptr() in (worker_error.data_ptr(), server_error.data_ptr()):
+        raise ValueError("out must not be worker_error or server_error")
     ws = _workspace(numel, n, buffer.dtype, buffer.device)
     flat_worker_error = worker_error.view(-1)
     flat_server_error = server_error.view(-1)
+    x = out.view(-1)  # `out` holds x = buffer + worker_error until the result arrives
 
-    # Phase 1, worker side: compress buffer + error; check every rank's scale before any
-    # state changes; then send chunk j of the signs to rank j.
-    torch.add(buffer.view(-1), flat_worker_error, out=ws.x)
-    packed, worker_scale = compress(ws.x, work=ws.bits)
+    # Phase 1, worker side: compress x; check every rank's scale before any state changes;
+    # then send chunk j of the signs to rank j.
+    torch.add(buffer.view(-1), flat_worker_error, out=x)
+    packed, worker_scale = compress(x, work=ws.bits)
     packed = packed.to(buffer.device)
     _all_gather(ws.worker_scales, worker_scale, group, n)
     _check_finite(ws.worker_scales, "worker scale")
-    update_error(flat_worker_error, ws.x, packed, worker_scale, ws.signs)
+    update_error(flat_worker_error, x, packed, worker_scale)
     if n == 1:
-        ws.received.copy_(packed)
+        ws.received.view(-1).copy_(packed)
     else:
-        dist.all_to_all_single(ws.received, packed, group=group)
+        dist.all_to_all_single(ws.received.view(-1), packed, group=group)
 
-    # Phase 1, server side: average chunk `rank` over all workers plus the server error,
-    # compress again.
-    chunk_signs = ws.signs[:numel].view(n, chunk)
-    unpack_signs(ws.received, numel, out=chunk_signs.view(-1))
-    server_average(chunk_signs, ws.worker_scales, flat_server_error, out=ws.y)
+    # Phase 1, server side: this rank's chunk averaged over all workers plus the server
+    # error, compressed again.
+    server_average(ws.received, ws.worker_scales, flat_server_error, ws.y, ws.work)
     server_packed, server_scale = compress(ws.y, work=ws.bits[:chunk])
     server_packed = server_packed.to(buffer.device)
 
-    # Phase 2: every rank gathers every server's compressed chunk and scale.
+    # Phase 2: every rank gathers every server's compressed chunk and scale, and decodes.
     _all_gather(ws.server_scales, server_scale, group, n)
     _check_finite(ws.server_scales, "server scale")
-    update_error(flat_server_error, ws.y, server_packed, server_scale, ws.signs[:chunk])
-    _all_gather(ws.gathered, server_packed, group, n)
+    update_error(flat_server_error, ws.y, server_packed, server_scale)
+    _all_gather(ws.gathered.view(-1), server_packed, group, n)
     result = out.view(-1)
     for j in range(n):
         unpack_signs(
-            ws.gathered[j * chunk // 8 : (j + 1) * chunk // 8],
+            ws.gathered[j],
             chunk,
             out=result[j * chunk : (j + 1) * chunk],
             scale=ws.server_scales[j],

@@ -145,29 +145,32 @@ def compress(x: Tensor, *, work: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return pack_signs(x, work=work), scale(x)
 
 
-def update_error(error: Tensor, x: Tensor, packed: Tensor, x_scale: Tensor, work: Tensor) -> Tensor:
+def update_error(error: Tensor, x: Tensor, packed: Tensor, x_scale: Tensor) -> Tensor:
     """Error feedback: ``error = x - scale * sign(x)``, with ``sign(x)`` read from ``packed``.
 
-    ``work`` is a scratch tensor of ``x``'s size and dtype. The product ``scale * (+-1)`` is
-    exact, so the result does not depend on how the backend fuses the multiply-add.
+    Two passes and no scratch memory: ``error = -scale * sign(x)`` from a scaled lookup
+    table, then ``error += x``. The product ``scale * (+-1)`` is exact, so this equals
+    ``x - scale * sign(x)`` to the last bit. ``error`` must not overlap ``x``.
     """
-    unpack_signs(packed, x.numel(), out=work.view(-1))
-    return torch.addcmul(x, work, x_scale.to(x.dtype), value=-1, out=error)
+    unpack_signs(packed, x.numel(), out=error.view(-1), scale=-x_scale)
+    return error.add_(x.view_as(error))
 
 
 def server_average(
-    chunk_signs: Tensor, scales: Tensor, server_error: Tensor, out: Tensor
+    packed_chunks: Tensor, scales: Tensor, server_error: Tensor, out: Tensor, work: Tensor
 ) -> Tensor:
-    """``out = server_error + (1/n) sum_i scales[i] chunk_signs[i]``, ``chunk_signs`` ``[n, C]``.
+    """``out = server_error + (1/n) sum_i scales[i] sign_i``, what a server compresses.
 
-    What a server compresses: the average of the workers' decompressed chunks plus its own
-    error. Summed in rank order with exact products (the signs are +-1), so the result is
-    bit-reproducible for a given ``n`` and chunk size, on any number of threads.
+    ``packed_chunks`` is ``[n, C / 8]``: row ``i`` holds worker ``i``'s packed signs of this
+    server's chunk of ``C`` elements; ``work`` is scratch of ``C`` elements. Summed in rank
+    order with exact products (the signs are +-1, decoded through a scaled lookup table), so
+    the result is bit-reproducible for a given ``n`` and ``C`` on any number of threads.
     """
-    weights = (scales / scales.numel()).to(out.dtype)
-    torch.addcmul(server_error, chunk_signs[0], weights[0], out=out)
-    for rank in range(1, chunk_signs.shape[0]):
-        out.addcmul_(chunk_signs[rank], weights[rank])
+    n, chunk = packed_chunks.shape[0], out.numel()
+    weights = scales / n
+    out.copy_(server_error)
+    for rank in range(n):
+        out.add_(unpack_signs(packed_chunks[rank], chunk, out=work, scale=weights[rank]))
     return out
 
 
@@ -204,22 +207,22 @@ def simulate_compressed_allreduce(
             f"server_errors must be [n, N // n] = [{n}, {chunk}], got {tuple(server_errors.shape)}"
         )
     new_worker_errors = torch.empty_like(worker_errors)
-    worker_signs = torch.empty_like(buffers)
+    worker_packed = torch.empty(n, numel // 8, dtype=torch.uint8, device=buffers.device)
     worker_scales = torch.empty(n, dtype=scale_dtype(buffers.dtype), device=buffers.device)
-    work = torch.empty(numel, dtype=buffers.dtype, device=buffers.device)
     for i in range(n):
         x = buffers[i] + worker_errors[i]
         packed, worker_scales[i] = compress(x)
-        update_error(new_worker_errors[i], x, packed, worker_scales[i], work)
-        unpack_signs(packed, numel, out=worker_signs[i])
+        update_error(new_worker_errors[i], x, packed, worker_scales[i])
+        worker_packed[i] = packed
 
     result = torch.empty(numel, dtype=buffers.dtype, device=buffers.device)
     new_server_errors = torch.empty_like(server_errors)
     y = torch.empty(chunk, dtype=buffers.dtype, device=buffers.device)
+    work = torch.empty_like(y)
     for j in range(n):
-        chunk_signs = worker_signs[:, j * chunk : (j + 1) * chunk].contiguous()
-        server_average(chunk_signs, worker_scales, server_errors[j], out=y)
+        chunk_packed = worker_packed[:, j * chunk // 8 : (j + 1) * chunk // 8]
+        server_average(chunk_packed, worker_scales, server_errors[j], y, work)
         packed, server_scale = compress(y)
-        update_error(new_server_errors[j], y, packed, server_scale, work[:chunk])
+        update_error(new_server_errors[j], y, packed, server_scale)
         unpack_signs(packed, chunk, out=result[j * chunk : (j + 1) * chunk], scale=server_scale)
     return result, new_worker_errors, new_server_errors
