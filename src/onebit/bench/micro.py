@@ -1,0 +1,372 @@
+"""Micro-benchmarks: ``onebit bench allreduce`` and ``onebit bench optimizer``.
+
+``allreduce``: for buffers of 2^k float32 elements, the time of
+:func:`onebit.compressed_allreduce` against ``dist.all_reduce`` of the same buffer on
+loopback gloo (one process per rank, one thread each, measured interleaved), the bytes each
+sends per rank, and the throughput of the local compression work against a plain memory
+copy of the same buffer (the physical limit of this memory-bound work).
+
+``optimizer``: the time of one ``step()`` of :class:`onebit.OneBitLamb` in each stage against
+:class:`onebit.Lamb`'s on a model of BERT-base's parameter shapes (~110M parameters), with
+the collectives timed on their own, and the optimizer's memory per parameter.
+
+Every figure is a median over repeats measured side by side in one run; ratios are the
+result, absolute times depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+FLOAT_BYTES = 4
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    allreduce = commands.add_parser(
+        "allreduce",
+        help="compressed_allreduce vs dist.all_reduce on loopback, and local compression speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    allreduce.add_argument("--min-log2", type=int, default=20, help="smallest size 2^k (20)")
+    allreduce.add_argument("--max-log2", type=int, default=26, help="largest size 2^k (26)")
+    allreduce.add_argument(
+        "--world-sizes", type=int, nargs="+", default=[2, 4], help="ranks (default: 2 4)"
+    )
+    allreduce.add_argument("--repeats", type=int, default=5, help="timed calls per method (5)")
+    allreduce.add_argument("--json", type=Path, help="also write the results here")
+    allreduce.set_defaults(handler=run_allreduce_bench)
+
+    optimizer = commands.add_parser(
+        "optimizer",
+        help="OneBitLamb.step() per stage vs Lamb.step(), and optimizer memory per parameter",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    optimizer.add_argument(
+        "--world-sizes", type=int, nargs="+", default=[1, 2], help="ranks (default: 1 2)"
+    )
+    optimizer.add_argument("--repeats", type=int, default=3, help="timed steps per stage (3)")
+    optimizer.add_argument(
+        "--scale", type=float, default=1.0, help="shrink the model's widths by this factor (1.0)"
+    )
+    optimizer.add_argument("--json", type=Path, help="also write the results here")
+    optimizer.set_defaults(handler=run_optimizer_bench)
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None):
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------- allreduce
+
+
+def local_compression_work(numel: int, repeats: int) -> dict[str, float]:
+    """Seconds of a plain copy and of one whole compressed_allreduce in a world of one rank
+    (all of the local work: the worker's and the server's compression and the decoding)."""
+    import torch
+
+    import onebit
+    from onebit.collectives import world_size
+
+    assert world_size() == 1
+    source = torch.randn(numel)
+    target = torch.empty(numel)
+    target.copy_(source)  # touch the pages once
+    worker_error = torch.zeros(numel)
+    server_error = torch.zeros(numel)
+    result = torch.empty(numel)
+    onebit.compressed_allreduce(source, worker_error, server_error, out=result)
+    copy_s = _median_time(lambda: target.copy_(source), repeats)
+    compress_s = _median_time(
+        lambda: onebit.compressed_allreduce(source, worker_error, server_error, out=result),
+        repeats,
+    )
+    return {"copy_s": copy_s, "compressed_allreduce_local_s": compress_s}
+
+
+def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    import onebit
+
+    rows = []
+    for numel in sizes:
+        buffer = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        dense = buffer.clone()
+        worker_error = torch.zeros(numel)
+        server_error = torch.zeros(numel // world)
+        result = torch.empty(numel)
+
+        compressed = functools.partial(
+            onebit.compressed_allreduce, buffer, worker_error, server_error, out=result
+        )
+        allreduce = functools.partial(dist.all_reduce, dense)
+        compressed()
+        allreduce()
+        onebit.TRAFFIC.reset()
+        compressed_times, dense_times = [], []
+        for _ in range(repeats):  # interleaved, so both see the same machine load
+            dist.barrier()
+            start = time.perf_counter()
+            compressed()
+            compressed_times.append(time.perf_counter() - start)
+            dist.barrier()
+            start = time.perf_counter()
+            allreduce()
+            dense_times.append(time.perf_counter() - start)
+        compressed_bytes = onebit.TRAFFIC.bytes_sent["compressed_allreduce"] // repeats
+        rows.append(
+            {
+                "numel": numel,
+                "world_size": world,
+                "compressed_s": statistics.median(compressed_times),
+                "allreduce_s": statistics.median(dense_times),
+                "compressed_bytes_per_rank": compressed_bytes,
+                "allreduce_bytes_per_rank": 2 * (world - 1) * numel * FLOAT_BYTES // world,
+            }
+        )
+    return rows
+
+
+def run_allreduce_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from onebit.testing import spawn_workers
+
+    if not 3 <= args.min_log2 <= args.max_log2 <= 30:
+        raise SystemExit("need 3 <= --min-log2 <= --max-log2 <= 30")
+    torch.set_num_threads(1)
+    sizes = [1 << k for k in range(args.min_log2, args.max_log2 + 1)]
+    print(f"torch {torch.__version__}, 1 thread per process, median of {args.repeats}\n")
+    print("Local compression work (world size 1: worker + server + decode), float32:")
+    print(f"{'N':>10} {'copy GB/s':>10} {'compress GB/s':>14} {'copies':>7}")
+    local_rows = []
+    for numel in sizes:
+        row = {"numel": numel, **local_compression_work(numel, args.repeats)}
+        row["copy_gbps"] = FLOAT_BYTES * numel / row["copy_s"] / 1e9
+        row["compress_gbps"] = FLOAT_BYTES * numel / row["compressed_allreduce_local_s"] / 1e9
+        row["copies"] = row["compressed_allreduce_local_s"] / row["copy_s"]
+        local_rows.append(row)
+        print(
+            f"{numel:>10} {row['copy_gbps']:>10.2f} {row['compress_gbps']:>14.2f} "
+            f"{row['copies']:>7.1f}"
+        )
+    distributed_rows = []
+    for world in args.world_sizes:
+        rows = spawn_workers(
+            _allreduce_worker,
+            world,
+            args=(sizes, args.repeats),
+            timeout_s=3600,
+            collective_timeout_s=600,
+        )[0]
+        distributed_rows.extend(rows)
+    print("\nLoopback gloo, per call, per rank:")
+    print(
+        f"{'n':>2} {'N':>10} {'compressed s':>13} {'all_reduce s':>13} {'time ratio':>10} "
+        f"{'bytes 1-bit':>12} {'bytes dense':>12} {'bytes ratio':>11}"
+    )
+    for row in distributed_rows:
+        print(
+            f"{row['world_size']:>2} {row['numel']:>10} {row['compressed_s']:>13.4f} "
+            f"{row['allreduce_s']:>13.4f} {row['allreduce_s'] / row['compressed_s']:>10.2f} "
+            f"{row['compressed_bytes_per_rank']:>12} {row['allreduce_bytes_per_rank']:>12} "
+            f"{row['allreduce_bytes_per_rank'] / row['compressed_bytes_per_rank']:>11.1f}"
+        )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"local": local_rows, "loopback": distributed_rows}, indent=1)
+        )
+    return 0
+
+
+# ---------------------------------------------------------------------------- optimizer
+
+
+def bert_base_shapes(scale: float = 1.0) -> list[tuple[int, ...]]:
+    """Parameter shapes of BERT-base (vocabulary 30522, 12 layers, hidden 768): ~110M.
+
+    ``scale`` shrinks the widths (hidden and feed-forward) for quick runs."""
+    hidden, ff, vocab = int(768 * scale), int(3072 * scale), 30522
+    shapes: list[tuple[int, ...]] = [
+        (vocab, hidden),
+        (512, hidden),
+        (2, hidden),
+        (hidden,),
+        (hidden,),
+    ]
+    for _ in range(12):
+        shapes += [(hidden, hidden), (hidden,)] * 4  # query, key, value, attention output
+        shapes += [(hidden,), (hidden,)]  # attention LayerNorm
+        shapes += [(ff, hidden), (ff,), (hidden, ff), (hidden,)]  # feed-forward
+        shapes += [(hidden,), (hidden,)]  # output LayerNorm
+    return shapes
+
+
+def _state_bytes(optimizer: Any) -> tuple[int, int]:
+    """(bytes of per-parameter state tensors, bytes of optimizer-level buffers)."""
+    import torch
+
+    per_param = sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    )
+    extra = 0
+    for name in ("_worker_error", "_server_error"):
+        tensor = getattr(optimizer, name, None)
+        if tensor is not None:
+            extra += tensor.numel() * tensor.element_size()
+    return per_param, extra
+
+
+def _scratch_bytes(optimizer: Any) -> int:
+    """Bytes of reused scratch: the fused buffers and the collective's workspace."""
+    import torch
+
+    from onebit import collectives
+
+    total = 0
+    layout = getattr(optimizer, "_layout", None)
+    if layout is not None:
+        total += layout.buffer.numel() * layout.buffer.element_size()
+    flat = getattr(optimizer, "_flat_grads", None)
+    if flat is not None:
+        total += flat.numel() * flat.element_size()
+    for workspace in collectives._WORKSPACES.values():
+        total += sum(
+            t.numel() * t.element_size() for t in vars(workspace).values() if torch.is_tensor(t)
+        )
+    return total
+
+
+def _optimizer_worker(rank: int, world: int, shapes: list[tuple[int, ...]], repeats: int):
+    import torch
+    import torch.distributed as dist
+
+    import onebit
+    from onebit.collectives import padded_size
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes]
+    numel = sum(p.numel() for p in params)
+    # The same gradients on every rank: Lamb (which does not communicate) then keeps the
+    # replicas identical, as it would under DDP, so OneBitLamb can start from them.
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(shape, generator=gen) * 1e-3 for shape in shapes]
+
+    def set_grads() -> None:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+
+    def barrier() -> None:
+        set_grads()
+        if world > 1:
+            dist.barrier()
+
+    lamb = onebit.Lamb(params, lr=1e-4, weight_decay=0.01)
+    barrier()
+    lamb.step()
+    lamb_step_s = _median_time(lamb.step, repeats, barrier)
+    lamb_state = _state_bytes(lamb)
+    lamb = None
+
+    flat_grads = torch.cat([g.reshape(-1) for g in grads])
+    dense_s = _median_time(functools.partial(onebit.allreduce_mean_, flat_grads), repeats, barrier)
+    flat_grads = None
+
+    onebit_lamb = onebit.OneBitLamb(params, lr=1e-4, freeze_step=repeats + 1, weight_decay=0.01)
+    barrier()
+    onebit_lamb.step()
+    warmup_s = _median_time(onebit_lamb.step, repeats, barrier)
+    warmup_state = _state_bytes(onebit_lamb)
+    assert onebit_lamb.stage == "compression"
+    barrier()
+    onebit_lamb.step()  # the switch: scaling coefficients, buffers
+    compression_s = _median_time(onebit_lamb.step, repeats, barrier)
+    compression_state = _state_bytes(onebit_lamb)
+    scratch = _scratch_bytes(onebit_lamb)
+
+    size = padded_size(numel, world)
+    buffer = torch.randn(size)
+    worker_error, server_error = torch.zeros(size), torch.zeros(size // world)
+    collective_s = _median_time(
+        lambda: onebit.compressed_allreduce(buffer, worker_error, server_error, out=buffer),
+        repeats,
+        barrier,
+    )
+    return {
+        "world_size": world,
+        "parameters": numel,
+        "lamb_step_s": lamb_step_s,
+        "dense_allreduce_s": dense_s,
+        "onebit_warmup_step_s": warmup_s,
+        "onebit_compression_step_s": compression_s,
+        "compressed_allreduce_s": collective_s,
+        "lamb_state_bytes": sum(lamb_state),
+        "onebit_warmup_state_bytes": sum(warmup_state),
+        "onebit_compression_state_bytes": sum(compression_state),
+        "onebit_scratch_bytes": scratch,
+    }
+
+
+def run_optimizer_bench(args: argparse.Namespace) -> int:
+    from onebit.testing import spawn_workers
+
+    shapes = bert_base_shapes(args.scale)
+    rows = [
+        spawn_workers(
+            _optimizer_worker,
+            world,
+            args=(shapes, args.repeats),
+            timeout_s=3600,
+            collective_timeout_s=600,
+        )[0]
+        for world in args.world_sizes
+    ]
+    print(f"{rows[0]['parameters'] / 1e6:.1f}M parameters (BERT-base shapes), 1 thread per rank,")
+    print(f"median of {args.repeats} steps per figure\n")
+    for row in rows:
+        n, numel = row["world_size"], row["parameters"]
+        bound = 1.5 * (row["lamb_step_s"] + row["compressed_allreduce_s"])
+        print(f"world size {n}:")
+        print(f"  Lamb.step()                         {row['lamb_step_s']:8.3f} s")
+        print(f"  dense allreduce of the gradients    {row['dense_allreduce_s']:8.3f} s")
+        print(f"  OneBitLamb.step(), warm-up          {row['onebit_warmup_step_s']:8.3f} s")
+        print(f"  OneBitLamb.step(), compression      {row['onebit_compression_step_s']:8.3f} s")
+        print(f"  compressed_allreduce alone          {row['compressed_allreduce_s']:8.3f} s")
+        ratio = row["onebit_compression_step_s"] / (
+            row["lamb_step_s"] + row["compressed_allreduce_s"]
+        )
+        print(
+            f"  compression step / (Lamb step + its collective) = {ratio:.2f} "
+            f"(target <= 1.5: {'met' if row['onebit_compression_step_s'] <= bound else 'missed'})"
+        )
+        words = FLOAT_BYTES * numel
+        print(
+            f"  state per parameter, fp32 words: Lamb {row['lamb_state_bytes'] / words:.2f}, "
+            f"OneBitLamb warm-up {row['onebit_warmup_state_bytes'] / words:.2f}, "
+            f"compression {row['onebit_compression_state_bytes'] / words:.2f} "
+            f"(target <= 5 + 1/n = {5 + 1 / n:.2f}); reused scratch "
+            f"{row['onebit_scratch_bytes'] / words:.2f}\n"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
