@@ -1,0 +1,167 @@
+"""Fine-tune a pre-trained run on sentence sentiment (the paper's "same downstream accuracy" check).
+
+The task is the movie-review snippets of :func:`onebit.train.data.load_sentiment` (positive
+vs negative, seeded 80/20 split). The classifier is ``BertForSequenceClassification`` built
+from the run's BERT config, its encoder loaded from the run's newest usable checkpoint, and it
+is trained in one process with AdamW under a linear warm-up/decay schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from onebit.train import checkpoint, data
+from onebit.train.config import CHECKPOINT_DIR, FINETUNE_FILE, TOKENIZER_FILE, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+SCRATCH_FILE = "finetune-scratch.json"
+EVAL_BATCH = 256
+#: Fraction of the fine-tuning steps with a linearly rising learning rate.
+WARMUP_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Fine-tuning settings (the same for every pre-trained model that is compared)."""
+
+    epochs: int = 3
+    lr: float = 1e-4
+    batch_size: int = 32
+    dropout: float = 0.1
+    weight_decay: float = 0.01
+    seed: int = 0
+    max_train: int | None = None
+    max_test: int | None = None
+    from_scratch: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
+                )
+        for name in ("max_train", "max_test"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+
+
+def encode(
+    tokenizer: Any, rows: list[tuple[str, int]], max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, labels)`` padded to the longest sentence (<= max_len)."""
+    tokenizer.enable_truncation(max_length=max_len)
+    tokenizer.enable_padding(pad_id=tokenizer.token_to_id(data.PAD_TOKEN), pad_token=data.PAD_TOKEN)
+    encodings = tokenizer.encode_batch([sentence for sentence, _ in rows])
+    ids = torch.tensor([e.ids for e in encodings], dtype=torch.int64)
+    mask = torch.tensor([e.attention_mask for e in encodings], dtype=torch.int64)
+    labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
+    return ids, mask, labels
+
+
+@torch.no_grad()
+def accuracy(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+) -> float:
+    model.eval()
+    correct = 0
+    for start in range(0, ids.shape[0], EVAL_BATCH):
+        part = slice(start, start + EVAL_BATCH)
+        logits = model(input_ids=ids[part], attention_mask=mask[part]).logits
+        correct += int((logits.argmax(-1) == labels[part]).sum())
+    model.train()
+    return correct / ids.shape[0]
+
+
+def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
+    """Fine-tune the newest checkpoint of ``run_dir``; write and return the result.
+
+    The result (``test_accuracy`` and the settings) goes to ``RUN_DIR/finetune.json``, or
+    ``finetune-scratch.json`` with ``from_scratch``.
+    """
+    from tokenizers import Tokenizer
+    from transformers import BertConfig
+
+    from onebit.train.model import build_classifier
+    from onebit.train.worker import lr_factor
+
+    tokenizer_path = run_dir / TOKENIZER_FILE
+    if not tokenizer_path.is_file():
+        raise FileNotFoundError(
+            f"{run_dir} is not a finished run folder: {TOKENIZER_FILE} is missing"
+        )
+    step, state = checkpoint.latest_model_state(run_dir / CHECKPOINT_DIR)
+    bert = BertConfig.from_dict(
+        {
+            **state["bert_config"],
+            "hidden_dropout_prob": config.dropout,
+            "attention_probs_dropout_prob": config.dropout,
+        }
+    )
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.manual_seed(config.seed)
+    model = build_classifier(bert, None if config.from_scratch else state["model"])
+
+    train_rows, test_rows = data.load_sentiment(seed=config.seed)
+    train_rows = train_rows[: config.max_train]
+    test_rows = test_rows[: config.max_test]
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    train_ids, train_mask, train_labels = encode(
+        tokenizer, train_rows, bert.max_position_embeddings
+    )
+    test_ids, test_mask, test_labels = encode(tokenizer, test_rows, bert.max_position_embeddings)
+
+    batches_per_epoch = -(-len(train_rows) // config.batch_size)
+    total = config.epochs * batches_per_epoch
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
+    warmup = round(WARMUP_FRACTION * total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(i, warmup, total))
+    generator = torch.Generator().manual_seed(config.seed)
+    started = time.perf_counter()
+    logger.info(
+        "Fine-tuning %s (step %d) on %d sentences for %d epochs",
+        "a randomly initialised model" if config.from_scratch else run_dir,
+        step,
+        len(train_rows),
+        config.epochs,
+    )
+    for epoch in range(config.epochs):
+        order = torch.randperm(len(train_rows), generator=generator)
+        for batch in order.split(config.batch_size):
+            logits = model(input_ids=train_ids[batch], attention_mask=train_mask[batch]).logits
+            loss = F.cross_entropy(logits, train_labels[batch])
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        logger.info("epoch %d: last batch loss %.4f", epoch + 1, loss.item())
+    result = {
+        "run_dir": str(run_dir),
+        "checkpoint_step": step,
+        "test_accuracy": accuracy(model, test_ids, test_mask, test_labels),
+        "train_accuracy": accuracy(model, train_ids, train_mask, train_labels),
+        "train_examples": len(train_rows),
+        "test_examples": len(test_rows),
+        "seconds": time.perf_counter() - started,
+        "config": asdict(config),
+    }
+    path = run_dir / (SCRATCH_FILE if config.from_scratch else FINETUNE_FILE)
+    write_json_atomic(path, result)
+    result["path"] = str(path)
+    logger.info("Sentiment test accuracy %.4f, written to %s", result["test_accuracy"], path)
+    return result

@@ -1,0 +1,82 @@
+"""Start the workers of a training run on this machine with torch's elastic launcher.
+
+The launcher is ``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun`` runs):
+a c10d rendezvous on 127.0.0.1 at a free port, ``workers`` processes of
+``python -m onebit.train.worker RUN_DIR``, and up to ``max_restarts`` restarts of all of
+them when one fails; every restart resumes from the run folder's newest usable checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from onebit.train.config import TrainConfig, prepare_run_dir
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch_job(
+    config: TrainConfig,
+    run_dir: Path,
+    *,
+    workers: int,
+    max_restarts: int,
+    kill_at_step: int | None = None,
+) -> int:
+    """Prepare ``run_dir`` and the data cache, then train on ``workers`` local processes.
+
+    Returns 0 on success and 1 if the workers failed (after ``max_restarts`` restarts).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from onebit.train.worker import load_data
+
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if config.batch_size % workers:
+        raise ValueError(
+            f"--batch-size {config.batch_size} (global) is not divisible by --workers {workers}"
+        )
+    continuing = prepare_run_dir(run_dir, config, {"world_size": workers})
+    logger.info("%s run in %s", "Continuing the" if continuing else "New", run_dir)
+    load_data(config)  # fill the cache once, before the workers read it
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=workers,
+        run_id=f"onebit-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+    )
+    args = ["-m", "onebit.train.worker", str(run_dir)]
+    if kill_at_step is not None:
+        args += ["--kill-at-step", str(kill_at_step)]
+    try:
+        elastic_launch(launch_config, sys.executable)(*args)
+    except ChildFailedError as exc:
+        logger.error(
+            "Training failed after %d restart(s); the run folder keeps its checkpoints, continue "
+            "with `onebit train --resume %s`.\n%s",
+            max_restarts,
+            run_dir,
+            exc,
+        )
+        return 1
+    return 0
