@@ -136,5 +136,32 @@ def restore_state_precision(optimizer: Optimizer, state_dict: Mapping[str, Any])
                     optimizer.state[param][name] = value.to(param.device, copy=True)
 
 
+class ScratchPool:
+    """Scratch tensors reused across steps (one flat buffer per slot, grown on demand).
+
+    Large fresh tensors cost page faults on every step; reusing a few buffers keeps the
+    optimizers' hot loops free of allocations. Not part of the optimizer's state.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+    def get(self, slot: int, like: Tensor) -> Tensor:
+        """A scratch tensor of ``like``'s shape, dtype and device (contents undefined)."""
+        key = (slot, like.dtype, like.device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < like.numel():
+            buffer = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+            self._buffers[key] = buffer
+        return buffer[: like.numel()].view(like.shape)
+
+
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether every element is finite, in one read pass (a float64 sum propagates NaN/Inf
+    and cannot overflow for float32 inputs)."""
+    total = sum(t.sum(dtype=torch.float64) for t in tensors)
+    return bool(torch.isfinite(torch.as_tensor(total)))
+
+
 def params_in_order(param_groups: Iterable[Mapping[str, Any]]) -> list[Tensor]:
     return [p for group in param_groups for p in group["params"]]

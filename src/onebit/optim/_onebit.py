@@ -87,6 +87,7 @@ class OneBitOptimizer(Optimizer):
         self._layout: _FusedLayout | None = None
         self._flat_grads: Tensor | None = None
         self._replicas_verified = False
+        self._scratch = _common.ScratchPool()
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------- what users see
@@ -201,8 +202,7 @@ class OneBitOptimizer(Optimizer):
         """
         if self.gradients_averaged_by_ddp or self.world_size == 1:
             grads = [_common.dense_grad(p, _common.state_dtype(p)) for p in params]
-            finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
-            return grads if finite else None
+            return grads if _common.all_finite(g for g in grads if g is not None) else None
         # One dense allreduce of every gradient, plus one flag per parameter that says
         # whether the rank had a gradient for it.
         total = sum(p.numel() for p in params)
@@ -226,7 +226,7 @@ class OneBitOptimizer(Optimizer):
                 flags[index] = 1
             views.append(view)
         allreduce_mean_(flat, self.process_group)
-        if not bool(torch.isfinite(flat).all()):
+        if not _common.all_finite([flat]):
             return None
         present = (flags > 0).tolist()
         return [view if has_grad else None for view, has_grad in zip(views, present, strict=True)]

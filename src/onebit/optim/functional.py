@@ -8,6 +8,7 @@ record it. No bias correction anywhere.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 __all__ = [
@@ -32,10 +33,19 @@ def update_moments_(
 
 
 def adam_direction(
-    exp_avg: Tensor, exp_avg_sq: Tensor, param: Tensor, eps: float, weight_decay: float
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    param: Tensor,
+    eps: float,
+    weight_decay: float,
+    *,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """The (decoupled weight decay) Adam direction ``u = m / (sqrt(v) + eps) + wd p``."""
-    update = exp_avg / exp_avg_sq.sqrt().add_(eps)
+    """The (decoupled weight decay) Adam direction ``u = m / (sqrt(v) + eps) + wd p``.
+
+    Written into ``out`` if given (no allocation)."""
+    update = torch.sqrt(exp_avg_sq, out=out).add_(eps)
+    torch.div(exp_avg, update, out=update)
     if weight_decay:
         update.add_(param, alpha=weight_decay)
     return update
@@ -64,14 +74,16 @@ def lamb_step_(
     weight_decay: float,
     min_coeff: float,
     max_coeff: float,
+    work: Tensor | None = None,
 ) -> float | None:
     """One LAMB step on one tensor; returns its trust ratio (``None`` if undefined).
 
     ``m, v <- moments(g)``; ``u = m / (sqrt(v) + eps) + wd p``;
     ``c = clamp(||p|| / ||u||, c_min, c_max)``, or 1 where a norm is 0; ``p <- p - lr c u``.
+    ``work``: optional scratch of ``param``'s shape for ``u``.
     """
     update_moments_(exp_avg, exp_avg_sq, grad, beta1, beta2)
-    update = adam_direction(exp_avg, exp_avg_sq, param, eps, weight_decay)
+    update = adam_direction(exp_avg, exp_avg_sq, param, eps, weight_decay, out=work)
     coeff = trust_ratio(param, update, min_coeff, max_coeff)
     param.add_(update, alpha=-lr * (1.0 if coeff is None else coeff))
     return coeff
@@ -85,14 +97,18 @@ def adam_step_(
     lr: float,
     eps: float,
     weight_decay: float,
+    work: Tensor | None = None,
 ) -> None:
     """``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with moments already updated."""
-    param.add_(adam_direction(exp_avg, exp_avg_sq, param, eps, weight_decay), alpha=-lr)
+    update = adam_direction(exp_avg, exp_avg_sq, param, eps, weight_decay, out=work)
+    param.add_(update, alpha=-lr)
 
 
-def reconstruct_gradient(exp_avg: Tensor, previous_exp_avg: Tensor, beta1: float) -> Tensor:
+def reconstruct_gradient(
+    exp_avg: Tensor, previous_exp_avg: Tensor, beta1: float, *, out: Tensor | None = None
+) -> Tensor:
     """The averaged gradient implied by two momenta: ``g = (m_t - b1 m_{t-1}) / (1 - b1)``."""
-    return (exp_avg - beta1 * previous_exp_avg).div_(1 - beta1)
+    return torch.add(exp_avg, previous_exp_avg, alpha=-beta1, out=out).div_(1 - beta1)
 
 
 def update_fresh_variance_(exp_avg_sq_fresh: Tensor, grad: Tensor, beta2: float) -> None:
@@ -105,6 +121,7 @@ def compression_factor(
     exp_avg_sq_fresh: Tensor,
     eps: float,
     *,
+    work: Tensor | None = None,
     update_norm_ratio: float,
     last_factor: float,
     factor_min: float,
@@ -117,8 +134,8 @@ def compression_factor(
     ``rho = ||u0|| / ||u||`` (``f = rho f + 1 - rho``, the weight-decay share), clamped to
     ``[f_min, f_max]`` and to within ``factor_threshold`` of the last step's factor.
     """
-    fresh_denom = exp_avg_sq_fresh.sqrt().add_(eps)
-    factor = denom.div(fresh_denom).max().item()
+    ratio = torch.sqrt(exp_avg_sq_fresh, out=work).add_(eps)
+    factor = torch.div(denom, ratio, out=ratio).max().item()
     factor = update_norm_ratio * factor + (1 - update_norm_ratio)
     factor = min(max(factor, factor_min), factor_max)
     return min(
@@ -140,14 +157,17 @@ def onebit_lamb_compressed_step_(
     factor_min: float,
     factor_max: float,
     factor_threshold: float,
+    work: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> float:
     """A compression-stage 1-bit LAMB step with the exchanged momentum; returns the factor.
 
     ``d = sqrt(v) + eps``; ``u0 = m / d``; ``u = u0 + wd p``; ``f`` from
     :func:`compression_factor`; ``p <- p - lr (c_frz f) u`` (no c_min/c_max clamp here).
+    ``work``: optional three scratch tensors of ``param``'s shape.
     """
-    denom = exp_avg_sq.sqrt().add_(eps)
-    update = exp_avg / denom
+    denom_out, update_out, factor_out = work if work is not None else (None, None, None)
+    denom = torch.sqrt(exp_avg_sq, out=denom_out).add_(eps)
+    update = torch.div(exp_avg, denom, out=update_out)
     ratio = 1.0
     if weight_decay:
         base_norm = update.norm().item()
@@ -158,6 +178,7 @@ def onebit_lamb_compressed_step_(
         denom,
         exp_avg_sq_fresh,
         eps,
+        work=factor_out,
         update_norm_ratio=ratio,
         last_factor=last_factor,
         factor_min=factor_min,

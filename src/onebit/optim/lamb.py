@@ -64,6 +64,7 @@ class Lamb(Optimizer):
             min_coeff=min_coeff,
         )
         super().__init__(params, defaults)
+        self._scratch = _common.ScratchPool()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -79,8 +80,9 @@ class Lamb(Optimizer):
                 if grad is None:
                     continue
                 _common.init_param_state(param, state)
+                target = _common.master(param, state)
                 coeff = lamb_step_(
-                    _common.master(param, state),
+                    target,
                     grad,
                     state["exp_avg"],
                     state["exp_avg_sq"],
@@ -91,6 +93,7 @@ class Lamb(Optimizer):
                     weight_decay=group["weight_decay"],
                     min_coeff=group["min_coeff"],
                     max_coeff=group["max_coeff"],
+                    work=self._scratch.get(0, target),
                 )
                 state["lamb_coeff"] = 1.0 if coeff is None else coeff
                 _common.sync_param_from_master(param, state)

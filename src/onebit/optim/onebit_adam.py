@@ -56,16 +56,16 @@ class OneBitAdam(OneBitOptimizer):
         self, group: dict[str, Any], param: Tensor, state: dict[str, Any], grad: Tensor
     ) -> None:
         update_moments_(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
-        self._apply(group, param, state)
+        self._apply(group, param, state, self._scratch.get(0, state["exp_avg"]))
 
     def _compressed_update(
         self, group: dict[str, Any], param: Tensor, state: dict[str, Any], exp_avg: Tensor
     ) -> None:
         state["exp_avg"].copy_(exp_avg)
-        self._apply(group, param, state)
+        self._apply(group, param, state, exp_avg)  # the exchanged slice is free scratch now
 
     @staticmethod
-    def _apply(group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
+    def _apply(group: dict[str, Any], param: Tensor, state: dict[str, Any], work: Tensor) -> None:
         adam_step_(
             _common.master(param, state),
             state["exp_avg"],
@@ -73,4 +73,5 @@ class OneBitAdam(OneBitOptimizer):
             lr=group["lr"],
             eps=group["eps"],
             weight_decay=group["weight_decay"],
+            work=work,
         )

@@ -121,8 +121,9 @@ class OneBitLamb(OneBitOptimizer):
         self, group: dict[str, Any], param: Tensor, state: dict[str, Any], grad: Tensor
     ) -> None:
         beta1, beta2 = group["betas"]
+        target = _common.master(param, state)
         coeff = lamb_step_(
-            _common.master(param, state),
+            target,
             grad,
             state["exp_avg"],
             state["exp_avg_sq"],
@@ -133,6 +134,7 @@ class OneBitLamb(OneBitOptimizer):
             weight_decay=group["weight_decay"],
             min_coeff=group["min_coeff"],
             max_coeff=group["max_coeff"],
+            work=self._scratch.get(0, target),
         )
         if coeff is None:  # ||p|| or ||u|| is 0: c = 1 was used, and c_frz is not updated
             state["lamb_coeff"] = 1.0
@@ -151,9 +153,13 @@ class OneBitLamb(OneBitOptimizer):
         self, group: dict[str, Any], param: Tensor, state: dict[str, Any], exp_avg: Tensor
     ) -> None:
         beta1, beta2 = group["betas"]
-        grad = reconstruct_gradient(exp_avg, state["exp_avg"], beta1)
+        grad = reconstruct_gradient(
+            exp_avg, state["exp_avg"], beta1, out=self._scratch.get(0, exp_avg)
+        )
         update_fresh_variance_(state["exp_avg_sq_fresh"], grad, beta2)
         state["exp_avg"].copy_(exp_avg)
+        # The exchanged slice of the fused buffer is free now: it holds the update.
+        work = (self._scratch.get(0, exp_avg), exp_avg, self._scratch.get(1, exp_avg))
         factor = onebit_lamb_compressed_step_(
             _common.master(param, state),
             state["exp_avg"],
@@ -167,6 +173,7 @@ class OneBitLamb(OneBitOptimizer):
             factor_min=group["factor_min"],
             factor_max=group["factor_max"],
             factor_threshold=group["factor_threshold"],
+            work=work,
         )
         state["last_factor"] = factor
         state["lamb_coeff"] = state["lamb_coeff_freeze"] * factor
