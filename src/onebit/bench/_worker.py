@@ -1,0 +1,327 @@
+"""One rank of the emulated-cluster comparison; started by :mod:`onebit.bench.comparison`.
+
+Run as ``python -m onebit.bench._worker CONFIG_JSON`` inside a host's namespace with the
+environment ``torchrun`` gives a multi-node job (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``, ``GLOO_SOCKET_IFNAME``); the process group is created through ``env://``.
+
+Every rank builds the same model (same seed) and the same per-rank synthetic batches, then runs
+the methods one after the other on a fresh copy of the initial model. Each method runs
+untimed steps, then timed blocks of steps. Around every timed block all ranks meet at a
+barrier and rank 0 asks the parent for the interfaces' byte counters: it writes
+``@@mark`` on stdout and waits for the parent's answer (the counters of every host, read
+with :meth:`EmulatedCluster.interface_bytes`) on stdin. Rank 0 reports each method as one
+``@@method {json}`` line as soon as it is done, so a later failure keeps earlier results.
+
+A method that raises on every rank (a deterministic failure) is reported with its error and
+the next method runs; a failure on some ranks only leaves the others waiting in a collective
+until the process-group timeout, and the parent's deadline ends the run.
+"""
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations at runtime.
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import logging
+import os
+import resource
+import sys
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("onebit.bench.worker")
+
+ONEBIT_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-adam")
+METHODS: dict[str, str] = {
+    "lamb": "LAMB + DDP (fp32 allreduce)",
+    "lamb-compute": "LAMB + DDP, no-op hook (compute only)",
+    "onebit-lamb-ddp": "1-bit LAMB, DDP hook path",
+    "onebit-lamb": "1-bit LAMB, plain path",
+    "onebit-adam": "1-bit Adam, DDP hook path",
+    "fp16": "LAMB + DDP fp16_compress_hook",
+    "powersgd-1": "LAMB + DDP PowerSGD rank 1",
+    "powersgd-4": "LAMB + DDP PowerSGD rank 4",
+}
+POWERSGD_START_ITER = 2
+"""PowerSGD's ``start_powerSGD_iter``: the smallest value its error feedback accepts."""
+
+
+def _emit(kind: str, record: dict[str, Any]) -> None:
+    sys.stdout.write(f"@@{kind} {json.dumps(record)}\n")
+    sys.stdout.flush()
+
+
+def _interface_counters() -> list[list[int]]:
+    """Ask the parent for every host's (tx, rx) byte counters (rank 0 only)."""
+    _emit("mark", {})
+    line = sys.stdin.readline()
+    if not line:
+        raise RuntimeError("the parent closed stdin; cannot read interface counters")
+    return json.loads(line)["counters"]
+
+
+def _noop_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook that sends nothing: each rank keeps its local gradients (compute-only timing)."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class _Method:
+    """A model copy, its optimizer and the way one training step runs for one method."""
+
+    def __init__(self, name: str, template: torch.nn.Module, cfg: dict[str, Any]) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        import onebit
+
+        self.name = name
+        self.freeze_step: int | None = None
+        self.untimed_before_steady = cfg["skip_steps"]
+        model = copy.deepcopy(template)
+        params = list(model.parameters())
+        lamb_kwargs = dict(lr=cfg["lr"], weight_decay=0.01, max_coeff=0.3, min_coeff=0.01)
+        if name in ONEBIT_METHODS:
+            self.freeze_step = cfg["skip_steps"] + cfg["warm_steps"]
+            if name == "onebit-adam":
+                optimizer: torch.optim.Optimizer = onebit.OneBitAdam(
+                    params, lr=cfg["lr"] / 10, weight_decay=0.01, freeze_step=self.freeze_step
+                )
+            else:
+                optimizer = onebit.OneBitLamb(params, freeze_step=self.freeze_step, **lamb_kwargs)
+        else:
+            optimizer = onebit.Lamb(params, **lamb_kwargs)
+        if name != "onebit-lamb":
+            ddp_kwargs: dict[str, Any] = {}
+            if name.startswith("powersgd-"):
+                # One bucket. PowerSGD issues its second and third collectives from the
+                # completion callback of the previous one; with gloo those callbacks run when
+                # the data has arrived, so with several buckets the ranks issue collectives in
+                # different orders, and gloo fails ("Received data size doesn't match").
+                total_bytes = sum(p.numel() * p.element_size() for p in params)
+                ddp_kwargs["bucket_cap_mb"] = total_bytes / 2**20 + 1
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers' rename
+                model = DistributedDataParallel(
+                    model,
+                    broadcast_buffers=False,  # the only buffers are constants (position ids)
+                    gradient_as_bucket_view=True,
+                    init_sync=False,  # every rank built the same model from the same seed
+                    **ddp_kwargs,
+                )
+            if name == "lamb-compute":
+                model.register_comm_hook(None, _noop_hook)
+            elif name in ONEBIT_METHODS:
+                onebit.ddp.register_comm_hook(model, optimizer)
+            elif name == "fp16":
+                model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif name.startswith("powersgd-"):
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None,
+                    matrix_approximation_rank=int(name.split("-")[1]),
+                    start_powerSGD_iter=POWERSGD_START_ITER,
+                    use_error_feedback=True,
+                    warm_start=True,
+                    random_seed=0,
+                )
+                model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+                self.untimed_before_steady = POWERSGD_START_ITER + cfg["skip_steps"]
+        self.model = model
+        self.optimizer = optimizer
+        self.last_loss = float("nan")
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        loss = self.model(**batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.last_loss = float(loss.detach())
+
+    def library_bytes(self) -> int:
+        import onebit
+
+        return onebit.TRAFFIC.total()
+
+    def close(self) -> None:
+        del self.model, self.optimizer
+        gc.collect()
+        # The compressed allreduce caches its workspace per buffer shape; drop it so the
+        # next method starts from the same memory (guarded: a private detail that may change).
+        with contextlib.suppress(Exception):
+            from onebit import collectives
+
+            collectives._WORKSPACES.clear()  # type: ignore[attr-defined]
+            gc.collect()
+
+
+class _Runner:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.batches: list[dict[str, torch.Tensor]] = []
+        self.cursor = 0
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        batch = self.batches[self.cursor % len(self.batches)]
+        self.cursor += 1
+        return batch
+
+    def counters(self) -> list[list[int]] | None:
+        dist.barrier()
+        counters = _interface_counters() if self.rank == 0 else None
+        dist.barrier()
+        return counters
+
+    def run_untimed(self, method: _Method, steps: int) -> None:
+        for _ in range(steps):
+            method.step(self.next_batch())
+
+    def run_timed(self, method: _Method, steps: int, stage: str) -> dict[str, Any]:
+        stage_now = getattr(method.optimizer, "stage", None)
+        if stage_now is not None and stage_now != stage:
+            raise RuntimeError(
+                f"{method.name}: expected stage {stage!r}, optimizer is {stage_now!r}"
+            )
+        before = self.counters()
+        library_before = method.library_bytes()
+        step_seconds = []
+        start = time.perf_counter()
+        for _ in range(steps):
+            t = time.perf_counter()
+            method.step(self.next_batch())
+            step_seconds.append(time.perf_counter() - t)
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        library = method.library_bytes() - library_before
+        after = _interface_counters() if self.rank == 0 else None
+        gathered = torch.zeros(self.world, dtype=torch.int64)
+        dist.all_gather_into_tensor(gathered, torch.tensor([library], dtype=torch.int64))
+        library_all = gathered.tolist()
+        block: dict[str, Any] = {
+            "stage": stage,
+            "steps": steps,
+            "seconds": seconds,
+            "rank0_step_seconds": step_seconds,
+            "library_bytes_by_rank": library_all,
+            "last_loss": method.last_loss,
+        }
+        if before is not None and after is not None:
+            block["interface_tx_bytes_by_host"] = [
+                a[0] - b[0] for a, b in zip(after, before, strict=False)
+            ]
+            block["interface_rx_bytes_by_host"] = [
+                a[1] - b[1] for a, b in zip(after, before, strict=False)
+            ]
+        return block
+
+    def run_method(self, name: str, template: torch.nn.Module) -> dict[str, Any]:
+        cfg = self.cfg
+        method = _Method(name, template, cfg)
+        try:
+            blocks = []
+            if method.freeze_step is not None:
+                self.run_untimed(method, cfg["skip_steps"])
+                blocks.append(self.run_timed(method, cfg["warm_steps"], "warmup"))
+                self.run_untimed(method, cfg["skip_steps"])
+                blocks.append(self.run_timed(method, cfg["steps"], "compression"))
+            else:
+                self.run_untimed(method, method.untimed_before_steady)
+                blocks.append(self.run_timed(method, cfg["steps"], "steady"))
+            return {"freeze_step": method.freeze_step, "blocks": blocks}
+        finally:
+            method.close()
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag) == 0
+
+
+def run(cfg: dict[str, Any]) -> None:
+    from onebit.bench.bert import build_model, synthetic_batches
+
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout"]))
+    try:
+        runner = _Runner(cfg)
+        started = time.perf_counter()
+        template = build_model(cfg["model"], cfg["seed"])
+        parameters = sum(p.numel() for p in template.parameters() if p.requires_grad)
+        per_method = max(
+            2 * cfg["skip_steps"] + cfg["warm_steps"] + cfg["steps"],
+            POWERSGD_START_ITER + cfg["skip_steps"] + cfg["steps"],
+        )
+        runner.batches = synthetic_batches(
+            cfg["model"], cfg["batch_size"], cfg["seq_len"], per_method, runner.rank, cfg["seed"]
+        )
+        if runner.rank == 0:
+            _emit(
+                "info",
+                {
+                    "parameters": parameters,
+                    "world_size": runner.world,
+                    "threads_per_worker": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                    "setup_seconds": time.perf_counter() - started,
+                },
+            )
+        schedule = [
+            (round_, name)
+            for round_ in range(cfg["rounds"])
+            # Every other round runs the methods in reverse order, so that a slow drift of the
+            # machine's load does not favour the methods that run first.
+            for name in (cfg["methods"] if round_ % 2 == 0 else cfg["methods"][::-1])
+        ]
+        for round_, name in schedule:
+            runner.cursor = 0  # the same batches, in the same order, for every method
+            t0 = time.perf_counter()
+            result: dict[str, Any] = {"method": name, "label": METHODS[name], "round": round_}
+            error = None
+            try:
+                result.update(runner.run_method(name, template))
+            except Exception as exc:  # reported, never turned into a number
+                error = f"{type(exc).__name__}: {exc}"
+                logger.error(
+                    "rank %d, method %s failed:\n%s", runner.rank, name, traceback.format_exc()
+                )
+            ok = _all_ranks_ok(error is None)
+            result["ok"] = ok
+            if not ok:
+                result["error"] = error or "failed on another rank"
+                result.pop("blocks", None)
+            result["wall_seconds"] = time.perf_counter() - t0
+            result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            if runner.rank == 0:
+                _emit("method", result)
+        if runner.rank == 0:
+            _emit("done", {})
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m onebit.bench._worker CONFIG_JSON\n")
+        return 2
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[rank {os.environ.get('RANK')}] %(message)s"
+    )
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    cfg: dict[str, Any] = json.loads(args[0])
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The benchmark model: a BERT masked-language model built from a config, with synthetic batches.
+
+The cluster comparison only needs a model whose gradient has the size and layout of a real
+pre-training workload, so it uses ``transformers.BertForMaskedLM`` built from a
+``BertConfig`` (random initialisation, seeded, identical on every rank) and random token
+batches with 15 % of the positions labelled, as in MLM pre-training. No tokenizer, corpus or
+download is involved.
+
+Presets (parameter counts with the MLM head, whose decoder is tied to the word embeddings):
+
+========  ======  ======  ======  =======  ==========
+preset    vocab   hidden  layers  heads    parameters
+========  ======  ======  ======  =======  ==========
+base      30522   768     12      12       109.5M  (BERT-base)
+small     30522   512     4       8        28.8M
+mini      30522   256     4       4        11.2M
+tiny      1024    64      2       2        0.2M    (tests)
+========  ======  ======  ======  =======  ==========
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["PRESETS", "ModelPreset", "bert_config", "build_model", "synthetic_batches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPreset:
+    """A ``BertConfig`` shape."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 512
+
+    def parameter_count(self) -> int:
+        """Trainable parameters of ``BertForMaskedLM`` with this shape (decoder tied)."""
+        h, i, v, p = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.vocab_size,
+            self.max_position_embeddings,
+        )
+        embeddings = (v + p + 2) * h + 2 * h
+        layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
+        head = h * h + h + 2 * h + v
+        return embeddings + self.num_hidden_layers * layer + head
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "base": ModelPreset(30522, 768, 12, 12, 3072),
+    "small": ModelPreset(30522, 512, 4, 8, 2048),
+    "mini": ModelPreset(30522, 256, 4, 4, 1024),
+    "tiny": ModelPreset(1024, 64, 2, 2, 128, max_position_embeddings=128),
+}
+
+
+def bert_config(preset: str) -> Any:
+    """The ``transformers.BertConfig`` of a preset (see the module docstring)."""
+    from transformers import BertConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"model preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    return BertConfig(**dataclasses.asdict(PRESETS[preset]))
+
+
+def build_model(preset: str, seed: int) -> Any:
+    """``BertForMaskedLM`` of a preset, initialised from ``seed`` (identical on every rank)."""
+    import torch
+    from transformers import BertForMaskedLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    config = bert_config(preset)
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(config)
+    model.train()
+    return model
+
+
+def synthetic_batches(
+    preset: str,
+    batch_size: int,
+    seq_len: int,
+    count: int,
+    rank: int,
+    seed: int,
+    mask_fraction: float = 0.15,
+) -> list[dict[str, Any]]:
+    """``count`` batches of random tokens for ``rank``: ``input_ids`` and MLM ``labels``.
+
+    Each batch depends only on ``(seed, rank, index)``, so every method of a comparison sees
+    the same data. Labels hold the token at ``mask_fraction`` of the positions (at least one
+    per sequence) and -100 elsewhere.
+    """
+    import torch
+
+    shape = PRESETS[preset]
+    if seq_len > shape.max_position_embeddings:
+        raise ValueError(
+            f"seq_len {seq_len} exceeds the {preset} preset's max_position_embeddings "
+            f"{shape.max_position_embeddings}"
+        )
+    batches = []
+    for index in range(count):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + index)
+        ids = torch.randint(0, shape.vocab_size, (batch_size, seq_len), generator=generator)
+        labelled = torch.rand(batch_size, seq_len, generator=generator) < mask_fraction
+        labelled[:, 0] = True
+        labels = torch.where(labelled, ids, torch.full_like(ids, -100))
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches
