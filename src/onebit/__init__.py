@@ -19,9 +19,10 @@ from onebit.collectives import (
     padded_size,
 )
 from onebit.consistency import ReplicaMismatchError, broadcast_parameters, verify_replicas
-from onebit.optim import Lamb, OneBitAdam, OneBitLamb, OneBitOptimizer
+from onebit.optim import CommunicationError, Lamb, OneBitAdam, OneBitLamb, OneBitOptimizer
 
 __all__ = [
+    "CommunicationError",
     "Lamb",
     "ddp",
     "OneBitAdam",

@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="1-bit LAMB for PyTorch: train, compare optimizers, fine-tune, benchmark.",
     )
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (default: INFO)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -18,7 +18,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -71,12 +71,15 @@ def spawn_workers(
     timeout_s: float = 120.0,
     collective_timeout_s: float = 60.0,
     threads_per_rank: int = 1,
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes in one group.
 
     ``fn`` must be importable by name (a module-level function) and its return value
     picklable. Returns the values in rank order. Raises :class:`WorkerError` if any rank
-    raises, exits without a result, or the whole call exceeds ``timeout_s``.
+    raises, exits without a result, or the whole call exceeds ``timeout_s``. Ranks in
+    ``may_die`` may exit without a result (fault-injection tests): theirs is ``None`` and the
+    other ranks are still waited for.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -128,7 +131,10 @@ def spawn_workers(
                             outcomes[rank] = (ok, value)
                         for r in dead:
                             outcomes.setdefault(
-                                r, (False, f"exited with code {processes[r].exitcode}")
+                                r,
+                                (True, pickle.dumps(None))
+                                if r in may_die
+                                else (False, f"exited with code {processes[r].exitcode}"),
                             )
                         if any(not ok for ok, _ in outcomes.values()):
                             break

@@ -1,8 +1,8 @@
 """The optimizers: :class:`Lamb`, :class:`OneBitLamb`, :class:`OneBitAdam`."""
 
-from onebit.optim._onebit import OneBitOptimizer
+from onebit.optim._onebit import CommunicationError, OneBitOptimizer
 from onebit.optim.lamb import Lamb
 from onebit.optim.onebit_adam import OneBitAdam
 from onebit.optim.onebit_lamb import OneBitLamb
 
-__all__ = ["Lamb", "OneBitAdam", "OneBitLamb", "OneBitOptimizer"]
+__all__ = ["CommunicationError", "Lamb", "OneBitAdam", "OneBitLamb", "OneBitOptimizer"]

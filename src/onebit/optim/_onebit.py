@@ -3,10 +3,11 @@ compressed exchange with its error state, gradient averaging, checkpoints and ac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from onebit.collectives import (
     padded_size,
     world_size,
 )
-from onebit.consistency import verify_replicas
+from onebit.consistency import ReplicaMismatchError, verify_replicas
 from onebit.optim import _common
 
 logger = logging.getLogger("onebit")
@@ -31,6 +32,10 @@ logger = logging.getLogger("onebit")
 WARMUP = "warmup"
 COMPRESSION = "compression"
 NONFINITE_POLICIES = ("skip", "raise")
+
+
+class CommunicationError(RuntimeError):
+    """A collective of the optimizer's step failed: a peer died, hung or diverged."""
 
 
 @dataclass
@@ -65,6 +70,7 @@ class OneBitOptimizer(Optimizer):
         freeze_step: int,
         process_group: dist.ProcessGroup | None,
         on_nonfinite: str,
+        verify_every: int,
     ) -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(
@@ -73,6 +79,9 @@ class OneBitOptimizer(Optimizer):
             )
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Invalid on_nonfinite={on_nonfinite!r}: use 'skip' or 'raise'")
+        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+            raise ValueError(f"Invalid verify_every={verify_every}: it must be an int >= 0")
+        self.verify_every = verify_every
         self.freeze_step = freeze_step
         self.process_group = process_group
         self.on_nonfinite = on_nonfinite
@@ -167,21 +176,63 @@ class OneBitOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = _common.trainable_params(self)
-        if not self._replicas_verified:
-            verify_replicas(params, self.process_group, step=self.step_count + 1)
-            self._replicas_verified = True
+        self._unscale_for_grad_scaler(params)
         stage = self.stage
         traffic_before = TRAFFIC.total()
         try:
-            if stage == WARMUP:
-                applied = self._warmup_step(params)
-            else:
-                applied = self._compression_step()
+            with self._collectives_of_step():
+                due = self.verify_every and self.step_count % self.verify_every == 0
+                if not self._replicas_verified or due:
+                    verify_replicas(
+                        self._replica_tensors(params), self.process_group, step=self.step_count + 1
+                    )
+                    self._replicas_verified = True
+                if stage == WARMUP:
+                    applied = self._warmup_step(params)
+                else:
+                    applied = self._compression_step()
         finally:
             self.count_bytes_sent(stage, TRAFFIC.total() - traffic_before)
         if applied:
             self._counters["step"] += 1
         return loss
+
+    def _replica_tensors(self, params: list[Tensor]) -> list[Tensor]:
+        """What must agree across ranks: the parameters and any fp32 master copies."""
+        masters = [self.state[p]["master_param"] for p in params if "master_param" in self.state[p]]
+        return params + masters
+
+    @contextlib.contextmanager
+    def _collectives_of_step(self) -> Iterator[None]:
+        """Turn a failed collective (a dead, stuck or diverged peer) into a clear error."""
+        try:
+            yield
+        except ReplicaMismatchError:
+            raise
+        except RuntimeError as error:
+            if self.world_size == 1:
+                raise
+            raise CommunicationError(
+                f"{type(self).__name__}: a collective failed at step {self.step_count + 1} "
+                f"({self.stage} stage) on rank {dist.get_rank()}: another rank has probably "
+                "died or stopped responding (collectives give up after the timeout passed to "
+                f"init_process_group). Cause: {error}"
+            ) from error
+
+    # torch.amp.GradScaler calls step() on every rank with `grad_scale` set instead of
+    # unscaling and skipping the step itself on the ranks that saw an Inf: a local skip would
+    # leave the other ranks waiting in a collective. The step unscales, and its own check of
+    # non-finite gradients agrees across ranks.
+    _step_supports_amp_scaling = True
+
+    def _unscale_for_grad_scaler(self, params: list[Tensor]) -> None:
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is None:
+            return
+        inverse = 1.0 / float(grad_scale)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, inverse)
 
     def _skip(self, reason: str) -> bool:
         message = f"non-finite gradients at step {self.step_count + 1} ({reason})"

@@ -38,6 +38,7 @@ class OneBitAdam(OneBitOptimizer):
         weight_decay: float = 0.0,
         process_group: dist.ProcessGroup | None = None,
         on_nonfinite: str = "skip",
+        verify_every: int = 0,
     ) -> None:
         _common.check_lr(lr)
         _common.check_betas(betas)
@@ -50,6 +51,7 @@ class OneBitAdam(OneBitOptimizer):
             freeze_step=freeze_step,
             process_group=process_group,
             on_nonfinite=on_nonfinite,
+            verify_every=verify_every,
         )
 
     def _warmup_update(

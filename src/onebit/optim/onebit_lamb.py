@@ -61,6 +61,15 @@ class OneBitLamb(OneBitOptimizer):
         process_group: the data-parallel group (default: the world).
         on_nonfinite: ``"skip"`` (default) skips a step on every rank when any rank's
             gradients hold NaN/Inf, with a warning; ``"raise"`` raises on every rank.
+        verify_every: every this many steps, check that all ranks hold bit-identical
+            parameters (a checksum each, one small all-gather) and raise
+            :class:`onebit.ReplicaMismatchError` naming the step and tensor if not; 0 checks
+            only at the first step.
+
+    Works with ``torch.amp.GradScaler`` (``scaler.step(optimizer)``): the step unscales the
+    gradients itself and skips on every rank when any rank overflowed. A failed collective
+    (a peer that died or hangs past the process group's timeout) raises
+    :class:`onebit.CommunicationError`.
     """
 
     def __init__(
@@ -79,6 +88,7 @@ class OneBitLamb(OneBitOptimizer):
         factor_threshold: float = 0.1,
         process_group: dist.ProcessGroup | None = None,
         on_nonfinite: str = "skip",
+        verify_every: int = 0,
     ) -> None:
         _common.check_lr(lr)
         _common.check_betas(betas)
@@ -111,6 +121,7 @@ class OneBitLamb(OneBitOptimizer):
             freeze_step=freeze_step,
             process_group=process_group,
             on_nonfinite=on_nonfinite,
+            verify_every=verify_every,
         )
 
     def _init_state(self, state: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from onebit.train.config import (
     TrainConfig,
     default_run_dir,
     read_config,
+    read_launch,
 )
 
 logger = logging.getLogger(__name__)
@@ -155,8 +156,8 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     launch.add_argument(
         "--workers",
         type=int,
-        default=DEFAULT_WORKERS,
-        help=f"local worker processes (default: {DEFAULT_WORKERS})",
+        help=f"local worker processes (default: {DEFAULT_WORKERS}; with --resume, the number "
+        "the run was started with)",
     )
     launch.add_argument(
         "--max-restarts",
@@ -301,20 +302,25 @@ def _train(args: argparse.Namespace) -> int:
                 )
             run_dir = args.resume
             config = read_config(run_dir)
+            workers = args.workers or read_launch(run_dir).get("world_size", DEFAULT_WORKERS)
         else:
             config = TrainConfig(**_given_config(args)).resolved()
             if args.no_launch and args.out is None:
                 raise ValueError("--no-launch needs --out (every rank must name the same folder)")
             run_dir = args.out if args.out is not None else default_run_dir(config.optimizer)
+            workers = args.workers or DEFAULT_WORKERS
         if args.no_launch:
-            from onebit.train.worker import run
+            from onebit.train.worker import WorkerEnvironmentError, run
 
-            run(config, run_dir, kill_at_step=args.kill_at_step)
+            try:
+                run(config, run_dir, kill_at_step=args.kill_at_step)
+            except WorkerEnvironmentError as exc:
+                return _error("train", exc)
             return 0
         return launch_job(
             config,
             run_dir,
-            workers=args.workers,
+            workers=workers,
             max_restarts=args.max_restarts,
             kill_at_step=args.kill_at_step,
         )
@@ -338,7 +344,10 @@ def _compare(args: argparse.Namespace) -> int:
         for name, config in configs.items():
             logger.info("=== %s ===", name)
             status = launch_job(
-                config, runs[name], workers=args.workers, max_restarts=args.max_restarts
+                config,
+                runs[name],
+                workers=args.workers or DEFAULT_WORKERS,
+                max_restarts=args.max_restarts,
             )
             if status:
                 return status

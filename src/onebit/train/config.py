@@ -194,12 +194,21 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def read_config(run_dir: Path) -> TrainConfig:
-    """The configuration saved in ``run_dir``; a clear error if there is none."""
+def _read_run_file(run_dir: Path) -> dict[str, Any]:
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder: {CONFIG_FILE} is missing")
-    return TrainConfig.from_json(json.loads(path.read_text(encoding="utf-8"))["train"])
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_config(run_dir: Path) -> TrainConfig:
+    """The configuration saved in ``run_dir``; a clear error if there is none."""
+    return TrainConfig.from_json(_read_run_file(run_dir)["train"])
+
+
+def read_launch(run_dir: Path) -> dict[str, Any]:
+    """How the run in ``run_dir`` was first launched (``{"world_size": n}``)."""
+    return dict(_read_run_file(run_dir)["launch"])
 
 
 def prepare_run_dir(run_dir: Path, config: TrainConfig, launch: dict[str, Any]) -> bool:

@@ -44,7 +44,7 @@ from onebit.train.config import (
     read_config,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("onebit.train.worker")  # also when run as __main__
 
 #: Evaluation batch (sequences per forward pass) on each rank.
 EVAL_BATCH = 128
@@ -138,12 +138,16 @@ class Rank:
         return self.rank == 0
 
 
+class WorkerEnvironmentError(RuntimeError):
+    """The process was not started by torchrun or torch's elastic launcher."""
+
+
 def _rank_from_env(config: TrainConfig) -> Rank:
     missing = [
         v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") if v not in os.environ
     ]
     if missing:
-        raise RuntimeError(
+        raise WorkerEnvironmentError(
             f"the training worker needs torchrun's environment variables; {missing} are not set. "
             "Run `onebit train` (which launches workers), or start it under torchrun with "
             "`onebit train --no-launch ...`"
