@@ -756,6 +756,9 @@ def _sweep_row(result: dict[str, Any]) -> dict[str, Any]:
         "ideal_compression_stage_speedup": derived.get("ideal_compression_stage_speedup"),
         "ideal_end_to_end_speedup": derived.get("ideal_end_to_end_speedup"),
         "lamb_step_seconds": summary.get("lamb", {}).get("t_comp"),
+        "compute_step_seconds": summary.get("lamb-compute", {}).get("t_comp"),
+        "model": settings["model"],
+        "parameters": result.get("info", {}).get("parameters"),
         "methods": {
             name: {
                 "t_warm": item["t_warm"],
@@ -1104,11 +1107,97 @@ def register(subparsers: Any) -> None:
     sweep.set_defaults(handler=_sweep_command)
 
 
+_SWEEP_COLUMNS = (
+    ("onebit-lamb-ddp", "1-bit LAMB (DDP hook)"),
+    ("onebit-lamb", "1-bit LAMB (plain)"),
+    ("onebit-adam", "1-bit Adam"),
+    ("fp16", "fp16 hook"),
+    ("powersgd-1", "PowerSGD r1"),
+    ("powersgd-4", "PowerSGD r4"),
+)
+
+
+def format_sweep_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one line per configuration, compression-stage speedups over LAMB (and the
+    whole-run speedup at the configured warm-up fraction for 1-bit methods)."""
+    head = (
+        "| workers | link | TCP check | LAMB step | compute-only step | s | ideal compr. / "
+        "whole run | " + " | ".join(label for _, label in _SWEEP_COLUMNS) + " |"
+    )
+    out = [head, "|" + "---|" * (7 + len(_SWEEP_COLUMNS))]
+    for row in rows:
+        if "error" in row:
+            out.append(
+                f"| {row['workers']} | {_bandwidth_label(row['bandwidth'])} | failed: "
+                f"{row['error'].splitlines()[0]} |"
+            )
+            continue
+        tcp = row.get("tcp_bits_per_second")
+        cells = [
+            str(row["workers"]),
+            _bandwidth_label(row["bandwidth"]),
+            "-" if tcp is None else f"{tcp / 1e6:.0f} Mbit/s",
+            _num(row.get("lamb_step_seconds"), "{:.2f} s"),
+            _num(row.get("compute_step_seconds"), "{:.2f} s"),
+            _num(row.get("comm_share")),
+            f"{_num(row.get('ideal_compression_stage_speedup'), '{:.2f}x')} / "
+            f"{_num(row.get('ideal_end_to_end_speedup'), '{:.2f}x')}",
+        ]
+        for name, _ in _SWEEP_COLUMNS:
+            item = row["methods"].get(name)
+            if item is None:
+                cells.append("skipped")
+            elif name.startswith("onebit"):
+                cells.append(
+                    f"{_num(item['compression_stage_speedup'], '{:.2f}x')} / "
+                    f"{_num(item['end_to_end_speedup'], '{:.2f}x')}"
+                )
+            else:
+                cells.append(_num(item["compression_stage_speedup"], "{:.2f}x"))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    results = [json.loads(Path(path).read_text()) for path in args.files]
+    rows = []
+    for path, result in zip(args.files, results, strict=True):
+        if "rows" in result:
+            rows.extend(result["rows"])
+            continue
+        if args.full:
+            print(f"<!-- {path} -->")
+            print(format_report(result))
+            print()
+        rows.append(_sweep_row(result))
+    print(format_sweep_table(rows))
+    if args.plot:
+        workers = {r["workers"] for r in rows}
+        bandwidths = {r["bandwidth"] for r in rows}
+        models = {r.get("model") for r in rows} - {None}
+        sweep = {
+            "model": ", ".join(sorted(models)) or "?",
+            "bandwidth_workers": next(iter(workers)) if len(workers) == 1 else None,
+            "worker_bandwidth": next(iter(bandwidths)) if len(bandwidths) == 1 else None,
+            "rows": rows,
+        }
+        plot_sweep(sweep, Path(args.plot))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m onebit.bench.comparison {cluster,sweep} ...``"""
+    """``python -m onebit.bench.comparison {cluster,sweep,report} ...``"""
     parser = argparse.ArgumentParser(prog="python -m onebit.bench.comparison")
     parser.add_argument("--log-level", default="INFO")
-    register(parser.add_subparsers(dest="command", required=True))
+    commands = parser.add_subparsers(dest="command", required=True)
+    register(commands)
+    report = commands.add_parser(
+        "report", help="Markdown tables (and optionally the plot) from result JSON files"
+    )
+    report.add_argument("files", nargs="+", help="cluster-*.json or sweep-*.json files")
+    report.add_argument("--full", action="store_true", help="also each comparison's full report")
+    report.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
+    report.set_defaults(handler=_report_command)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s"
