@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from onebit.train.config import (
+    LAMB_OPTIMIZERS,
     OPTIMIZERS,
     TrainConfig,
     default_run_dir,
@@ -216,6 +217,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also fine-tune each pre-trained model on the sentiment task and report accuracy",
     )
+    compare.add_argument(
+        "--adam-lr",
+        type=float,
+        help="peak learning rate of adam and onebit-adam, which have no trust ratio and so "
+        "need a smaller one than LAMB (default: --lr)",
+    )
     compare.add_argument("--out", type=Path, help="output folder (default: runs/<time>-compare)")
     _add_config_options(compare, with_optimizer=False)
     _add_launch_options(compare)
@@ -334,8 +341,12 @@ def _compare(args: argparse.Namespace) -> int:
 
     try:
         base = TrainConfig(**_given_config(args))
+        adam_lr = base.lr if args.adam_lr is None else args.adam_lr
         configs = {
-            name: dataclasses.replace(base, optimizer=name).resolved() for name in args.optimizers
+            name: dataclasses.replace(
+                base, optimizer=name, lr=base.lr if name in LAMB_OPTIMIZERS else adam_lr
+            ).resolved()
+            for name in args.optimizers
         }
         if len(set(args.optimizers)) != len(args.optimizers):
             raise ValueError(f"--optimizers lists one twice: {args.optimizers}")

@@ -1,0 +1,98 @@
+"""``onebit finetune`` on a tiny run and a tiny generated sentiment task (no network)."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import write_corpus
+
+from onebit.cli import main as onebit_main
+from onebit.train import data
+from onebit.train.model import bert_config, build_classifier, build_mlm_model
+
+POSITIVE = ["good", "great", "lovely", "fine", "superb"]
+NEGATIVE = ["bad", "awful", "dull", "poor", "boring"]
+FILLER = ["the", "film", "was", "a", "story", "with", "actors", "and", "plot"]
+
+
+def write_sentiment_cache(cache: Path, rows: int = 300) -> None:
+    """A cached sentiment set whose label is told by one word in filler text."""
+    rng = random.Random(0)
+    records = []
+    for _ in range(rows):
+        label = rng.randint(0, 1)
+        words = rng.choices(FILLER, k=6) + [rng.choice(POSITIVE if label else NEGATIVE)]
+        rng.shuffle(words)
+        records.append([" ".join(words), label])
+    path = cache / "sentiment" / f"movie_reviews-v{data.CACHE_FORMAT_VERSION}.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A finished one-worker run, trained in this process as a torchrun worker would be."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(data.CACHE_ENV_VAR, str(cache))
+    write_sentiment_cache(cache)
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    with corpus.open("a") as f:  # the task's words, often enough to become whole tokens
+        f.write("\n\n" + " ".join((POSITIVE + NEGATIVE + FILLER) * 20))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name, value in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    ).items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    status = onebit_main(
+        [
+            "train", "--no-launch", "--out", str(out), "--corpus", str(corpus),
+            "--steps", "4", "--freeze-step", "2", "--batch-size", "8", "--seq-len", "16",
+            "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab-size", "300",
+        ]
+    )  # fmt: skip
+    assert status == 0
+    return out
+
+
+def test_finetune_reports_accuracy(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["finetune", str(run_dir), "--epochs", "8", "--lr", "3e-3", "--max-test", "50"]
+    assert onebit_main(args) == 0
+    result = json.loads((run_dir / "finetune.json").read_text())
+    assert result["test_examples"] == 50 and result["train_examples"] == 240
+    assert result["checkpoint_step"] == 4
+    assert result["test_accuracy"] >= 0.8, result
+    assert f"{100 * result['test_accuracy']:.2f}%" in capsys.readouterr().out
+
+    assert onebit_main([*args, "--from-scratch", "--max-train", "20", "--epochs", "1"]) == 0
+    scratch = json.loads((run_dir / "finetune-scratch.json").read_text())
+    assert scratch["train_examples"] == 20 and scratch["config"]["from_scratch"]
+
+
+def test_classifier_takes_the_pretrained_encoder() -> None:
+    config = bert_config(vocab_size=100, seq_len=16, layers=1, hidden=32, heads=2, dropout=0.0)
+    torch.manual_seed(0)
+    mlm = build_mlm_model(config)
+    classifier = build_classifier(config, mlm.state_dict())
+    for name, tensor in mlm.bert.state_dict().items():
+        assert torch.equal(classifier.bert.state_dict()[name], tensor), name
+    other = bert_config(vocab_size=100, seq_len=16, layers=2, hidden=32, heads=2, dropout=0.0)
+    with pytest.raises(ValueError, match="does not match the model config"):
+        build_classifier(other, mlm.state_dict())
+    with pytest.raises(ValueError, match="no encoder weights"):
+        build_classifier(config, {"cls.predictions.bias": torch.zeros(100)})
+
+
+def test_finetune_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert onebit_main(["finetune", str(tmp_path)]) == 2
+    assert "tokenizer.json is missing" in capsys.readouterr().err
+    assert onebit_main(["finetune", str(tmp_path), "--epochs", "0"]) == 2
+    assert "--epochs must be positive" in capsys.readouterr().err

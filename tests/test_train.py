@@ -1,0 +1,237 @@
+"""End-to-end tests of ``onebit train``: run folder, loss, traffic, checkpoints, resumption.
+
+A tiny BERT on a tiny generated corpus, 2 gloo workers started by the real elastic launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from onebit.cli import main as onebit_main
+from onebit.train import checkpoint, report
+from onebit.train.config import TrainConfig, prepare_run_dir
+from onebit.train.worker import lr_factor, step_seed
+
+STEPS = 12
+FREEZE = 4
+TINY = [
+    "--workers", "2", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "16",
+    "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab-size", "120",
+    "--lr", "0.05", "--freeze-step", str(FREEZE), "--eval-every", "4",
+    "--checkpoint-every", "4", "--eval-seqs", "0",
+]  # fmt: skip
+
+
+def write_corpus(path: Path, num_docs: int = 30, words_per_doc: int = 120, seed: int = 0) -> Path:
+    """Documents of made-up words with a skewed frequency, separated by blank lines."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "tu", "ren", "sha", "vo", "qi", "zar", "pel"]
+    vocab = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(80)]
+    weights = [1.0 / (rank + 1) for rank in range(len(vocab))]
+    docs = [" ".join(rng.choices(vocab, weights=weights, k=words_per_doc)) for _ in range(num_docs)]
+    path.write_text("\n\n".join(docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A temporary folder holding the corpus, with the data cache pointed into it."""
+    root = tmp_path_factory.mktemp("train")
+    write_corpus(root / "corpus.txt")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ONEBIT_CACHE", str(root / "cache"))
+        yield root
+
+
+def train(*args: str) -> int:
+    return onebit_main(["train", *args])
+
+
+def tiny(workspace: Path, out: Path, *extra: str) -> list[str]:
+    return [*TINY, "--corpus", str(workspace / "corpus.txt"), "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def reference_run(workspace: Path) -> Path:
+    """An uninterrupted tiny run through the switch to compression."""
+    out = workspace / "reference"
+    assert train(*tiny(workspace, out)) == 0
+    return out
+
+
+def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    step, state = checkpoint.latest_model_state(run_dir / "checkpoints")
+    assert step == STEPS
+    return state["model"]
+
+
+def assert_same_trajectory(run_dir: Path, reference: Path) -> None:
+    expected, actual = final_model(reference), final_model(run_dir)
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, actual[name]), f"{name} differs from the uninterrupted run"
+    ours, theirs = report.read_metrics(run_dir), report.read_metrics(reference)
+    assert [r["step"] for r in ours.train] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in ours.train] == [r["loss"] for r in theirs.train]
+    assert [r["loss"] for r in ours.validation] == [r["loss"] for r in theirs.validation]
+
+
+def test_run_folder_loss_and_traffic(reference_run: Path) -> None:
+    names = {p.name for p in reference_run.iterdir()}
+    assert {
+        "config.json", "metrics.jsonl", "loss.png", "summary.json", "tokenizer.json", "checkpoints"
+    } <= names  # fmt: skip
+    assert (reference_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    metrics = report.read_metrics(reference_run)
+    assert [r["stage"] for r in metrics.train] == ["warmup"] * FREEZE + ["compression"] * (
+        STEPS - FREEZE
+    )
+    assert [r["step"] for r in metrics.validation] == [4, 8, 12]
+    assert [r["samples"] for r in metrics.train] == [8 * s for s in range(1, STEPS + 1)]
+    first = sum(r["loss"] for r in metrics.train[:3]) / 3
+    last = sum(r["loss"] for r in metrics.train[-3:]) / 3
+    assert last < first - 0.3, (first, last)
+    assert metrics.validation[-1]["loss"] < metrics.validation[0]["loss"]
+
+    summary = json.loads((reference_run / "summary.json").read_text())
+    stages = summary["bytes_sent"]["by_stage"]
+    # Warm-up under DDP is LAMB's dense fp32 allreduce; compression sends ~1 bit per element.
+    assert stages["warmup"]["bytes"] == stages["warmup"]["lamb_bytes"] > 0
+    assert stages["compression"]["bytes"] * 20 < stages["compression"]["lamb_bytes"]
+    assert summary["reduction_vs_lamb"] > 1.5
+    assert summary["final_validation_loss"] == metrics.validation[-1]["loss"]
+    assert summary["samples"] == 8 * STEPS and summary["workers"] == 2
+
+    assert checkpoint.complete_steps(reference_run / "checkpoints") == [12, 8]  # keep 2
+    for step_dir in (reference_run / "checkpoints").iterdir():
+        for file in step_dir.glob("*.pt"):
+            torch.load(file, weights_only=True)
+
+
+def test_kill_and_automatic_restart_is_bit_identical(workspace: Path, reference_run: Path) -> None:
+    """A worker SIGKILLed after step 6; the elastic agent restarts both, which resume at 4."""
+    out = workspace / "killed"
+    assert train(*tiny(workspace, out, "--max-restarts", "1", "--kill-at-step", "6")) == 0
+    assert_same_trajectory(out, reference_run)
+
+
+def test_resume_skips_a_corrupt_checkpoint(
+    workspace: Path, reference_run: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A crash after step 10 with no restarts; the newest checkpoint (8) is then damaged, so
+    ``--resume`` reports it, falls back to step 4 and still ends bit-identical."""
+    out = workspace / "crashed"
+    assert train(*tiny(workspace, out, "--kill-at-step", "10")) == 1
+    assert checkpoint.complete_steps(out / "checkpoints") == [8, 4]
+    damaged = out / "checkpoints" / "step-00000008" / "rank-00001.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    capfd.readouterr()
+    assert train("--resume", str(out)) == 0
+    err = capfd.readouterr().err
+    assert "rank 1: checkpoint at step 8 is unusable" in err and "truncated or corrupt" in err
+    assert "Resuming at step 4" in err
+    assert_same_trajectory(out, reference_run)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "--steps must be a positive integer"),
+        (["--steps", "10", "--freeze-step", "11"], "--freeze-step must be in [1, --steps=10]"),
+        (["--hidden", "30", "--heads", "4"], "--hidden 30 must be divisible by --heads 4"),
+        (["--lr", "-1"], "--lr must be positive"),
+        (["--factor-min", "5"], "--factor-min 5.0 exceeds --factor-max 4.0"),
+        (["--betas", "0.9", "1.0"], "--betas must be two numbers in [0, 1)"),
+        (["--backend", "nccl"], "--backend nccl needs --device cuda"),
+        (["--batch-size", "10", "--workers", "4"], "--batch-size 10 (global) is not divisible"),
+        (["--workers", "0"], "--workers must be at least 1"),
+        (["--no-launch"], "needs torchrun's environment variables; ['RANK'"),
+        (["--lr-warmup-steps", "600"], "--lr-warmup-steps must be in [0, --steps=600)"),
+    ],
+)
+def test_bad_options_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert onebit_main(["train", "--out", str(tmp_path / "run"), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_folder_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert onebit_main(["train", "--no-launch"]) == 2
+    assert "--no-launch needs --out" in capsys.readouterr().err
+    assert onebit_main(["train", "--resume", str(tmp_path)]) == 2
+    assert "is not a run folder: config.json is missing" in capsys.readouterr().err
+    prepare_run_dir(tmp_path / "run", TrainConfig().resolved(), {})
+    assert onebit_main(["train", "--resume", str(tmp_path / "run"), "--lr", "1"]) == 2
+    assert "drop ['--lr']" in capsys.readouterr().err
+    assert onebit_main(["train", "--out", str(tmp_path / "run"), "--steps", "50"]) == 2
+    assert "holds a run with another configuration" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert onebit_main(["train", "--out", str(tmp_path / "other")]) == 2
+    assert "exists and is not a run folder" in capsys.readouterr().err
+
+
+def test_defaults_resolve_from_steps() -> None:
+    config = TrainConfig(steps=1000).resolved()
+    assert (config.freeze_step, config.lr_warmup_steps) == (200, 100)
+    assert (config.eval_every, config.checkpoint_every) == (100, 250)
+    assert TrainConfig(optimizer="lamb", steps=3).resolved().freeze_step == 1
+
+
+def test_lr_schedule_and_seeds() -> None:
+    factors = [lr_factor(i, 4, 12) for i in range(12)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4:] == sorted(factors[4:], reverse=True) and 0 < factors[-1] < 0.2
+    assert lr_factor(0, 0, 10) == 1.0
+    assert step_seed(0, 1) != step_seed(0, 2) != step_seed(1, 1)
+    assert step_seed(0, 1, 0) != step_seed(0, 1, 1) and step_seed(3, 4) == step_seed(3, 4)
+
+
+@pytest.fixture
+def single_rank_group() -> Iterator[None]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_checkpoint_rotation_and_fallback(
+    tmp_path: Path, single_rank_group: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        state = {"w": torch.full((4,), float(step))}
+        checkpoint.save(root, step, {"model": state}, {"opt": state}, keep=2)
+    assert checkpoint.complete_steps(root) == [3, 2]
+    assert not (root / "step-00000001").exists()
+    (root / "step-00000004").mkdir()  # an incomplete checkpoint (no manifest) is ignored
+    (root / "step-00000004" / "model.pt").write_bytes(b"partial")
+    assert checkpoint.load_latest(root).step == 3
+
+    model = root / "step-00000003" / "model.pt"
+    payload = bytearray(model.read_bytes())
+    payload[len(payload) // 2] ^= 0xFF  # a flipped bit, same length
+    model.write_bytes(bytes(payload))
+    loaded = checkpoint.load_latest(root)
+    assert loaded.step == 2 and torch.equal(loaded.model["model"]["w"], torch.full((4,), 2.0))
+    assert "model.pt is truncated or corrupt" in caplog.text
+    assert "trying the previous one" in caplog.text
+    assert checkpoint.latest_model_state(root)[0] == 2
+
+    for step_dir in root.iterdir():
+        (step_dir / "model.pt").unlink(missing_ok=True)
+    assert checkpoint.load_latest(root) is None
+    with pytest.raises(FileNotFoundError, match="no usable checkpoint"):
+        checkpoint.latest_model_state(root)
