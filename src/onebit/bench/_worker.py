@@ -137,12 +137,19 @@ class _Method:
         self.optimizer = optimizer
         self.last_loss = float("nan")
 
-    def step(self, batch: dict[str, torch.Tensor]) -> None:
+    def step(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """One training step; returns the seconds of forward + backward (which include DDP's
+        gradient communication) and of ``optimizer.step()`` (which includes the 1-bit
+        optimizers' own communication)."""
+        start = time.perf_counter()
         loss = self.model(**batch).loss
         loss.backward()
+        middle = time.perf_counter()
         self.optimizer.step()
+        end = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=False)
         self.last_loss = float(loss.detach())
+        return middle - start, end - middle
 
     def library_bytes(self) -> int:
         import onebit
@@ -193,10 +200,11 @@ class _Runner:
         before = self.counters()
         library_before = method.library_bytes()
         step_seconds = []
+        phases = []
         start = time.perf_counter()
         for _ in range(steps):
             t = time.perf_counter()
-            method.step(self.next_batch())
+            phases.append(method.step(self.next_batch()))
             step_seconds.append(time.perf_counter() - t)
         dist.barrier()
         seconds = time.perf_counter() - start
@@ -210,6 +218,8 @@ class _Runner:
             "steps": steps,
             "seconds": seconds,
             "rank0_step_seconds": step_seconds,
+            "rank0_forward_backward_seconds": [p[0] for p in phases],
+            "rank0_optimizer_step_seconds": [p[1] for p in phases],
             "library_bytes_by_rank": library_all,
             "last_loss": method.last_loss,
         }

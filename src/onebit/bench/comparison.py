@@ -433,6 +433,11 @@ def _stage_summary(blocks: Sequence[dict[str, Any]], world: int, batch_size: int
         ),
         "last_loss": blocks[-1]["last_loss"],
     }
+    fastest = blocks[means.index(step_seconds)]
+    for key in ("forward_backward", "optimizer_step"):
+        values = fastest.get(f"rank0_{key}_seconds")
+        if values:  # rank 0's split of the fastest round's steps
+            summary[f"rank0_{key}_seconds"] = _mean(values)
     wired = [b for b in blocks if "interface_tx_bytes_by_host" in b]
     if wired:
         summary["wire_tx_bytes_per_step"] = _mean(
@@ -638,14 +643,15 @@ def format_report(result: dict[str, Any]) -> str:
         "| method | warm-up samples/s | compression / steady samples/s | wire MB/step/worker "
         "(warm-up / compr.) | library MB/step (warm-up / compr.) | bytes vs LAMB (compr.) | "
         f"T for {derived['run_steps']} steps, w={derived['freeze_fraction']:.2f} (computed) | "
-        "compr.-stage speedup | whole-run speedup |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "compr.-stage speedup | whole-run speedup | compr./steady step: fwd+bwd / opt.step "
+        "(rank 0) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in settings["methods"]:
         if name not in summary:
             errors = result["methods"].get(name, {}).get("errors") or ["no result"]
             error = "; ".join(errors)
-            out.append(f"| {name} | skipped: {error} |  |  |  |  |  |  |  |")
+            out.append(f"| {name} | skipped: {error} |  |  |  |  |  |  |  |  |")
             continue
         item = summary[name]
         stages = item["stages"]
@@ -668,7 +674,9 @@ def format_report(result: dict[str, Any]) -> str:
             f"{_num(comp['samples_per_second'])} | {wire} | {lib} | "
             f"{_num(reduction, '{:.1f}x')} | {item['end_to_end_seconds']:.0f} s | "
             f"{_num(item.get('compression_stage_speedup'), '{:.2f}x')} | "
-            f"{_num(item.get('end_to_end_speedup'), '{:.2f}x')} |"
+            f"{_num(item.get('end_to_end_speedup'), '{:.2f}x')} | "
+            f"{_num(comp.get('rank0_forward_backward_seconds'), '{:.2f} s')} / "
+            f"{_num(comp.get('rank0_optimizer_step_seconds'), '{:.2f} s')} |"
         )
     out += ["", "| target | met | detail |", "|---|---|---|"]
     for name, target in result["targets"].items():
