@@ -1178,6 +1178,7 @@ def _report_command(args: argparse.Namespace) -> int:
             print(format_report(result))
             print()
         rows.append(_sweep_row(result))
+    rows.sort(key=lambda r: (str(r.get("model")), r["workers"], _x_of(r)))
     print(format_sweep_table(rows))
     if args.plot:
         workers = {r["workers"] for r in rows}
