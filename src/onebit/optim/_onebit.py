@@ -307,12 +307,13 @@ class OneBitOptimizer(Optimizer):
             state = self.state[param]
             exp_avg = state["exp_avg"]
             local = buffer[offset : offset + exp_avg.numel()].view_as(exp_avg)
-            # Local momentum m = b1 m + (1 - b1) g_local, scaled by s_p, straight into the buffer.
-            torch.mul(exp_avg, group["betas"][0], out=local)
+            # s_p * m_local with m_local = b1 m + (1 - b1) g_local, straight into the buffer
+            # (two passes: s_p is folded into both coefficients).
+            beta1, scaling = group["betas"][0], state["scaling_coeff"]
+            torch.mul(exp_avg, beta1 * scaling, out=local)
             grad = _common.dense_grad(param, exp_avg.dtype)
             if grad is not None:
-                local.add_(grad, alpha=1 - group["betas"][0])
-            local.mul_(state["scaling_coeff"])
+                local.add_(grad, alpha=(1 - beta1) * scaling)
         buffer[layout.numel :].zero_()
         try:
             compressed_allreduce(
