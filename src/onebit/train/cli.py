@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from onebit.train.config import (
+    DEFAULT_ADAM_LR,
+    DEFAULT_LAMB_LR,
     LAMB_OPTIMIZERS,
     OPTIMIZERS,
     TrainConfig,
@@ -66,7 +68,13 @@ def _add_config_options(parser: argparse.ArgumentParser, *, with_optimizer: bool
         help="global batch in sequences, split evenly over the workers "
         f"(default: {_default('batch_size')})",
     )
-    job.add_argument("--lr", type=float, help=f"peak learning rate (default: {_default('lr')})")
+    job.add_argument(
+        "--lr",
+        type=float,
+        help=f"peak learning rate (default: {DEFAULT_LAMB_LR} for lamb and onebit-lamb, "
+        f"{DEFAULT_ADAM_LR} for adam and onebit-adam)"
+        + ("" if with_optimizer else "; applies to lamb and onebit-lamb"),
+    )
     job.add_argument(
         "--freeze-step",
         type=int,
@@ -221,7 +229,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--adam-lr",
         type=float,
         help="peak learning rate of adam and onebit-adam, which have no trust ratio and so "
-        "need a smaller one than LAMB (default: --lr)",
+        f"need a smaller one than LAMB (default: {DEFAULT_ADAM_LR})",
     )
     compare.add_argument("--out", type=Path, help="output folder (default: runs/<time>-compare)")
     _add_config_options(compare, with_optimizer=False)
@@ -341,10 +349,9 @@ def _compare(args: argparse.Namespace) -> int:
 
     try:
         base = TrainConfig(**_given_config(args))
-        adam_lr = base.lr if args.adam_lr is None else args.adam_lr
         configs = {
             name: dataclasses.replace(
-                base, optimizer=name, lr=base.lr if name in LAMB_OPTIMIZERS else adam_lr
+                base, optimizer=name, lr=base.lr if name in LAMB_OPTIMIZERS else args.adam_lr
             ).resolved()
             for name in args.optimizers
         }

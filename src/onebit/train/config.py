@@ -31,6 +31,10 @@ LOSS_PLOT_FILE = "loss.png"
 CHECKPOINT_DIR = "checkpoints"
 FINETUNE_FILE = "finetune.json"
 
+#: Peak learning rate when ``lr`` is not given: LAMB's was tuned on a short run of the
+#: convergence setup (docs/CONVERGENCE.md); Adam's is the usual one for small BERTs (untuned).
+DEFAULT_LAMB_LR = 0.016
+DEFAULT_ADAM_LR = 0.001
 #: Fraction of the steps spent in the warm-up stage when ``freeze_step`` is not given.
 DEFAULT_FREEZE_FRACTION = 0.2
 #: Fraction of the steps with a linearly rising learning rate when ``lr_warmup_steps`` is not given.
@@ -44,14 +48,14 @@ DEFAULT_CHECKPOINTS = 4
 class TrainConfig:
     """Everything that determines a training run's trajectory (and so must match on resume).
 
-    ``freeze_step``, ``lr_warmup_steps``, ``eval_every`` and ``checkpoint_every`` may be left
-    ``None``; :meth:`resolved` fills them in from ``steps``.
+    ``lr`` (per optimizer family), ``freeze_step``, ``lr_warmup_steps``, ``eval_every`` and
+    ``checkpoint_every`` (from ``steps``) may be left ``None``; :meth:`resolved` fills them in.
     """
 
     optimizer: str = "onebit-lamb"
     steps: int = 600
     batch_size: int = 128
-    lr: float = 2e-3
+    lr: float | None = None
     freeze_step: int | None = None
     lr_warmup_steps: int | None = None
     seq_len: int = 64
@@ -82,9 +86,11 @@ class TrainConfig:
     timeout: float = 600.0
 
     def resolved(self) -> TrainConfig:
-        """A validated copy with every ``None`` interval filled in."""
+        """A validated copy with every ``None`` filled in."""
         config = dataclasses.replace(self, betas=tuple(self.betas))
         config.validate_basic()
+        if config.lr is None:
+            config.lr = DEFAULT_LAMB_LR if config.optimizer in LAMB_OPTIMIZERS else DEFAULT_ADAM_LR
         if config.freeze_step is None:
             config.freeze_step = max(1, round(DEFAULT_FREEZE_FRACTION * config.steps))
         if config.lr_warmup_steps is None:
@@ -113,7 +119,9 @@ class TrainConfig:
             raise ValueError(f"--vocab-size must be at least 64, got {self.vocab_size}")
         if self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
-        for name in ("lr", "eps", "timeout", "factor_min", "max_coeff", "min_coeff"):
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        for name in ("eps", "timeout", "factor_min", "max_coeff", "min_coeff"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         for name in ("weight_decay", "grad_clip", "factor_threshold"):

@@ -296,14 +296,13 @@ class _Trainer:
             checkpoint.write_atomic(self.run_dir / TOKENIZER_FILE, tokenizer_json.encode())
         self._build(mlm)
         config = self.config
-        local = data.local_batch_size(config.batch_size, self.rank.world)
         val_inputs, val_labels = self._validation_set(mlm)
         batches = data.global_batches(
             mlm.train.shape[0], config.batch_size, config.steps, config.seed, self.start_step
         )
         with self._metrics_file() as metrics, self._progress() as bar:
             for step, indices in enumerate(batches, start=self.start_step + 1):
-                row = self._train_step(step, mlm, indices, local)
+                row = self._train_step(step, mlm, indices)
                 self._write(metrics, row)
                 if bar is not None:
                     bar.update(1)
@@ -355,9 +354,7 @@ class _Trainer:
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         return restarts == 0 and self.rank.rank == self.rank.world - 1
 
-    def _train_step(
-        self, step: int, mlm: data.MLMData, indices: torch.Tensor, local: int
-    ) -> dict[str, Any]:
+    def _train_step(self, step: int, mlm: data.MLMData, indices: torch.Tensor) -> dict[str, Any]:
         config, rank = self.config, self.rank
         started = time.perf_counter()
         inputs, labels = data.mask_tokens(
