@@ -251,7 +251,12 @@ def run_comparison(
         "rounds": rounds,
         "cpu_cores": cores,
     }
-    raw: dict[str, Any] = {"settings": settings, "methods": {}, "errors": []}
+    raw: dict[str, Any] = {
+        "settings": settings,
+        "code": _code_version(),
+        "methods": {},
+        "errors": [],
+    }
     started = time.perf_counter()
     logdir = Path(tempfile.mkdtemp(prefix="onebit-bench-"))
     try:
@@ -286,6 +291,31 @@ def run_comparison(
         detail = "\n".join(raw["errors"])
         raise ComparisonError(f"no method completed:\n{detail}")
     return analyze(raw)
+
+
+def _code_version() -> dict[str, Any]:
+    """The git commit of the onebit source that ran, and its files with uncommitted changes."""
+    import onebit
+
+    root = Path(onebit.__file__).resolve().parents[2]
+    version: dict[str, Any] = {"onebit": getattr(onebit, "__version__", None)}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "src/onebit"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        version.update(commit=commit, uncommitted=[line[3:] for line in dirty.splitlines()])
+    return version
 
 
 def _run_workers(cluster: Any, settings: dict[str, Any], raw: dict[str, Any], logdir: Path) -> None:
@@ -868,10 +898,11 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
         if xkey == "bandwidth":
             ax.set_xscale("log")
             ax.set_xticks(xs)
-            ax.set_xticklabels([_bandwidth_label(r["bandwidth"]) for r in data])
+            ax.set_xticklabels([_x_label(r) for r in data], fontsize=8)
+            ax.minorticks_off()
             ax.set_xlabel(
-                f"per-link bandwidth ({sweep['bandwidth_workers']} workers; unshaped "
-                "plotted at its measured TCP rate)"
+                f"per-link bandwidth, configured (measured TCP rate of one stream); "
+                f"{sweep['bandwidth_workers']} workers"
             )
         else:
             ax.set_xticks(xs)
@@ -888,12 +919,22 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+_UNSHAPED_X = 4e10
+"""Where an unshaped link sits on a bandwidth axis: right of every shaped rate swept here."""
+
+
 def _x_of(row: dict[str, Any]) -> float:
     from onebit.bench.cluster import parse_bandwidth
 
     if row["bandwidth"] is not None:
         return parse_bandwidth(row["bandwidth"])
-    return row.get("tcp_bits_per_second") or 3e10
+    return _UNSHAPED_X
+
+
+def _x_label(row: dict[str, Any]) -> str:
+    tcp = row.get("tcp_bits_per_second")
+    measured = f"\n(TCP {tcp / 1e9:.2f} Gbit/s)" if tcp else ""
+    return _bandwidth_label(row["bandwidth"]) + measured
 
 
 # ----- command line ------------------------------------------------------------------------
