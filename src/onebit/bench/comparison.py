@@ -313,8 +313,8 @@ def _code_version() -> dict[str, Any]:
             text=True,
             timeout=10,
             check=True,
-        ).stdout.strip()
-        version.update(commit=commit, uncommitted=[line[3:] for line in dirty.splitlines()])
+        ).stdout
+        version.update(commit=commit, uncommitted=[line[3:] for line in dirty.splitlines() if line])
     return version
 
 
