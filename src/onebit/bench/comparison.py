@@ -538,13 +538,13 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
         derived["comm_share"] = s
         derived["ideal_compression_stage_speedup"] = ideal_speedup(s)
         derived["ideal_end_to_end_speedup"] = ideal_speedup(s, w=w)
-    for item in summary.values():
+    for name, item in summary.items():
         if lamb:
             item["compression_stage_speedup"] = lamb["t_comp"] / item["t_comp"]
             item["warmup_stage_speedup"] = lamb["t_comp"] / item["t_warm"]
             item["end_to_end_speedup"] = lamb["end_to_end_seconds"] / item["end_to_end_seconds"]
             b_lamb = lamb["wire_comp"]
-            if b_lamb and item["wire_comp"]:
+            if b_lamb and item["wire_comp"] and name != "lamb-compute":  # sends ~nothing
                 item["compression_stage_bytes_reduction"] = b_lamb / item["wire_comp"]
                 item["whole_run_traffic_reduction"] = {
                     f"{fraction:.2f}": b_lamb
