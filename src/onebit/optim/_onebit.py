@@ -376,6 +376,7 @@ class OneBitOptimizer(Optimizer):
         if any("scaling_coeff" not in self.state[p] for p in params):
             self._start_compression(params)
         self._layout = _FusedLayout(entries, offset, torch.zeros(size, dtype=dtype, device=device))
+        self._flat_grads = None  # the warm-up's gradient buffer is not needed any more
         return self._layout
 
     def _start_compression(self, params: list[Tensor]) -> None:
