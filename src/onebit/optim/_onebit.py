@@ -180,17 +180,17 @@ class OneBitOptimizer(Optimizer):
         stage = self.stage
         traffic_before = TRAFFIC.total()
         try:
-            with self._collectives_of_step():
-                due = self.verify_every and self.step_count % self.verify_every == 0
-                if not self._replicas_verified or due:
+            due = self.verify_every and self.step_count % self.verify_every == 0
+            if not self._replicas_verified or due:
+                with self._collective():
                     verify_replicas(
                         self._replica_tensors(params), self.process_group, step=self.step_count + 1
                     )
-                    self._replicas_verified = True
-                if stage == WARMUP:
-                    applied = self._warmup_step(params)
-                else:
-                    applied = self._compression_step()
+                self._replicas_verified = True
+            if stage == WARMUP:
+                applied = self._warmup_step(params)
+            else:
+                applied = self._compression_step()
         finally:
             self.count_bytes_sent(stage, TRAFFIC.total() - traffic_before)
         if applied:
@@ -203,8 +203,8 @@ class OneBitOptimizer(Optimizer):
         return params + masters
 
     @contextlib.contextmanager
-    def _collectives_of_step(self) -> Iterator[None]:
-        """Turn a failed collective (a dead, stuck or diverged peer) into a clear error."""
+    def _collective(self) -> Iterator[None]:
+        """Turn a failed collective (a dead or stuck peer) into a clear error."""
         try:
             yield
         except ReplicaMismatchError:
@@ -276,7 +276,8 @@ class OneBitOptimizer(Optimizer):
                 view.copy_(grad)
                 flags[index] = 1
             views.append(view)
-        allreduce_mean_(flat, self.process_group)
+        with self._collective():
+            allreduce_mean_(flat, self.process_group)
         if not _common.all_finite([flat]):
             return None
         present = (flags > 0).tolist()
@@ -316,9 +317,10 @@ class OneBitOptimizer(Optimizer):
                 local.add_(grad, alpha=(1 - beta1) * scaling)
         buffer[layout.numel :].zero_()
         try:
-            compressed_allreduce(
-                buffer, self._worker_error, self._server_error, self.process_group, out=buffer
-            )
+            with self._collective():
+                compressed_allreduce(
+                    buffer, self._worker_error, self._server_error, self.process_group, out=buffer
+                )
         except NonFiniteError:
             return self._skip("a rank's local momentum")
         for group, param, offset, mask in layout.entries:
