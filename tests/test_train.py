@@ -84,7 +84,9 @@ def assert_same_trajectory(run_dir: Path, reference: Path) -> None:
     assert [r["loss"] for r in ours.validation] == [r["loss"] for r in theirs.validation]
 
 
-def test_run_folder_loss_and_traffic(reference_run: Path) -> None:
+def test_run_folder_loss_and_traffic(
+    reference_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     names = {p.name for p in reference_run.iterdir()}
     assert {
         "config.json", "metrics.jsonl", "loss.png", "summary.json", "tokenizer.json", "checkpoints"
@@ -114,6 +116,10 @@ def test_run_folder_loss_and_traffic(reference_run: Path) -> None:
     for step_dir in (reference_run / "checkpoints").iterdir():
         for file in step_dir.glob("*.pt"):
             torch.load(file, weights_only=True)
+
+    capsys.readouterr()
+    assert train("--resume", str(reference_run)) == 0  # complete: prints the summary again
+    assert "compression       8 steps" in capsys.readouterr().out
 
 
 def test_kill_and_automatic_restart_is_bit_identical(workspace: Path, reference_run: Path) -> None:

@@ -317,13 +317,15 @@ def _train(args: argparse.Namespace) -> int:
                 )
             run_dir = args.resume
             config = read_config(run_dir)
-            workers = args.workers or read_launch(run_dir).get("world_size", DEFAULT_WORKERS)
+            workers = args.workers
+            if workers is None:
+                workers = read_launch(run_dir).get("world_size", DEFAULT_WORKERS)
         else:
             config = TrainConfig(**_given_config(args)).resolved()
             if args.no_launch and args.out is None:
                 raise ValueError("--no-launch needs --out (every rank must name the same folder)")
             run_dir = args.out if args.out is not None else default_run_dir(config.optimizer)
-            workers = args.workers or DEFAULT_WORKERS
+            workers = DEFAULT_WORKERS if args.workers is None else args.workers
         if args.no_launch:
             from onebit.train.worker import WorkerEnvironmentError, run
 
@@ -364,7 +366,7 @@ def _compare(args: argparse.Namespace) -> int:
             status = launch_job(
                 config,
                 runs[name],
-                workers=args.workers or DEFAULT_WORKERS,
+                workers=DEFAULT_WORKERS if args.workers is None else args.workers,
                 max_restarts=args.max_restarts,
             )
             if status:

@@ -8,15 +8,21 @@ them when one fails; every restart resumes from the run folder's newest usable c
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import sys
 import uuid
 from pathlib import Path
 
-from onebit.train.config import TrainConfig, prepare_run_dir
+from onebit.train.config import SUMMARY_FILE, TrainConfig, prepare_run_dir
+from onebit.train.report import format_summary
 
 logger = logging.getLogger(__name__)
+
+#: Environment variable that makes each restart of the workers use a fresh store.
+SHARED_STORE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def free_port() -> int:
@@ -52,9 +58,19 @@ def launch_job(
             f"--batch-size {config.batch_size} (global) is not divisible by --workers {workers}"
         )
     continuing = prepare_run_dir(run_dir, config, {"world_size": workers})
+    summary_path = run_dir / SUMMARY_FILE
+    if continuing and summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        if summary["steps"] == config.steps:
+            logger.info("%s is complete; nothing to train", run_dir)
+            print(format_summary(summary), flush=True)
+            return 0
     logger.info("%s run in %s", "Continuing the" if continuing else "New", run_dir)
     load_data(config)  # fill the cache once, before the workers read it
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # With the rendezvous store shared across restarts, restarted workers can read the previous
+    # attempt's gloo/NCCL addresses and fail to connect (pytorch/pytorch#135712, #167288).
+    os.environ.setdefault(SHARED_STORE_SWITCH, "1")
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
