@@ -844,7 +844,7 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
     if not panels:
         logger.warning("nothing to plot: no configuration of the sweep completed")
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.8 * len(panels), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.8 * len(panels) + 2.6, 5), squeeze=False)
     for ax, (data, xkey) in zip(axes[0], panels, strict=False):
         xs = [_x_of(r) if xkey == "bandwidth" else r["workers"] for r in data]
         for name in _PLOT_METHODS:
@@ -908,7 +908,7 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
             ax.set_xticks(xs)
             ax.set_xlabel(f"workers ({_bandwidth_label(sweep['worker_bandwidth'])} links)")
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(
         f"Emulated cluster, model {sweep['model']}: speedup over LAMB "
         "(all workers share 2 CPU cores)"
