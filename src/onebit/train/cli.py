@@ -400,9 +400,13 @@ def _finetune(args: argparse.Namespace) -> int:
         result = finetune(args.run_dir, config)
     except (ValueError, FileNotFoundError) as exc:
         return _error("finetune", exc)
+    origin = (
+        "no pre-training"
+        if config.from_scratch
+        else f"pre-trained for {result['checkpoint_step']} steps"
+    )
     print(
         f"sentiment test accuracy {100 * result['test_accuracy']:.2f}% "
-        f"({result['test_examples']} test sentences, pre-trained step "
-        f"{result['checkpoint_step']}); written to {result['path']}"
+        f"({result['test_examples']} test sentences, {origin}); written to {result['path']}"
     )
     return 0

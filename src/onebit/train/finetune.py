@@ -150,9 +150,8 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(config.seed)
     started = time.perf_counter()
     logger.info(
-        "Fine-tuning %s (step %d) on %d sentences for %d epochs",
-        "a randomly initialised model" if config.from_scratch else run_dir,
-        step,
+        "Fine-tuning %s on %d sentences for %d epochs",
+        "a randomly initialised model" if config.from_scratch else f"{run_dir} (step {step})",
         len(train_rows),
         config.epochs,
     )
