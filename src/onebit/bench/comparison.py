@@ -808,6 +808,7 @@ def _sweep_row(result: dict[str, Any]) -> dict[str, Any]:
             for name, item in summary.items()
         },
         "targets": {k: v.get("met") for k, v in result["targets"].items() if isinstance(v, dict)},
+        "requested_methods": list(settings["methods"]),
     }
 
 
@@ -1195,7 +1196,8 @@ def format_sweep_table(rows: Sequence[dict[str, Any]]) -> str:
         for name, _ in _SWEEP_COLUMNS:
             item = row["methods"].get(name)
             if item is None:
-                cells.append("skipped")
+                requested = row.get("requested_methods")
+                cells.append("not run" if requested and name not in requested else "failed")
             elif name.startswith("onebit"):
                 cells.append(
                     f"{_num(item['compression_stage_speedup'], '{:.2f}x')} / "
