@@ -147,6 +147,17 @@ def test_resume_skips_a_corrupt_checkpoint(
     assert_same_trajectory(out, reference_run)
 
 
+def test_dense_optimizer_without_ddp(workspace: Path) -> None:
+    """AdamW with onebit's own dense gradient averaging: every step sends what LAMB sends."""
+    out = workspace / "adam"
+    assert train(*tiny(workspace, out, "--optimizer", "adam", "--no-ddp", "--lr", "0.01")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["bytes_sent"]["by_stage"]["dense"]["steps"] == STEPS
+    assert summary["bytes_sent"]["total"] == summary["lamb_bytes"] > 0
+    metrics = report.read_metrics(out)
+    assert metrics.validation[-1]["loss"] < metrics.validation[0]["loss"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

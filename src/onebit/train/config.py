@@ -53,7 +53,7 @@ class TrainConfig:
     """
 
     optimizer: str = "onebit-lamb"
-    steps: int = 600
+    steps: int = 400
     batch_size: int = 128
     lr: float | None = None
     freeze_step: int | None = None

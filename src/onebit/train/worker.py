@@ -13,6 +13,7 @@ the steps an uninterrupted run would take.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -104,7 +105,7 @@ def build_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.op
 
 
 # No annotations: DistributedDataParallel inspects them and rejects postponed (string) ones.
-def counted_allreduce_hook(process_group, bucket):  # noqa: ANN001, ANN201
+def counted_allreduce_hook(process_group, bucket):
     """DDP's default mean allreduce, with its bytes counted in :data:`onebit.TRAFFIC`."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -185,10 +186,8 @@ def _collective_ok(error: str | None, what: str) -> None:
         raise RuntimeError(f"{what} failed on rank {rank}: {message}")
 
 
-def run(
-    config: TrainConfig, run_dir: Path, *, kill_at_step: int | None = None
-) -> dict[str, Any] | None:
-    """Train (or continue) the run in ``run_dir`` on this rank; rank 0 returns the summary.
+def run(config: TrainConfig, run_dir: Path, *, kill_at_step: int | None = None) -> None:
+    """Train (or continue) the run in ``run_dir`` on this rank; rank 0 writes the report.
 
     ``kill_at_step`` (tests only): after that step the last rank kills itself with SIGKILL,
     on the first attempt of an elastic job only.
@@ -199,7 +198,7 @@ def run(
     torch.set_num_threads(threads)
     dist.init_process_group(config.backend, timeout=timedelta(seconds=config.timeout))
     try:
-        return _Trainer(config, run_dir, rank, kill_at_step).train()
+        _Trainer(config, run_dir, rank, kill_at_step).train()
     finally:
         dist.destroy_process_group()
 
@@ -290,7 +289,7 @@ class _Trainer:
         return self.optimizer.stage if self.config.uses_onebit else DENSE
 
     # ----------------------------------------------------------------- the loop
-    def train(self) -> dict[str, Any] | None:
+    def train(self) -> None:
         mlm, tokenizer_json = self._prepare()
         if self.rank.is_main and not (self.run_dir / TOKENIZER_FILE).exists():
             checkpoint.write_atomic(self.run_dir / TOKENIZER_FILE, tokenizer_json.encode())
@@ -327,13 +326,11 @@ class _Trainer:
                     logger.info("step %d: validation MLM loss %.4f", step, val)
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     self._save(step, metrics)
-        if not self.rank.is_main:
-            return None
-        summary = report.write_run_report(
-            self.run_dir, config, world_size=self.rank.world, numel=self.numel
-        )
-        print(report.format_summary(summary), flush=True)
-        return summary
+        if self.rank.is_main:
+            summary = report.write_run_report(
+                self.run_dir, config, world_size=self.rank.world, numel=self.numel
+            )
+            print(report.format_summary(summary), flush=True)
 
     def _validation_set(self, mlm: data.MLMData) -> tuple[torch.Tensor, torch.Tensor]:
         """A fixed random subset of ``eval_seqs`` validation sequences with fixed masks."""
@@ -476,8 +473,6 @@ class _Trainer:
 @record
 def main(argv: list[str] | None = None) -> int:
     """``python -m onebit.train.worker RUN_DIR``: continue the run in RUN_DIR on this rank."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m onebit.train.worker", description=__doc__)
     parser.add_argument("run_dir", type=Path, help="run folder holding config.json")
     parser.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
