@@ -171,7 +171,10 @@ def test_dense_optimizer_without_ddp(workspace: Path) -> None:
         (["--batch-size", "10", "--workers", "4"], "--batch-size 10 (global) is not divisible"),
         (["--workers", "0"], "--workers must be at least 1"),
         (["--no-launch"], "needs torchrun's environment variables; ['RANK'"),
-        (["--lr-warmup-steps", "600"], "--lr-warmup-steps must be in [0, --steps=600)"),
+        (
+            ["--steps", "50", "--lr-warmup-steps", "50"],
+            "--lr-warmup-steps must be in [0, --steps=50)",
+        ),
     ],
 )
 def test_bad_options_are_named(

@@ -37,12 +37,13 @@ metrics.jsonl, loss.png, config.json, summary.json, tokenizer.json and checkpoin
 
 TRAIN_EPILOG = """\
 examples:
-  onebit train                                  # 4 workers, about 5 minutes on 2 cores
+  onebit train                                  # 4 workers, about 4 minutes on 2 cores
   onebit train --optimizer lamb --steps 1000 --batch-size 256
   onebit train --resume runs/20250101-120000-onebit-lamb
-  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-      --rdzv-id job1 --max-restarts 3 -m onebit train --no-launch --out /shared/runs/job1 \\
-      --backend nccl --device cuda
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc-per-node 8 \\
+      --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id job1 --max-restarts 3 \\
+      -m onebit train --no-launch --out /shared/runs/job1 --backend nccl --device cuda
+  (the variable gives every restart a fresh rendezvous store: pytorch/pytorch#135712)
 """
 
 
