@@ -33,6 +33,16 @@ def check_positive(name: str, value: float) -> None:
         raise ValueError(f"Invalid {name}={value}: it must be > 0")
 
 
+def check_adam_hyperparameters(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """The checks every onebit optimizer makes of its Adam-style arguments."""
+    check_lr(lr)
+    check_betas(betas)
+    check_positive("eps", eps)
+    check_non_negative("weight_decay", weight_decay)
+
+
 def check_coeff_bounds(min_coeff: float, max_coeff: float) -> None:
     check_positive("min_coeff", min_coeff)
     if not min_coeff <= max_coeff:

@@ -12,7 +12,34 @@ from torch.optim import Optimizer
 from onebit.optim import _common
 from onebit.optim.functional import lamb_step_
 
-__all__ = ["Lamb"]
+__all__ = ["Lamb", "lamb_group_step_"]
+
+
+def lamb_group_step_(
+    group: dict[str, Any],
+    param: Tensor,
+    state: dict[str, Any],
+    grad: Tensor,
+    scratch: _common.ScratchPool,
+) -> float | None:
+    """:func:`~onebit.optim.functional.lamb_step_` with ``group``'s hyper-parameters, on the
+    parameter's master copy; returns the trust ratio (``None`` where it is undefined)."""
+    target = _common.master(param, state)
+    beta1, beta2 = group["betas"]
+    return lamb_step_(
+        target,
+        grad,
+        state["exp_avg"],
+        state["exp_avg_sq"],
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        min_coeff=group["min_coeff"],
+        max_coeff=group["max_coeff"],
+        work=scratch.get(0, target),
+    )
 
 
 class Lamb(Optimizer):
@@ -50,10 +77,7 @@ class Lamb(Optimizer):
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
     ) -> None:
-        _common.check_lr(lr)
-        _common.check_betas(betas)
-        _common.check_positive("eps", eps)
-        _common.check_non_negative("weight_decay", weight_decay)
+        _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
         defaults = dict(
             lr=lr,
@@ -73,28 +97,13 @@ class Lamb(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for param in group["params"]:
                 state = self.state[param]
                 grad = _common.dense_grad(param, _common.state_dtype(param))
                 if grad is None:
                     continue
                 _common.init_param_state(param, state)
-                target = _common.master(param, state)
-                coeff = lamb_step_(
-                    target,
-                    grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    min_coeff=group["min_coeff"],
-                    max_coeff=group["max_coeff"],
-                    work=self._scratch.get(0, target),
-                )
+                coeff = lamb_group_step_(group, param, state, grad, self._scratch)
                 state["lamb_coeff"] = 1.0 if coeff is None else coeff
                 _common.sync_param_from_master(param, state)
         return loss

@@ -40,10 +40,7 @@ class OneBitAdam(OneBitOptimizer):
         on_nonfinite: str = "skip",
         verify_every: int = 0,
     ) -> None:
-        _common.check_lr(lr)
-        _common.check_betas(betas)
-        _common.check_positive("eps", eps)
-        _common.check_non_negative("weight_decay", weight_decay)
+        _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,

@@ -11,11 +11,11 @@ from torch import Tensor
 from onebit.optim import _common
 from onebit.optim._onebit import OneBitOptimizer
 from onebit.optim.functional import (
-    lamb_step_,
     onebit_lamb_compressed_step_,
     reconstruct_gradient,
     update_fresh_variance_,
 )
+from onebit.optim.lamb import lamb_group_step_
 
 __all__ = ["OneBitLamb"]
 
@@ -90,10 +90,7 @@ class OneBitLamb(OneBitOptimizer):
         on_nonfinite: str = "skip",
         verify_every: int = 0,
     ) -> None:
-        _common.check_lr(lr)
-        _common.check_betas(betas)
-        _common.check_positive("eps", eps)
-        _common.check_non_negative("weight_decay", weight_decay)
+        _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
         if not 0.0 <= coeff_beta < 1.0:
             raise ValueError(f"Invalid coeff_beta={coeff_beta}: it must be in [0, 1)")
@@ -131,22 +128,7 @@ class OneBitLamb(OneBitOptimizer):
     def _warmup_update(
         self, group: dict[str, Any], param: Tensor, state: dict[str, Any], grad: Tensor
     ) -> None:
-        beta1, beta2 = group["betas"]
-        target = _common.master(param, state)
-        coeff = lamb_step_(
-            target,
-            grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            min_coeff=group["min_coeff"],
-            max_coeff=group["max_coeff"],
-            work=self._scratch.get(0, target),
-        )
+        coeff = lamb_group_step_(group, param, state, grad, self._scratch)
         if coeff is None:  # ||p|| or ||u|| is 0: c = 1 was used, and c_frz is not updated
             state["lamb_coeff"] = 1.0
             return
