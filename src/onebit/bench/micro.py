@@ -61,6 +61,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     optimizer.set_defaults(handler=run_optimizer_bench)
 
 
+def _rank_zero_result(worker: Callable[..., Any], world: int, *args: Any) -> Any:
+    """Run ``worker`` on ``world`` local gloo ranks (long timeouts: large buffers on a
+    shared machine) and return rank 0's result."""
+    from onebit.testing import spawn_workers
+
+    return spawn_workers(worker, world, args=args, timeout_s=3600, collective_timeout_s=600)[0]
+
+
 def _median_time(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None):
     times = []
     for _ in range(repeats):
@@ -147,8 +155,6 @@ def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> 
 def run_allreduce_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from onebit.testing import spawn_workers
-
     if not 3 <= args.min_log2 <= args.max_log2 <= 30:
         raise SystemExit("need 3 <= --min-log2 <= --max-log2 <= 30")
     torch.set_num_threads(1)
@@ -169,14 +175,7 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
         )
     distributed_rows = []
     for world in args.world_sizes:
-        rows = spawn_workers(
-            _allreduce_worker,
-            world,
-            args=(sizes, args.repeats),
-            timeout_s=3600,
-            collective_timeout_s=600,
-        )[0]
-        distributed_rows.extend(rows)
+        distributed_rows.extend(_rank_zero_result(_allreduce_worker, world, sizes, args.repeats))
     print("\nLoopback gloo, per call, per rank:")
     print(
         f"{'n':>2} {'N':>10} {'compressed s':>13} {'all_reduce s':>13} {'time ratio':>10} "
@@ -359,20 +358,13 @@ def _print_optimizer_row(row: dict[str, Any]) -> None:
 
 
 def run_optimizer_bench(args: argparse.Namespace) -> int:
-    from onebit.testing import spawn_workers
 
     shapes = bert_base_shapes(args.scale)
     print(f"BERT-base parameter shapes (scale {args.scale}), 1 thread per rank,")
     print(f"median of {args.repeats} steps per figure, Lamb and OneBitLamb interleaved\n")
     rows = []
     for world in args.world_sizes:
-        row = spawn_workers(
-            _optimizer_worker,
-            world,
-            args=(shapes, args.repeats),
-            timeout_s=3600,
-            collective_timeout_s=600,
-        )[0]
+        row = _rank_zero_result(_optimizer_worker, world, shapes, args.repeats)
         rows.append(row)
         _print_optimizer_row(row)
     if args.json:
