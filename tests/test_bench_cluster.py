@@ -128,7 +128,6 @@ def test_cluster_command_says_why_it_cannot_run(monkeypatch, capsys) -> None:
 
 
 @needs_cluster
-@pytest.mark.slow
 def test_two_worker_comparison_on_emulated_cluster() -> None:
     methods = ["lamb", "lamb-compute", "onebit-lamb-ddp", "onebit-lamb"]
     result = comparison.run_comparison(
