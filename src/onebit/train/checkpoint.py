@@ -2,14 +2,14 @@
 
 A checkpoint is a folder ``checkpoints/step-<K>/`` holding
 
-* ``model.pt`` (written by rank 0): model weights, LR-scheduler state, the step, and the size
+* ``model.pt`` (written by rank 0): the model weights and BERT config, the step, and the size
   of ``metrics.jsonl`` at that step;
-* ``rank-<R>.pt`` (one per rank): that rank's optimizer state, which for the 1-bit optimizers
-  includes its own error-feedback buffers;
+* ``rank-<R>.pt`` (one per rank): that rank's optimizer state (for the 1-bit optimizers, its
+  own error-feedback buffers), its LR-scheduler state and the bytes it has sent so far;
 * ``manifest.json`` (rank 0, written last): the step, the world size and the SHA-256 digest of
   every file. A checkpoint without a manifest is incomplete and never loaded.
 
-Every file is written to a temporary name, fsynced and renamed. Older checkpoints are deleted
+Every file is written atomically (:mod:`onebit.train.atomic`). Older checkpoints are deleted
 only after the new manifest exists, and the newest ``keep`` complete ones are kept, so a
 checkpoint that turns out to be truncated or corrupt (its digest or ``torch.load`` fails) is
 reported and the previous one is used. Everything loads with ``torch.load(weights_only=True)``.
@@ -23,7 +23,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from onebit.train.atomic import write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +63,9 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, payload: bytes) -> str:
-    """Write ``payload`` to ``path`` (temporary file, fsync, rename); return its SHA-256."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+def _write(path: Path, payload: bytes) -> str:
+    """Write ``payload`` to ``path`` atomically; return its SHA-256."""
+    write_bytes_atomic(path, payload)
     return hashlib.sha256(payload).hexdigest()
 
 
@@ -113,17 +100,17 @@ def save(
     world = dist.get_world_size()
     folder = step_dir(checkpoint_root, step)
     folder.mkdir(parents=True, exist_ok=True)
-    digests = {rank_file(rank): write_atomic(folder / rank_file(rank), _serialize(rank_state))}
+    digests = {rank_file(rank): _write(folder / rank_file(rank), _serialize(rank_state))}
     if rank == 0:
         if model_state is None:
             raise ValueError("rank 0 must pass the model state")
-        digests[MODEL_FILE] = write_atomic(folder / MODEL_FILE, _serialize(model_state))
+        digests[MODEL_FILE] = _write(folder / MODEL_FILE, _serialize(model_state))
     gathered: list[dict[str, str] | None] = [None] * world
     dist.all_gather_object(gathered, digests)
     if rank == 0:
         files = {name: digest for part in gathered for name, digest in part.items()}
         manifest = {"step": step, "world_size": world, "files": files}
-        write_atomic(folder / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+        _write(folder / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
     dist.barrier()
     outdated = complete_steps(checkpoint_root)[keep:]
     for old in outdated:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onebit.train.atomic import write_json_atomic
+
 OPTIMIZERS = ("onebit-lamb", "lamb", "onebit-adam", "adam")
 ONEBIT_OPTIMIZERS = ("onebit-lamb", "onebit-adam")
 LAMB_OPTIMIZERS = ("onebit-lamb", "lamb")
@@ -189,17 +191,6 @@ def _positive_int(name: str, value: int) -> None:
 def default_run_dir(optimizer: str, root: str | os.PathLike[str] = "runs") -> Path:
     """``runs/<YYYYmmdd-HHMMSS>-<optimizer>``."""
     return Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{optimizer}"
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary file, fsync and rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _read_run_file(run_dir: Path) -> dict[str, Any]:

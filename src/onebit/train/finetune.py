@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from onebit.train import checkpoint, data
-from onebit.train.config import CHECKPOINT_DIR, FINETUNE_FILE, TOKENIZER_FILE, write_json_atomic
+from onebit.train.atomic import write_json_atomic
+from onebit.train.config import CHECKPOINT_DIR, FINETUNE_FILE, TOKENIZER_FILE
 
 logger = logging.getLogger(__name__)
 

@@ -13,13 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onebit.train.config import (
-    LOSS_PLOT_FILE,
-    METRICS_FILE,
-    SUMMARY_FILE,
-    TrainConfig,
-    write_json_atomic,
-)
+from onebit.train.atomic import write_json_atomic
+from onebit.train.config import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, TrainConfig
 
 #: Fraction of the last train steps whose mean loss is reported as the final train loss.
 FINAL_TRAIN_WINDOW = 0.05

@@ -36,6 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import onebit
 from onebit.collectives import record_allreduce
 from onebit.train import checkpoint, data, report
+from onebit.train.atomic import write_bytes_atomic
 from onebit.train.config import (
     CHECKPOINT_DIR,
     METRICS_FILE,
@@ -292,7 +293,7 @@ class _Trainer:
     def train(self) -> None:
         mlm, tokenizer_json = self._prepare()
         if self.rank.is_main and not (self.run_dir / TOKENIZER_FILE).exists():
-            checkpoint.write_atomic(self.run_dir / TOKENIZER_FILE, tokenizer_json.encode())
+            write_bytes_atomic(self.run_dir / TOKENIZER_FILE, tokenizer_json.encode())
         self._build(mlm)
         config = self.config
         val_inputs, val_labels = self._validation_set(mlm)
