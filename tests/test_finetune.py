@@ -13,6 +13,7 @@ from test_train import write_corpus
 
 from onebit.cli import main as onebit_main
 from onebit.train import data
+from onebit.train.data import sentiment
 from onebit.train.model import bert_config, build_classifier, build_mlm_model
 
 POSITIVE = ["good", "great", "lovely", "fine", "superb"]
@@ -29,7 +30,7 @@ def write_sentiment_cache(cache: Path, rows: int = 300) -> None:
         words = rng.choices(FILLER, k=6) + [rng.choice(POSITIVE if label else NEGATIVE)]
         rng.shuffle(words)
         records.append([" ".join(words), label])
-    path = cache / "sentiment" / f"movie_reviews-v{data.CACHE_FORMAT_VERSION}.jsonl"
+    path = sentiment.sentiment_cache_file(cache)
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
