@@ -6,11 +6,19 @@ import pytest
 import torch
 
 import onebit
-from onebit.collectives import NonFiniteError, padded_size
+from onebit import kernels
+from onebit.collectives import (
+    KernelMismatchError,
+    NonFiniteError,
+    TrafficCounter,
+    compressed_allreduce_bytes,
+    padded_size,
+)
 from onebit.compression import simulate_compressed_allreduce
 from onebit.testing import WorkerError, spawn_workers
 
 CALLS = 5
+CPU_BACKENDS = [name for name in kernels.available() if name != "triton"]
 
 
 def _all_inputs(world_size: int, numel: int, call: int) -> torch.Tensor:
@@ -20,37 +28,81 @@ def _all_inputs(world_size: int, numel: int, call: int) -> torch.Tensor:
     return torch.randn(world_size, numel, generator=gen) * magnitudes
 
 
-def _exchange_against_simulation(rank: int, world_size: int, numel: int):
+def _exchange_against_simulation(rank: int, world_size: int, numel: int, backend: str):
     worker_error = torch.zeros(numel)
     server_error = torch.zeros(numel // world_size)
     sim_we = torch.zeros(world_size, numel)
     sim_se = torch.zeros(world_size, numel // world_size)
     results = []
-    onebit.TRAFFIC.reset()
+    traffic = TrafficCounter()
+    workspace = onebit.CompressionWorkspace()
     for call in range(CALLS):
         inputs = _all_inputs(world_size, numel, call)
         buffer = inputs[rank].clone()
-        result = onebit.compressed_allreduce(buffer, worker_error, server_error)
+        result = onebit.compressed_allreduce(
+            buffer,
+            worker_error,
+            server_error,
+            workspace=workspace,
+            traffic=traffic,
+            kernels_name=backend,
+        )
         assert torch.equal(buffer, inputs[rank]), "the input buffer must not be modified"
-        expected, sim_we, sim_se = simulate_compressed_allreduce(inputs, sim_we, sim_se)
+        expected, sim_we, sim_se = simulate_compressed_allreduce(
+            inputs, sim_we, sim_se, kernels_name=backend
+        )
         assert torch.equal(result, expected), f"call {call}: result differs from the simulation"
         assert torch.equal(worker_error, sim_we[rank]), f"call {call}: worker_error differs"
         assert torch.equal(server_error, sim_se[rank]), f"call {call}: server_error differs"
         results.append(result)
-    in_place = onebit.compressed_allreduce(buffer, worker_error, server_error, out=buffer)
+    in_place = onebit.compressed_allreduce(
+        buffer, worker_error, server_error, out=buffer, traffic=traffic, kernels_name=backend
+    )
     assert in_place.data_ptr() == buffer.data_ptr()
-    return torch.stack(results), onebit.TRAFFIC.bytes_sent.get("compressed_allreduce", 0)
+    return torch.stack(results), traffic.bytes_sent.get("compressed_allreduce", 0)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_matches_simulation_and_is_identical_on_every_rank(world_size):
-    numel = padded_size(1000, world_size)
-    outputs = spawn_workers(_exchange_against_simulation, world_size, args=(numel,))
+def test_matches_simulation_and_is_identical_on_every_rank(world_size, backend):
+    numel = padded_size(100_000 if world_size == 2 else 1000, world_size)
+    outputs = spawn_workers(_exchange_against_simulation, world_size, args=(numel, backend))
     for rank, (results, _) in enumerate(outputs):
         assert torch.equal(results, outputs[0][0]), f"rank {rank} got a different result"
     chunk = numel // world_size
-    expected_bytes = (CALLS + 1) * (2 * (world_size - 1) * chunk // 8 + 8 * (world_size - 1))
+    expected_bytes = (CALLS + 1) * (2 * (world_size - 1) * chunk // 8 + 12 * (world_size - 1))
     assert all(sent == expected_bytes for _, sent in outputs)
+    assert expected_bytes == (CALLS + 1) * compressed_allreduce_bytes(
+        numel, world_size, torch.float32
+    )
+
+
+def test_traffic_of_float64_buffers_counts_float64_scales():
+    assert compressed_allreduce_bytes(64, 2, torch.float64) == 2 * 4 + 3 * 8
+    assert compressed_allreduce_bytes(64, 2, torch.float32) == 2 * 4 + 3 * 4
+    assert compressed_allreduce_bytes(64, 1, torch.float32) == 0
+
+
+def _mixed_backends(rank: int, world_size: int):
+    worker_error, server_error = torch.full((64,), 0.5), torch.full((32,), 0.25)
+    try:
+        onebit.compressed_allreduce(
+            torch.randn(64),
+            worker_error,
+            server_error,
+            kernels_name=CPU_BACKENDS[rank % len(CPU_BACKENDS)],
+        )
+    except KernelMismatchError as error:
+        untouched = bool((worker_error == 0.5).all() and (server_error == 0.25).all())
+        return str(error), untouched
+    return None, None
+
+
+@pytest.mark.skipif(len(CPU_BACKENDS) < 2, reason="needs two CPU backends (numba installed)")
+def test_ranks_with_different_backends_get_a_clear_error_on_every_rank():
+    for message, untouched in spawn_workers(_mixed_backends, 2, timeout_s=60):
+        assert message is not None and "['torch', 'numba']" in message
+        assert untouched
 
 
 def _bad_sizes(rank: int, world_size: int):

@@ -5,13 +5,14 @@ Public API:
 * :class:`OneBitLamb`, :class:`OneBitAdam`: the 1-bit optimizers (warm-up, then momentum
   exchanged at 1 bit per element with two-sided error feedback).
 * :class:`Lamb`: the uncompressed LAMB baseline (the warm-up stage of 1-bit LAMB).
-* :func:`compressed_allreduce`, :func:`padded_size`: the compressed collective itself.
-* :data:`TRAFFIC`: bytes sent by onebit's collectives in this process.
+* :func:`compressed_allreduce`, :func:`padded_size`: the compressed collective itself, with
+  :class:`CompressionWorkspace` (reused scratch) and :class:`TrafficCounter` (bytes sent).
 """
 
 from onebit import ddp
 from onebit.collectives import (
-    TRAFFIC,
+    CompressionWorkspace,
+    KernelMismatchError,
     NonFiniteError,
     TrafficCounter,
     allreduce_mean_,
@@ -31,7 +32,8 @@ __all__ = [
     "ReplicaMismatchError",
     "broadcast_parameters",
     "verify_replicas",
-    "TRAFFIC",
+    "CompressionWorkspace",
+    "KernelMismatchError",
     "NonFiniteError",
     "TrafficCounter",
     "allreduce_mean_",

@@ -5,32 +5,29 @@ Only ``torch.distributed`` collectives are used (``all_to_all_single``,
 NCCL (CUDA tensors). Without an initialised process group, or with a group of one rank,
 everything runs locally with the same maths and no communication.
 
-Every collective issued here is counted in :data:`TRAFFIC`: the bytes this rank sends,
-modelled as a bandwidth-optimal implementation sends them (a ring allreduce sends
-``2 (n-1)/n`` times the buffer; an all-gather sends this rank's part to ``n-1`` peers; an
-all-to-all sends ``(n-1)/n`` of the buffer).
+Traffic is counted in a :class:`TrafficCounter` the caller passes (each optimizer owns
+one): the bytes this rank sends, modelled as a bandwidth-optimal implementation sends them
+(a ring allreduce sends ``2 (n-1)/n`` times the buffer; an all-gather sends this rank's part
+to ``n-1`` peers; an all-to-all sends ``(n-1)/n`` of the buffer). Scratch memory lives in a
+:class:`CompressionWorkspace` the caller passes, or is allocated for the one call.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.compression import (
-    compress,
-    scale_dtype,
-    server_average,
-    unpack_signs,
-    update_error,
-)
+from onebit import kernels
+from onebit.compression import scale_dtype
 
 __all__ = [
-    "TRAFFIC",
+    "CompressionWorkspace",
+    "KernelMismatchError",
     "TrafficCounter",
     "NonFiniteError",
     "padded_size",
@@ -42,6 +39,10 @@ __all__ = [
 
 class NonFiniteError(FloatingPointError):
     """A buffer taking part in a collective holds NaN or Inf (raised on every rank)."""
+
+
+class KernelMismatchError(RuntimeError):
+    """Ranks of a group run different compression backends (raised on every rank)."""
 
 
 @dataclass
@@ -68,10 +69,6 @@ class TrafficCounter:
             self.calls.clear()
 
 
-TRAFFIC = TrafficCounter()
-"""Process-wide count of the bytes sent by onebit's collectives (see :class:`TrafficCounter`)."""
-
-
 def world_size(group: dist.ProcessGroup | None = None) -> int:
     """Ranks in ``group``; 1 when ``torch.distributed`` is not initialised."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -92,55 +89,80 @@ def padded_size(numel: int, world_size: int) -> int:
     return max(unit, -(-numel // unit) * unit)
 
 
-def allreduce_mean_(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
-    """In place: ``tensor = mean over ranks of tensor`` (a dense allreduce), counted as traffic."""
+def allreduce_mean_(
+    tensor: Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    traffic: TrafficCounter | None = None,
+) -> Tensor:
+    """In place: ``tensor = mean over ranks of tensor`` (a dense allreduce).
+
+    Its bytes are counted in ``traffic`` if given."""
     n = world_size(group)
     if n == 1:
         return tensor
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     tensor.div_(n)
-    record_allreduce(tensor, n)
+    if traffic is not None:
+        traffic.record("allreduce", allreduce_bytes(tensor, n))
     return tensor
 
 
-def record_allreduce(tensor: Tensor, n: int) -> int:
-    """Count a dense ring allreduce of ``tensor`` over ``n`` ranks: ``2 (n-1)/n`` of its bytes.
-
-    Returns the bytes counted."""
-    nbytes = 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
-    TRAFFIC.record("allreduce", nbytes)
-    return nbytes
+def allreduce_bytes(tensor: Tensor, n: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``tensor`` over ``n`` ranks:
+    ``2 (n-1)/n`` of its size."""
+    return 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
 
 
-class _Workspace:
-    """Scratch of one compressed allreduce shape, allocated once and reused across calls.
+def compressed_allreduce_bytes(numel: int, n: int, dtype: torch.dtype) -> int:
+    """Bytes one rank sends in a :func:`compressed_allreduce` of ``numel`` elements of
+    ``dtype`` over ``n`` ranks: its signs for the ``n-1`` other servers (all-to-all), its
+    server chunk's signs to ``n-1`` peers (all-gather), and two scales and the backend code
+    per peer (scales in :func:`~onebit.compression.scale_dtype` precision)."""
+    if n == 1:
+        return 0
+    sign_bytes = (n - 1) * (numel // n) // 8
+    scale_bytes = torch.empty((), dtype=scale_dtype(dtype)).element_size()
+    return 2 * sign_bytes + 3 * scale_bytes * (n - 1)
 
-    For a buffer of ``N`` elements: ``N`` bools for the sign comparison, two chunk-sized
-    buffers (``2 N / n`` elements) for the server, and ``N / 4`` bytes of packed signs.
+
+class CompressionWorkspace:
+    """Scratch memory of :func:`compressed_allreduce`, allocated once and reused.
+
+    Holds, for the most recent buffer shape (size, world size, dtype, device, backend):
+    ``N / 4`` bytes of packed signs, the gathered scales, and whatever the backend keeps
+    between its stages (the reference: ``N`` bools and two chunk-sized buffers; the fused
+    backends: nothing). Each optimizer owns one; pass your own to reuse it across calls.
     """
 
-    def __init__(self, numel: int, n: int, dtype: torch.dtype, device: torch.device) -> None:
-        chunk = numel // n
-        self.bits = torch.empty(numel, dtype=torch.bool, device=device)
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+
+    def prepare(
+        self, numel: int, n: int, dtype: torch.dtype, device: torch.device, backend
+    ) -> CompressionWorkspace:
+        key = (numel, n, dtype, device, backend.name)
+        if key == self._key:
+            return self
+        chunk, sdtype = numel // n, scale_dtype(dtype)
+        self.worker_packed = torch.empty(numel // 8, dtype=torch.uint8, device=device)
         self.received = torch.empty(n, chunk // 8, dtype=torch.uint8, device=device)
+        self.server_packed = torch.empty(chunk // 8, dtype=torch.uint8, device=device)
         self.gathered = torch.empty(n, chunk // 8, dtype=torch.uint8, device=device)
-        self.y = torch.empty(chunk, dtype=dtype, device=device)
-        self.work = torch.empty(chunk, dtype=dtype, device=device)
-        self.worker_scales = torch.empty(n, dtype=scale_dtype(dtype), device=device)
-        self.server_scales = torch.empty(n, dtype=scale_dtype(dtype), device=device)
+        self.local_scale = torch.empty(2, dtype=sdtype, device=device)  # scale, backend code
+        self.worker_scales = torch.empty(n, 2, dtype=sdtype, device=device)
+        self.server_scales = torch.empty(n, dtype=sdtype, device=device)
+        self.backend_scratch = backend.scratch(numel, n, dtype, device)
+        self._key = key
+        return self
 
-
-_WORKSPACES: OrderedDict[tuple, _Workspace] = OrderedDict()
-_MAX_WORKSPACES = 4
-
-
-def _workspace(numel: int, n: int, dtype: torch.dtype, device: torch.device) -> _Workspace:
-    key = (numel, n, dtype, device)
-    workspace = _WORKSPACES.pop(key, None) or _Workspace(numel, n, dtype, device)
-    _WORKSPACES[key] = workspace
-    while len(_WORKSPACES) > _MAX_WORKSPACES:
-        _WORKSPACES.popitem(last=False)
-    return workspace
+    def nbytes(self) -> int:
+        """Bytes of scratch held now."""
+        return sum(
+            value.numel() * value.element_size()
+            for value in [*vars(self).values(), *vars(self.backend_scratch or object()).values()]
+            if isinstance(value, Tensor)
+        )
 
 
 # `all_gather_single` supersedes `all_gather_into_tensor` in newer torch releases.
@@ -149,16 +171,33 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def _all_gather(output: Tensor, local: Tensor, group: dist.ProcessGroup | None, n: int) -> None:
     if n == 1:
-        output.copy_(local.reshape(-1))
+        output.copy_(local.reshape(output.shape))
     else:
-        _all_gather_single(output, local.reshape(-1), group=group)
+        _all_gather_single(output.view(-1), local.reshape(-1), group=group)
 
 
-def _check_finite(scales: Tensor, what: str) -> None:
+def _check_worker_scales(gathered: Tensor, backend_name: str) -> None:
+    """Raise the same error on every rank if ranks run different backends or a scale is
+    not finite (one host read of the gathered ``[scale, backend code]`` rows)."""
+    rows = gathered.tolist()
+    codes = [int(code) if code == code else 0 for _, code in rows]
+    if len(set(codes)) > 1:
+        names = [
+            kernels.BACKENDS[code - 1] if 0 < code <= len(kernels.BACKENDS) else "?"
+            for code in codes
+        ]
+        raise KernelMismatchError(
+            f"compressed_allreduce: ranks use different compression backends {names} (by "
+            f"rank; this rank: {backend_name!r}). Install the same packages on every rank, or "
+            "set ONEBIT_KERNELS to the same backend everywhere."
+        )
+    _check_finite([scale for scale, _ in rows], "worker scale")
+
+
+def _check_finite(scales: list[float], what: str) -> None:
     """Raise the same :class:`NonFiniteError` on every rank if a gathered scale is not finite."""
-    finite = torch.isfinite(scales)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero().flatten().tolist()
+    bad = [rank for rank, value in enumerate(scales) if not math.isfinite(value)]
+    if bad:
         raise NonFiniteError(
             f"compressed_allreduce: non-finite {what} on rank(s) {bad} "
             f"(NaN or Inf in the buffer); the error-feedback state was left unchanged"
@@ -202,6 +241,9 @@ def compressed_allreduce(
     group: dist.ProcessGroup | None = None,
     *,
     out: Tensor | None = None,
+    workspace: CompressionWorkspace | None = None,
+    traffic: TrafficCounter | None = None,
+    kernels_name: str | None = None,
 ) -> Tensor:
     """Average ``buffer`` over the ranks of ``group`` at 1 bit per element, with error feedback.
 
@@ -218,6 +260,10 @@ def compressed_allreduce(
         server_error: error state of this rank's chunk, ``buffer.numel() // world_size``.
         group: process group (default: the world); a world of one rank needs no init.
         out: where to write the result (may be ``buffer`` itself); allocated if ``None``.
+        workspace: scratch reused across calls (allocated for this call if ``None``).
+        traffic: where to count the bytes this rank sends (nowhere if ``None``).
+        kernels_name: the backend of the local work (:mod:`onebit.kernels`); default
+            ``$ONEBIT_KERNELS`` or ``"auto"``. Every rank must use the same one.
 
     Returns:
         The decompressed average, identical on every rank.
@@ -226,58 +272,59 @@ def compressed_allreduce(
         ValueError: on sizes, dtypes or devices that do not fit (before any communication).
         NonFiniteError: on every rank, if any rank's buffer (or a server's average) is not
             finite; the error states are left unchanged (``out`` holds scratch values).
+        KernelMismatchError: on every rank, if ranks run different backends; the error
+            states are left unchanged.
 
-    Each rank sends about ``2 (n-1)/n * numel / 8`` bytes plus ``8 (n-1)`` bytes of scales.
+    Each rank sends :func:`compressed_allreduce_bytes`: about ``2 (n-1)/n * numel / 8``.
     """
     n = world_size(group)
     _validate(buffer, worker_error, server_error, n)
     numel = buffer.numel()
-    chunk = numel // n
     if out is None:
         out = torch.empty_like(buffer)
     elif out.numel() != numel or out.dtype != buffer.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {buffer.dtype} tensor of {numel} elements")
     elif out.data_ptr() in (worker_error.data_ptr(), server_error.data_ptr()):
         raise ValueError("out must not be worker_error or server_error")
-    ws = _workspace(numel, n, buffer.dtype, buffer.device)
-    flat_worker_error = worker_error.view(-1)
-    flat_server_error = server_error.view(-1)
-    x = out.view(-1)  # `out` holds x = buffer + worker_error until the result arrives
+    backend = kernels.select(buffer, kernels_name)
+    ws = (workspace or CompressionWorkspace()).prepare(
+        numel, n, buffer.dtype, buffer.device, backend
+    )
+    scratch = ws.backend_scratch
+    result = out
+    buffer, worker_error, server_error, out = (
+        t.view(-1) for t in (buffer, worker_error, server_error, out)
+    )
 
-    # Phase 1, worker side: compress x; check every rank's scale before any state changes;
-    # then send chunk j of the signs to rank j.
-    torch.add(buffer.view(-1), flat_worker_error, out=x)
-    packed, worker_scale = compress(x, work=ws.bits)
-    packed = packed.to(buffer.device)
-    _all_gather(ws.worker_scales, worker_scale, group, n)
-    _check_finite(ws.worker_scales, "worker scale")
-    update_error(flat_worker_error, x, packed, worker_scale)
+    # Phase 1, worker side: compress x = buffer + worker_error; check every rank's scale and
+    # backend before any state changes; then send chunk j of the signs to rank j.
+    worker_scale = backend.worker_compress(buffer, worker_error, ws.worker_packed, out, scratch)
+    ws.local_scale[0] = worker_scale
+    ws.local_scale[1] = kernels.code(backend)
+    _all_gather(ws.worker_scales, ws.local_scale, group, n)
+    _check_worker_scales(ws.worker_scales, backend.name)
+    backend.worker_error_update(buffer, worker_error, ws.worker_packed, worker_scale, out, scratch)
     if n == 1:
-        ws.received.view(-1).copy_(packed)
+        ws.received.view(-1).copy_(ws.worker_packed)
     else:
-        dist.all_to_all_single(ws.received.view(-1), packed, group=group)
+        dist.all_to_all_single(ws.received.view(-1), ws.worker_packed, group=group)
 
     # Phase 1, server side: this rank's chunk averaged over all workers plus the server
     # error, compressed again.
-    server_average(ws.received, ws.worker_scales, flat_server_error, ws.y, ws.work)
-    server_packed, server_scale = compress(ws.y, work=ws.bits[:chunk])
-    server_packed = server_packed.to(buffer.device)
+    worker_scales = ws.worker_scales[:, 0]
+    server_scale = backend.server_compress(
+        ws.received, worker_scales, server_error, ws.server_packed, scratch
+    )
 
     # Phase 2: every rank gathers every server's compressed chunk and scale, and decodes.
     _all_gather(ws.server_scales, server_scale, group, n)
-    _check_finite(ws.server_scales, "server scale")
-    update_error(flat_server_error, ws.y, server_packed, server_scale)
-    _all_gather(ws.gathered.view(-1), server_packed, group, n)
-    result = out.view(-1)
-    for j in range(n):
-        unpack_signs(
-            ws.gathered[j],
-            chunk,
-            out=result[j * chunk : (j + 1) * chunk],
-            scale=ws.server_scales[j],
-        )
+    _check_finite(ws.server_scales.tolist(), "server scale")
+    backend.server_error_update(
+        ws.received, worker_scales, server_error, ws.server_packed, server_scale, scratch
+    )
+    _all_gather(ws.gathered, ws.server_packed, group, n)
+    backend.decode(ws.gathered, ws.server_scales, out)
 
-    if n > 1:
-        sign_bytes = (n - 1) * chunk // 8  # all-to-all and all-gather each send this much
-        TRAFFIC.record("compressed_allreduce", 2 * sign_bytes + 2 * 4 * (n - 1))
-    return out
+    if traffic is not None and n > 1:
+        traffic.record("compressed_allreduce", compressed_allreduce_bytes(numel, n, buffer.dtype))
+    return result

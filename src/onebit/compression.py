@@ -78,7 +78,7 @@ def _pack_bits_torch(bits: Tensor) -> Tensor:
     return (bits.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
 
 
-def _sign_table(device: torch.device, dtype: torch.dtype) -> Tensor:
+def sign_table(device: torch.device, dtype: torch.dtype) -> Tensor:
     """The ``[256, 8]`` lookup table from a byte to its eight signs as ``+1``/``-1``."""
     key = (device, dtype)
     table = _SIGN_TABLES.get(key)
@@ -110,7 +110,7 @@ def unpack_signs(
     if packed.numel() < nbytes:
         raise ValueError(f"{packed.numel()} packed bytes cannot hold {numel} signs")
     target_dtype = out.dtype if out is not None else dtype
-    table = _sign_table(packed.device, target_dtype)
+    table = sign_table(packed.device, target_dtype)
     if scale is not None:
         table = table * scale.to(target_dtype)
     index = packed.reshape(-1)[:nbytes].to(torch.int32)
@@ -175,7 +175,11 @@ def server_average(
 
 
 def simulate_compressed_allreduce(
-    buffers: Tensor, worker_errors: Tensor, server_errors: Tensor
+    buffers: Tensor,
+    worker_errors: Tensor,
+    server_errors: Tensor,
+    *,
+    kernels_name: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Single-process model of :func:`onebit.compressed_allreduce` over ``n`` workers.
 
@@ -183,6 +187,8 @@ def simulate_compressed_allreduce(
         buffers: ``[n, N]``, row ``i`` is worker ``i``'s buffer; ``N`` a multiple of ``8 * n``.
         worker_errors: ``[n, N]``, each worker's error-feedback state.
         server_errors: ``[n, N // n]``, row ``j`` is the server error of chunk ``j``.
+        kernels_name: the backend of the local work (:func:`onebit.kernels.select`); the
+            distributed exchange with the same backend gives the same bits.
 
     Returns:
         ``(result, new_worker_errors, new_server_errors)``; ``result`` has ``N`` elements and
@@ -193,6 +199,8 @@ def simulate_compressed_allreduce(
     ``y_j = (1/n) sum_i a_i sign(x_i)[chunk j] + s_j``, ``b_j = ||y_j|| / sqrt(N / n)``,
     ``s_j <- y_j - b_j sign(y_j)``. The result is ``concat_j b_j sign(y_j)``.
     """
+    from onebit import kernels
+
     if buffers.dim() != 2 or worker_errors.shape != buffers.shape:
         raise ValueError(
             f"buffers and worker_errors must both be [n, N]; got {tuple(buffers.shape)} and "
@@ -206,23 +214,30 @@ def simulate_compressed_allreduce(
         raise ValueError(
             f"server_errors must be [n, N // n] = [{n}, {chunk}], got {tuple(server_errors.shape)}"
         )
-    new_worker_errors = torch.empty_like(worker_errors)
-    worker_packed = torch.empty(n, numel // 8, dtype=torch.uint8, device=buffers.device)
-    worker_scales = torch.empty(n, dtype=scale_dtype(buffers.dtype), device=buffers.device)
+    backend = kernels.select(buffers, kernels_name)
+    device, dtype = buffers.device, buffers.dtype
+    scratch = backend.scratch(numel, n, dtype, device)
+    new_worker_errors = worker_errors.clone()
+    new_server_errors = server_errors.clone()
+    worker_packed = torch.empty(n, numel // 8, dtype=torch.uint8, device=device)
+    worker_scales = torch.empty(n, dtype=scale_dtype(dtype), device=device)
+    x = torch.empty(numel, dtype=dtype, device=device)
     for i in range(n):
-        x = buffers[i] + worker_errors[i]
-        packed, worker_scales[i] = compress(x)
-        update_error(new_worker_errors[i], x, packed, worker_scales[i])
-        worker_packed[i] = packed
+        buffer, error = buffers[i].contiguous(), new_worker_errors[i]
+        worker_scales[i] = backend.worker_compress(buffer, error, worker_packed[i], x, scratch)
+        backend.worker_error_update(buffer, error, worker_packed[i], worker_scales[i], x, scratch)
 
-    result = torch.empty(numel, dtype=buffers.dtype, device=buffers.device)
-    new_server_errors = torch.empty_like(server_errors)
-    y = torch.empty(chunk, dtype=buffers.dtype, device=buffers.device)
-    work = torch.empty_like(y)
+    server_packed = torch.empty(n, chunk // 8, dtype=torch.uint8, device=device)
+    server_scales = torch.empty(n, dtype=scale_dtype(dtype), device=device)
     for j in range(n):
-        chunk_packed = worker_packed[:, j * chunk // 8 : (j + 1) * chunk // 8]
-        server_average(chunk_packed, worker_scales, server_errors[j], y, work)
-        packed, server_scale = compress(y)
-        update_error(new_server_errors[j], y, packed, server_scale)
-        unpack_signs(packed, chunk, out=result[j * chunk : (j + 1) * chunk], scale=server_scale)
+        received = worker_packed[:, j * chunk // 8 : (j + 1) * chunk // 8].contiguous()
+        error = new_server_errors[j]
+        server_scales[j] = backend.server_compress(
+            received, worker_scales, error, server_packed[j], scratch
+        )
+        backend.server_error_update(
+            received, worker_scales, error, server_packed[j], server_scales[j], scratch
+        )
+    result = torch.empty(numel, dtype=dtype, device=device)
+    backend.decode(server_packed, server_scales, result)
     return result, new_worker_errors, new_server_errors

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from onebit.collectives import record_allreduce, world_size
+from onebit.collectives import allreduce_bytes, world_size
 from onebit.optim._onebit import COMPRESSION, WARMUP, OneBitOptimizer
 
 __all__ = ["OneBitHookState", "onebit_hook", "register_comm_hook"]
@@ -48,7 +48,7 @@ def onebit_hook(
         return future
     n = world_size(state.process_group)
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
-    state.optimizer.count_bytes_sent(WARMUP, record_allreduce(buffer, n))
+    state.optimizer.count_bytes_sent(WARMUP, allreduce_bytes(buffer, n))
     return work.get_future().then(lambda done: done.value()[0].div_(n))
 
 

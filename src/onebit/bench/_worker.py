@@ -152,20 +152,13 @@ class _Method:
         return middle - start, end - middle
 
     def library_bytes(self) -> int:
-        import onebit
-
-        return onebit.TRAFFIC.total()
+        """Bytes onebit's optimizer counted as sent (0 for the other methods)."""
+        bytes_sent = getattr(self.optimizer, "bytes_sent", None)
+        return sum(bytes_sent.values()) if bytes_sent is not None else 0
 
     def close(self) -> None:
-        del self.model, self.optimizer
+        del self.model, self.optimizer  # with them, the optimizer's compression workspace
         gc.collect()
-        # The compressed allreduce caches its workspace per buffer shape; drop it so the
-        # next method starts from the same memory (guarded: a private detail that may change).
-        with contextlib.suppress(Exception):
-            from onebit import collectives
-
-            collectives._WORKSPACES.clear()  # type: ignore[attr-defined]
-            gc.collect()
 
 
 class _Runner:

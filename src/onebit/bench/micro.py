@@ -120,14 +120,20 @@ def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> 
         worker_error = torch.zeros(numel)
         server_error = torch.zeros(numel // world)
         result = torch.empty(numel)
-
+        traffic = onebit.TrafficCounter()
         compressed = functools.partial(
-            onebit.compressed_allreduce, buffer, worker_error, server_error, out=result
+            onebit.compressed_allreduce,
+            buffer,
+            worker_error,
+            server_error,
+            out=result,
+            workspace=onebit.CompressionWorkspace(),
+            traffic=traffic,
         )
         allreduce = functools.partial(dist.all_reduce, dense)
         compressed()
         allreduce()
-        onebit.TRAFFIC.reset()
+        traffic.reset()
         compressed_times, dense_times = [], []
         for _ in range(repeats):  # interleaved, so both see the same machine load
             dist.barrier()
@@ -138,7 +144,7 @@ def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> 
             start = time.perf_counter()
             allreduce()
             dense_times.append(time.perf_counter() - start)
-        compressed_bytes = onebit.TRAFFIC.bytes_sent["compressed_allreduce"] // repeats
+        compressed_bytes = traffic.bytes_sent["compressed_allreduce"] // repeats
         rows.append(
             {
                 "numel": numel,
@@ -238,9 +244,7 @@ def _state_bytes(optimizer: Any) -> tuple[int, int]:
 
 def _scratch_bytes(optimizer: Any) -> int:
     """Bytes of reused scratch: the fused buffers and the collective's workspace."""
-    import torch
 
-    from onebit import collectives
 
     total = 0
     layout = getattr(optimizer, "_layout", None)
@@ -249,10 +253,7 @@ def _scratch_bytes(optimizer: Any) -> int:
     flat = getattr(optimizer, "_flat_grads", None)
     if flat is not None:
         total += flat.numel() * flat.element_size()
-    for workspace in collectives._WORKSPACES.values():
-        total += sum(
-            t.numel() * t.element_size() for t in vars(workspace).values() if torch.is_tensor(t)
-        )
+    total += optimizer._workspace.nbytes()
     return total
 
 

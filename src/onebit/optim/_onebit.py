@@ -17,8 +17,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from onebit.collectives import (
-    TRAFFIC,
+    CompressionWorkspace,
     NonFiniteError,
+    TrafficCounter,
     allreduce_mean_,
     compressed_allreduce,
     padded_size,
@@ -97,6 +98,8 @@ class OneBitOptimizer(Optimizer):
         self._flat_grads: Tensor | None = None
         self._replicas_verified = False
         self._scratch = _common.ScratchPool()
+        self._workspace = CompressionWorkspace()
+        self._traffic = TrafficCounter()
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------- what users see
@@ -178,7 +181,7 @@ class OneBitOptimizer(Optimizer):
         params = _common.trainable_params(self)
         self._unscale_for_grad_scaler(params)
         stage = self.stage
-        traffic_before = TRAFFIC.total()
+        traffic_before = self._traffic.total()
         try:
             due = self.verify_every and self.step_count % self.verify_every == 0
             if not self._replicas_verified or due:
@@ -192,7 +195,7 @@ class OneBitOptimizer(Optimizer):
             else:
                 applied = self._compression_step()
         finally:
-            self.count_bytes_sent(stage, TRAFFIC.total() - traffic_before)
+            self.count_bytes_sent(stage, self._traffic.total() - traffic_before)
         if applied:
             self._counters["step"] += 1
         return loss
@@ -277,7 +280,7 @@ class OneBitOptimizer(Optimizer):
                 flags[index] = 1
             views.append(view)
         with self._collective():
-            allreduce_mean_(flat, self.process_group)
+            allreduce_mean_(flat, self.process_group, traffic=self._traffic)
         if not _common.all_finite([flat]):
             return None
         present = (flags > 0).tolist()
@@ -319,7 +322,13 @@ class OneBitOptimizer(Optimizer):
         try:
             with self._collective():
                 compressed_allreduce(
-                    buffer, self._worker_error, self._server_error, self.process_group, out=buffer
+                    buffer,
+                    self._worker_error,
+                    self._server_error,
+                    self.process_group,
+                    out=buffer,
+                    workspace=self._workspace,
+                    traffic=self._traffic,
                 )
         except NonFiniteError:
             return self._skip("a rank's local momentum")

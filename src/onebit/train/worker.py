@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import onebit
-from onebit.collectives import record_allreduce
+from onebit.collectives import TrafficCounter, allreduce_bytes
 from onebit.train import checkpoint, data, report
 from onebit.train.atomic import write_bytes_atomic
 from onebit.train.config import (
@@ -106,19 +106,19 @@ def build_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.op
 
 
 # No annotations: DistributedDataParallel inspects them and rejects postponed (string) ones.
-def counted_allreduce_hook(process_group, bucket):
-    """DDP's default mean allreduce, with its bytes counted in :data:`onebit.TRAFFIC`."""
+def counted_allreduce_hook(traffic, bucket):
+    """DDP's default mean allreduce, with its bytes counted in ``traffic``."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    record_allreduce(bucket.buffer(), dist.get_world_size(process_group))
-    return allreduce_hook(process_group, bucket)
+    traffic.record("allreduce", allreduce_bytes(bucket.buffer(), dist.get_world_size()))
+    return allreduce_hook(None, bucket)
 
 
-def average_gradients(params: list[nn.Parameter]) -> None:
+def average_gradients(params: list[nn.Parameter], traffic: TrafficCounter) -> None:
     """Mean of every gradient over ranks in one dense allreduce (the no-DDP dense path)."""
     grads = [p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    onebit.allreduce_mean_(flat)
+    onebit.allreduce_mean_(flat, traffic=traffic)
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
@@ -260,6 +260,7 @@ class _Trainer:
         onebit.broadcast_parameters(self.model.state_dict().values())
 
         self.optimizer = build_optimizer(config, self.params)
+        self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
         self.forward: nn.Module = self.model
         if config.ddp:
             from torch.nn.parallel import DistributedDataParallel
@@ -269,7 +270,7 @@ class _Trainer:
             if config.uses_onebit:
                 onebit.ddp.register_comm_hook(self.forward, self.optimizer)
             else:
-                self.forward.register_comm_hook(None, counted_allreduce_hook)
+                self.forward.register_comm_hook(self.dense_traffic, counted_allreduce_hook)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda i: lr_factor(i, config.lr_warmup_steps, config.steps),
@@ -288,6 +289,12 @@ class _Trainer:
 
     def _stage(self) -> str:
         return self.optimizer.stage if self.config.uses_onebit else DENSE
+
+    def _bytes_sent(self) -> int:
+        """Bytes this rank has sent for gradients and momenta so far."""
+        if self.config.uses_onebit:
+            return sum(self.optimizer.bytes_sent.values())
+        return self.dense_traffic.total()
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -367,17 +374,17 @@ class _Trainer:
         torch.manual_seed(step_seed(config.seed, step, rank.rank))  # dropout
         stage = self._stage()
         lr = self.optimizer.param_groups[0]["lr"]
-        sent_before = onebit.TRAFFIC.total()
+        sent_before = self._bytes_sent()
         loss = self.forward(inputs, labels)
         loss.backward()
         if not config.ddp and not config.uses_onebit:
-            average_gradients(self.params)
+            average_gradients(self.params, self.dense_traffic)
         if config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        sent = onebit.TRAFFIC.total() - sent_before
+        sent = self._bytes_sent() - sent_before
         self.traffic[stage] = self.traffic.get(stage, 0) + sent
         masked = int((labels != data.IGNORE_INDEX).sum())
         totals = torch.tensor([loss.item() * masked, masked], dtype=torch.float64)
