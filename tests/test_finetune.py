@@ -96,4 +96,4 @@ def test_finetune_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert onebit_main(["finetune", str(tmp_path)]) == 2
     assert "tokenizer.json is missing" in capsys.readouterr().err
     assert onebit_main(["finetune", str(tmp_path), "--epochs", "0"]) == 2
-    assert "--epochs must be positive" in capsys.readouterr().err
+    assert "--epochs must be a positive integer" in capsys.readouterr().err

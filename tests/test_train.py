@@ -5,6 +5,7 @@ A tiny BERT on a tiny generated corpus, 2 gloo workers started by the real elast
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import socket
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from onebit.cli import build_parser, given_options
 from onebit.cli import main as onebit_main
 from onebit.train import checkpoint, report
 from onebit.train.config import TrainConfig, prepare_run_dir
@@ -164,9 +166,11 @@ def test_dense_optimizer_without_ddp(workspace: Path) -> None:
         (["--steps", "0"], "--steps must be a positive integer"),
         (["--steps", "10", "--freeze-step", "11"], "--freeze-step must be in [1, --steps=10]"),
         (["--hidden", "30", "--heads", "4"], "--hidden 30 must be divisible by --heads 4"),
-        (["--lr", "-1"], "--lr must be positive"),
-        (["--factor-min", "5"], "--factor-min 5.0 exceeds --factor-max 4.0"),
-        (["--betas", "0.9", "1.0"], "--betas must be two numbers in [0, 1)"),
+        (["--lr", "-1"], "Invalid --lr=-1.0: it must be > 0"),
+        (["--eps", "0"], "Invalid --eps=0.0: it must be > 0"),
+        (["--min-coeff", "0.5"], "min_coeff=0.5 > max_coeff=0.3"),
+        (["--factor-min", "5"], "--factor-min=5.0 > --factor-max=4.0"),
+        (["--betas", "0.9", "1.0"], "Invalid betas[1]=1.0: it must be in [0, 1)"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--batch-size", "10", "--workers", "4"], "--batch-size 10 (global) is not divisible"),
         (["--workers", "0"], "--workers must be at least 1"),
@@ -199,6 +203,29 @@ def test_run_folder_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     (tmp_path / "other" / "notes.txt").write_text("mine")
     assert onebit_main(["train", "--out", str(tmp_path / "other")]) == 2
     assert "exists and is not a run folder" in capsys.readouterr().err
+
+
+def test_every_config_field_is_an_option(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert given_options(TrainConfig, parser.parse_args(["train"])) == {}
+    argv = [
+        "train", "--optimizer", "lamb", "--steps", "7", "--betas", "0.8", "0.9", "--no-ddp",
+        "--corpus", "a.txt", "b.txt", "--lr", "0.5",
+    ]  # fmt: skip
+    assert given_options(TrainConfig, parser.parse_args(argv)) == {
+        "optimizer": "lamb",
+        "steps": 7,
+        "betas": (0.8, 0.9),
+        "ddp": False,
+        "corpus": ["a.txt", "b.txt"],
+        "lr": 0.5,
+    }
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--help"])
+    help_text = capsys.readouterr().out
+    for field in dataclasses.fields(TrainConfig):
+        assert f"--{field.name.replace('_', '-')} " in help_text
+    assert "(default: 20% of --steps)" in help_text and "(default: --ddp)" in help_text
 
 
 def test_defaults_resolve_from_steps() -> None:

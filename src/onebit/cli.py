@@ -4,17 +4,153 @@ Each sub-command lives in its own module, which exposes ``register(subparsers)``
 parser(s) with ``set_defaults(handler=...)``; the handler takes the parsed arguments and
 returns an exit code. Modules import their heavy dependencies inside the handler, so
 ``onebit --help`` stays fast.
+
+The options of a settings dataclass are written once, as its fields: :func:`option` declares
+a field with its help text (and choices, parser, ...), :func:`add_options` turns every such
+field into ``--field-name``, and :func:`given_options` reads back the ones given.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import sys
+import types
+import typing
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 TOP_LEVEL_MODULES = ("onebit.train.cli",)
 BENCH_MODULES = ("onebit.bench.comparison", "onebit.bench.micro")
+
+
+def option(
+    default: Any,
+    *,
+    help: str,
+    group: str | None = None,
+    choices: Collection[str] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    metavar: str | tuple[str, ...] | None = None,
+    default_help: str | None = None,
+) -> Any:
+    """A dataclass field with ``default`` that is also the command-line option ``--name``.
+
+    Args:
+        help: what the option sets; ``(default: ...)`` is appended.
+        group: the title of the help section the option is listed in.
+        choices: the values allowed.
+        parse: turns the option's text into the value (default: from the field's type).
+        metavar: the value's name in the help.
+        default_help: how the default is shown, where the value itself says too little
+            (e.g. ``"20% of --steps"`` for a ``None`` resolved later).
+    """
+    metadata = {
+        "help": help,
+        "group": group,
+        "choices": choices,
+        "parse": parse,
+        "metavar": metavar,
+        "default_help": default_help,
+    }
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def checked_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` with its ``ValueError`` shown by argparse as the option's error message."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return convert
+
+
+def _value_kwargs(hint: Any, parse: Callable[[str], Any] | None) -> dict[str, Any]:
+    """``type``/``nargs``/``action`` of an option whose field has the type ``hint``."""
+    if parse is not None:
+        return {"type": checked_type(parse)}
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        return {"type": args[0], "nargs": "+"}
+    if origin is tuple:
+        return {"type": args[0], "nargs": len(args)}
+    return {"type": hint}
+
+
+def _default_of(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def _shown(flag: str, value: Any) -> str:
+    """How the default ``value`` of the option ``flag`` is shown in its help."""
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return "none" if value is None else str(value)
+
+
+def add_options(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    exclude: Collection[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Add ``--field-name`` for every field of the dataclass ``cls`` made by :func:`option`.
+
+    An option that is not given is absent from the parsed namespace, unless ``defaults``
+    gives it a value here (which its help then shows); :func:`given_options` collects them.
+    Fields named in ``exclude`` get no option.
+    """
+    defaults = defaults or {}
+    hints = typing.get_type_hints(cls)
+    groups: dict[str | None, Any] = {None: parser}
+    for field in dataclasses.fields(cls):
+        meta = field.metadata
+        if "help" not in meta or field.name in exclude:
+            continue
+        if meta["group"] not in groups:
+            groups[meta["group"]] = parser.add_argument_group(meta["group"])
+        flag = "--" + field.name.replace("_", "-")
+        default = defaults.get(field.name, argparse.SUPPRESS)
+        value = _default_of(field) if default is argparse.SUPPRESS else default
+        shown = meta["default_help"] or _shown(flag, value)
+        kwargs = _value_kwargs(hints[field.name], meta["parse"])
+        for key in ("choices", "metavar"):
+            if meta[key] is not None:
+                kwargs[key] = meta[key]
+        groups[meta["group"]].add_argument(
+            flag,
+            default=default,
+            help=f"{meta['help']} (default: {shown})".replace("%", "%%"),
+            **kwargs,
+        )
+
+
+def given_options(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of the dataclass ``cls`` that ``args`` holds (given, or with a default)."""
+    hints = typing.get_type_hints(cls)
+    given = {}
+    for field in dataclasses.fields(cls):
+        if hasattr(args, field.name):
+            value = getattr(args, field.name)
+            is_tuple = typing.get_origin(hints[field.name]) is tuple
+            given[field.name] = tuple(value) if is_tuple and isinstance(value, list) else value
+    return given
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from onebit.cli import add_options, given_options
 from onebit.train.config import (
     DEFAULT_ADAM_LR,
-    DEFAULT_LAMB_LR,
     LAMB_OPTIMIZERS,
     OPTIMIZERS,
+    FinetuneConfig,
     TrainConfig,
     default_run_dir,
     read_config,
@@ -22,10 +23,7 @@ from onebit.train.config import (
 
 logger = logging.getLogger(__name__)
 
-_DEFAULTS = TrainConfig()
 DEFAULT_WORKERS = 4
-#: Destinations of the options that make up a :class:`TrainConfig`.
-_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 
 TRAIN_DESCRIPTION = """\
 Pre-train a small BERT with masked-language modelling on real English text (a Wikipedia
@@ -45,120 +43,6 @@ examples:
       -m onebit train --no-launch --out /shared/runs/job1 --backend nccl --device cuda
   (the variable gives every restart a fresh rendezvous store: pytorch/pytorch#135712)
 """
-
-
-def _default(name: str) -> str:
-    value = getattr(_DEFAULTS, name)
-    return "all" if value is None else str(value)
-
-
-def _add_config_options(parser: argparse.ArgumentParser, *, with_optimizer: bool) -> None:
-    """Options that set :class:`TrainConfig` fields (default None: the config's default)."""
-    job = parser.add_argument_group("job")
-    if with_optimizer:
-        job.add_argument(
-            "--optimizer",
-            choices=OPTIMIZERS,
-            help="onebit-lamb and onebit-adam compress after --freeze-step; lamb and adam "
-            "(AdamW) average gradients with DDP's dense allreduce (default: onebit-lamb)",
-        )
-    job.add_argument("--steps", type=int, help=f"optimizer steps (default: {_default('steps')})")
-    job.add_argument(
-        "--batch-size",
-        type=int,
-        help="global batch in sequences, split evenly over the workers "
-        f"(default: {_default('batch_size')})",
-    )
-    job.add_argument(
-        "--lr",
-        type=float,
-        help=f"peak learning rate (default: {DEFAULT_LAMB_LR} for lamb and onebit-lamb, "
-        f"{DEFAULT_ADAM_LR} for adam and onebit-adam)"
-        + ("" if with_optimizer else "; applies to lamb and onebit-lamb"),
-    )
-    job.add_argument(
-        "--freeze-step",
-        type=int,
-        help="warm-up (uncompressed) steps of the 1-bit optimizers (default: 20%% of --steps)",
-    )
-    job.add_argument(
-        "--lr-warmup-steps",
-        type=int,
-        help="steps of linear LR warm-up, followed by linear decay to 0 at --steps, the same "
-        "for every optimizer (default: 10%% of --steps)",
-    )
-    job.add_argument("--seed", type=int, help="seed of weights, data order, masking (default: 0)")
-    job.add_argument(
-        "--corpus",
-        nargs="+",
-        metavar="PATH",
-        help="your own .txt files or folders of them instead of the built-in corpus",
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--seq-len", type=int, help=f"tokens per sequence (default: {_default('seq_len')})"
-    )
-    model.add_argument("--layers", type=int, help=f"BERT layers (default: {_default('layers')})")
-    model.add_argument("--hidden", type=int, help=f"hidden size (default: {_default('hidden')})")
-    model.add_argument("--heads", type=int, help=f"attention heads (default: {_default('heads')})")
-    model.add_argument(
-        "--vocab-size", type=int, help=f"WordPiece vocabulary (default: {_default('vocab_size')})"
-    )
-    model.add_argument("--dropout", type=float, help=f"dropout (default: {_default('dropout')})")
-    hyper = parser.add_argument_group(
-        "optimizer hyper-parameters (defaults: the 1-bit LAMB paper's BERT settings)"
-    )
-    hyper.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="(0.9 0.999)")
-    hyper.add_argument("--eps", type=float, help=f"({_default('eps')})")
-    hyper.add_argument("--weight-decay", type=float, help=f"({_default('weight_decay')})")
-    hyper.add_argument(
-        "--max-coeff", type=float, help=f"LAMB trust-ratio bound ({_default('max_coeff')})"
-    )
-    hyper.add_argument("--min-coeff", type=float, help=f"({_default('min_coeff')})")
-    hyper.add_argument("--coeff-beta", type=float, help=f"1-bit LAMB ({_default('coeff_beta')})")
-    hyper.add_argument("--factor-max", type=float, help=f"1-bit LAMB ({_default('factor_max')})")
-    hyper.add_argument("--factor-min", type=float, help=f"1-bit LAMB ({_default('factor_min')})")
-    hyper.add_argument(
-        "--factor-threshold", type=float, help=f"1-bit LAMB ({_default('factor_threshold')})"
-    )
-    hyper.add_argument(
-        "--grad-clip",
-        type=float,
-        help=f"clip each worker's gradient norm before the step, 0 = off ({_default('grad_clip')})",
-    )
-    system = parser.add_argument_group("system")
-    system.add_argument(
-        "--ddp",
-        action=argparse.BooleanOptionalAction,
-        help="wrap the model in DistributedDataParallel (1-bit optimizers register onebit's "
-        "comm hook); --no-ddp: the 1-bit optimizers average warm-up gradients themselves "
-        "(default: --ddp)",
-    )
-    system.add_argument("--backend", choices=("gloo", "nccl"), help="(default: gloo)")
-    system.add_argument("--device", choices=("cpu", "cuda"), help="(default: cpu)")
-    system.add_argument(
-        "--eval-every", type=int, help="validation interval in steps (default: --steps/10)"
-    )
-    system.add_argument(
-        "--eval-seqs",
-        type=int,
-        help="validation sequences evaluated (a fixed random subset, fixed masks; 0: all) "
-        f"(default: {_default('eval_seqs')})",
-    )
-    system.add_argument(
-        "--checkpoint-every", type=int, help="checkpoint interval in steps (default: --steps/4)"
-    )
-    system.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        help=f"complete checkpoints kept (default: {_default('keep_checkpoints')})",
-    )
-    system.add_argument(
-        "--timeout",
-        type=float,
-        help="seconds a collective may wait for a lost worker before failing "
-        f"(default: {_default('timeout')})",
-    )
 
 
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
@@ -187,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_config_options(train, with_optimizer=True)
+    add_options(train, TrainConfig)
     _add_launch_options(train)
     out = train.add_argument_group("run folder")
     out.add_argument("--out", type=Path, help="run folder (default: runs/<time>-<optimizer>)")
@@ -233,7 +117,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"need a smaller one than LAMB (default: {DEFAULT_ADAM_LR})",
     )
     compare.add_argument("--out", type=Path, help="output folder (default: runs/<time>-compare)")
-    _add_config_options(compare, with_optimizer=False)
+    add_options(compare, TrainConfig, exclude={"optimizer"})
     _add_launch_options(compare)
     compare.set_defaults(handler=_compare)
 
@@ -245,49 +129,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and write RUN_DIR/finetune.json.",
     )
     finetune.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run folder")
-    _add_finetune_options(finetune)
+    add_options(finetune, FinetuneConfig)
     finetune.set_defaults(handler=_finetune)
-
-
-def _add_finetune_options(parser: argparse.ArgumentParser) -> None:
-    from onebit.train.finetune import FinetuneConfig
-
-    defaults = FinetuneConfig()
-    parser.add_argument(
-        "--epochs", type=int, default=defaults.epochs, help=f"epochs (default: {defaults.epochs})"
-    )
-    parser.add_argument(
-        "--lr",
-        type=float,
-        default=defaults.lr,
-        help=f"AdamW peak learning rate (default: {defaults.lr})",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=defaults.batch_size,
-        help=f"batch size (default: {defaults.batch_size})",
-    )
-    parser.add_argument(
-        "--dropout",
-        type=float,
-        default=defaults.dropout,
-        help=f"dropout while fine-tuning (default: {defaults.dropout})",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=defaults.seed,
-        help="seed of the split, the classifier head and the order (default: 0)",
-    )
-    parser.add_argument("--max-train", type=int, help="use at most this many training sentences")
-    parser.add_argument("--max-test", type=int, help="use at most this many test sentences")
-    parser.add_argument(
-        "--from-scratch",
-        action="store_true",
-        help="ignore the pre-trained weights (the no-pre-training baseline); writes "
-        "finetune-scratch.json",
-    )
 
 
 def _error(command: str, exc: BaseException) -> int:
@@ -296,12 +139,10 @@ def _error(command: str, exc: BaseException) -> int:
 
 
 def _given_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`TrainConfig` fields set on the command line."""
-    given = {k: v for k, v in vars(args).items() if k in _CONFIG_FIELDS and v is not None}
+    """The :class:`TrainConfig` fields set on the command line (corpus paths made absolute)."""
+    given = given_options(TrainConfig, args)
     if "corpus" in given:
         given["corpus"] = [str(Path(p).resolve()) for p in given["corpus"]]
-    if "betas" in given:
-        given["betas"] = tuple(given["betas"])
     return given
 
 
@@ -376,7 +217,7 @@ def _compare(args: argparse.Namespace) -> int:
         return _error("compare", exc)
     finetuned = None
     if args.finetune:
-        from onebit.train.finetune import FinetuneConfig, finetune
+        from onebit.train.finetune import finetune
 
         finetuned = {name: finetune(path, FinetuneConfig()) for name, path in runs.items()}
     path = write_compare_report(out, runs, finetuned)
@@ -385,19 +226,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from onebit.train.finetune import FinetuneConfig, finetune
+    from onebit.train.finetune import finetune
 
     try:
-        config = FinetuneConfig(
-            epochs=args.epochs,
-            lr=args.lr,
-            batch_size=args.batch_size,
-            dropout=args.dropout,
-            seed=args.seed,
-            max_train=args.max_train,
-            max_test=args.max_test,
-            from_scratch=args.from_scratch,
-        )
+        config = FinetuneConfig(**given_options(FinetuneConfig, args))
         result = finetune(args.run_dir, config)
     except (ValueError, FileNotFoundError) as exc:
         return _error("finetune", exc)

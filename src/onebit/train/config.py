@@ -17,6 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onebit.cli import option
+from onebit.optim._common import (
+    check_betas,
+    check_coeff_bounds,
+    check_non_negative,
+    check_positive,
+)
 from onebit.train.atomic import write_json_atomic
 
 OPTIMIZERS = ("onebit-lamb", "lamb", "onebit-adam", "adam")
@@ -46,46 +53,123 @@ DEFAULT_EVALS = 10
 DEFAULT_CHECKPOINTS = 4
 
 
+_JOB = "job"
+_MODEL = "model"
+_HYPER = "optimizer hyper-parameters (defaults: the 1-bit LAMB paper's BERT settings)"
+_SYSTEM = "system"
+
+
 @dataclass
 class TrainConfig:
     """Everything that determines a training run's trajectory (and so must match on resume).
 
-    ``lr`` (per optimizer family), ``freeze_step``, ``lr_warmup_steps``, ``eval_every`` and
-    ``checkpoint_every`` (from ``steps``) may be left ``None``; :meth:`resolved` fills them in.
+    Each field is also an option of ``onebit train`` (``--field-name``). ``lr`` (per optimizer
+    family), ``freeze_step``, ``lr_warmup_steps``, ``eval_every`` and ``checkpoint_every``
+    (from ``steps``) may be left ``None``; :meth:`resolved` fills them in.
     """
 
-    optimizer: str = "onebit-lamb"
-    steps: int = 400
-    batch_size: int = 128
-    lr: float | None = None
-    freeze_step: int | None = None
-    lr_warmup_steps: int | None = None
-    seq_len: int = 64
-    layers: int = 2
-    hidden: int = 128
-    heads: int = 2
-    vocab_size: int = 4096
-    dropout: float = 0.0
-    seed: int = 0
-    corpus: list[str] | None = None
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    max_coeff: float = 0.3
-    min_coeff: float = 0.01
-    coeff_beta: float = 0.9
-    factor_max: float = 4.0
-    factor_min: float = 0.5
-    factor_threshold: float = 0.1
-    grad_clip: float = 1.0
-    ddp: bool = True
-    backend: str = "gloo"
-    device: str = "cpu"
-    eval_every: int | None = None
-    eval_seqs: int = 512
-    checkpoint_every: int | None = None
-    keep_checkpoints: int = 2
-    timeout: float = 600.0
+    optimizer: str = option(
+        "onebit-lamb",
+        group=_JOB,
+        choices=OPTIMIZERS,
+        help="onebit-lamb and onebit-adam compress after --freeze-step; lamb and adam (AdamW) "
+        "average gradients with a dense allreduce",
+    )
+    steps: int = option(400, group=_JOB, help="optimizer steps")
+    batch_size: int = option(
+        128, group=_JOB, help="global batch in sequences, split evenly over the workers"
+    )
+    lr: float | None = option(
+        None,
+        group=_JOB,
+        help="peak learning rate",
+        default_help=f"{DEFAULT_LAMB_LR} for lamb and onebit-lamb, {DEFAULT_ADAM_LR} for adam "
+        "and onebit-adam",
+    )
+    freeze_step: int | None = option(
+        None,
+        group=_JOB,
+        help="warm-up (uncompressed) steps of the 1-bit optimizers",
+        default_help=f"{DEFAULT_FREEZE_FRACTION:.0%} of --steps",
+    )
+    lr_warmup_steps: int | None = option(
+        None,
+        group=_JOB,
+        help="steps of linear LR warm-up, followed by linear decay to 0 at --steps, the same "
+        "for every optimizer",
+        default_help=f"{DEFAULT_LR_WARMUP_FRACTION:.0%} of --steps",
+    )
+    seq_len: int = option(64, group=_MODEL, help="tokens per sequence")
+    layers: int = option(2, group=_MODEL, help="BERT layers")
+    hidden: int = option(128, group=_MODEL, help="hidden size")
+    heads: int = option(2, group=_MODEL, help="attention heads")
+    vocab_size: int = option(4096, group=_MODEL, help="WordPiece vocabulary")
+    dropout: float = option(0.0, group=_MODEL, help="dropout")
+    seed: int = option(0, group=_JOB, help="seed of weights, data order, masking")
+    corpus: list[str] | None = option(
+        None,
+        group=_JOB,
+        metavar="PATH",
+        help="your own .txt files or folders of them instead of the built-in corpus",
+        default_help="the Wikipedia sample and Shakespeare",
+    )
+    betas: tuple[float, float] = option(
+        (0.9, 0.999), group=_HYPER, metavar=("B1", "B2"), help="Adam betas"
+    )
+    eps: float = option(1e-8, group=_HYPER, help="Adam epsilon")
+    weight_decay: float = option(0.01, group=_HYPER, help="decoupled weight decay")
+    max_coeff: float = option(0.3, group=_HYPER, help="LAMB trust-ratio upper bound")
+    min_coeff: float = option(0.01, group=_HYPER, help="LAMB trust-ratio lower bound")
+    coeff_beta: float = option(
+        0.9, group=_HYPER, help="1-bit LAMB: EMA factor of the frozen trust ratio"
+    )
+    factor_max: float = option(
+        4.0, group=_HYPER, help="1-bit LAMB: upper bound of the compression-stage factor"
+    )
+    factor_min: float = option(
+        0.5, group=_HYPER, help="1-bit LAMB: lower bound of the compression-stage factor"
+    )
+    factor_threshold: float = option(
+        0.1, group=_HYPER, help="1-bit LAMB: largest relative change of the factor per step"
+    )
+    grad_clip: float = option(
+        1.0,
+        group=_HYPER,
+        help="clip the gradient norm before each step, 0 = off: the averaged gradient in "
+        "uncompressed steps, each worker's own in the compression stage",
+    )
+    ddp: bool = option(
+        True,
+        group=_SYSTEM,
+        help="wrap the model in DistributedDataParallel (the 1-bit optimizers register onebit's "
+        "comm hook); --no-ddp: the job averages the gradients of uncompressed steps itself, "
+        "with one dense allreduce",
+    )
+    backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
+    device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
+    eval_every: int | None = option(
+        None,
+        group=_SYSTEM,
+        help="validation interval in steps",
+        default_help=f"--steps/{DEFAULT_EVALS}",
+    )
+    eval_seqs: int = option(
+        512,
+        group=_SYSTEM,
+        help="validation sequences evaluated (a fixed random subset, fixed masks; 0: all)",
+    )
+    checkpoint_every: int | None = option(
+        None,
+        group=_SYSTEM,
+        help="checkpoint interval in steps",
+        default_help=f"--steps/{DEFAULT_CHECKPOINTS}",
+    )
+    keep_checkpoints: int = option(2, group=_SYSTEM, help="complete checkpoints kept")
+    timeout: float = option(
+        600.0,
+        group=_SYSTEM,
+        help="seconds a collective may wait for a lost worker before failing",
+    )
 
     def resolved(self) -> TrainConfig:
         """A validated copy with every ``None`` filled in."""
@@ -121,25 +205,30 @@ class TrainConfig:
             raise ValueError(f"--vocab-size must be at least 64, got {self.vocab_size}")
         if self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        for name in ("eps", "timeout", "factor_min", "max_coeff", "min_coeff"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "factor_threshold"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
-            raise ValueError(f"--betas must be two numbers in [0, 1), got {list(self.betas)}")
+        check_positive("--timeout", self.timeout)
+        check_non_negative("--grad-clip", self.grad_clip)
+        self._validate_hyperparameters()
+
+    def _validate_hyperparameters(self) -> None:
+        """The optimizers' own checks (:mod:`onebit.optim._common`), made before any worker
+        starts."""
+        if self.lr is not None:
+            check_positive("--lr", self.lr)
+        check_betas(self.betas)
+        check_positive("--eps", self.eps)
+        check_non_negative("--weight-decay", self.weight_decay)
+        check_coeff_bounds(self.min_coeff, self.max_coeff)
+        check_positive("--factor-min", self.factor_min)
+        check_non_negative("--factor-threshold", self.factor_threshold)
+        # OneBitLamb checks these two itself; onebit.optim._common has no function for them.
         if not 0.0 <= self.coeff_beta < 1.0:
-            raise ValueError(f"--coeff-beta must be in [0, 1), got {self.coeff_beta}")
-        if self.min_coeff > self.max_coeff:
-            raise ValueError(f"--min-coeff {self.min_coeff} exceeds --max-coeff {self.max_coeff}")
-        if self.factor_min > self.factor_max:
+            raise ValueError(f"Invalid --coeff-beta={self.coeff_beta}: it must be in [0, 1)")
+        if not self.factor_min <= self.factor_max:
             raise ValueError(
-                f"--factor-min {self.factor_min} exceeds --factor-max {self.factor_max}"
+                f"Invalid factor bounds: --factor-min={self.factor_min} > "
+                f"--factor-max={self.factor_max}"
             )
 
     def validate_intervals(self) -> None:
@@ -172,6 +261,45 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown training options in the config: {unknown}")
         return cls(**data).resolved()
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Fine-tuning settings (the same for every pre-trained model that is compared); each
+    field is also an option of ``onebit finetune``.
+
+    The defaults come from the grid the BERT authors suggest for their small models (lr
+    1e-4 to 3e-4, batch 8 to 128, a few epochs); they were not tuned on this task.
+    """
+
+    epochs: int = option(3, help="epochs")
+    lr: float = option(3e-4, help="AdamW peak learning rate")
+    batch_size: int = option(32, help="batch size")
+    dropout: float = option(0.1, help="dropout while fine-tuning")
+    weight_decay: float = option(0.01, help="AdamW weight decay")
+    seed: int = option(0, help="seed of the split, the classifier head and the order")
+    max_train: int | None = option(
+        None, help="use at most this many training sentences", default_help="all"
+    )
+    max_test: int | None = option(
+        None, help="use at most this many test sentences", default_help="all"
+    )
+    from_scratch: bool = option(
+        False,
+        help="ignore the pre-trained weights (the no-pre-training baseline); writes "
+        "finetune-scratch.json",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_train", "max_test"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        check_positive("--lr", self.lr)
+        check_non_negative("--weight-decay", self.weight_decay)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
 
 
 def _flag(name: str) -> str:

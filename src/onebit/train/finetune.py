@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from onebit.train import checkpoint, data
 from onebit.train.atomic import write_json_atomic
-from onebit.train.config import CHECKPOINT_DIR, FINETUNE_FILE, TOKENIZER_FILE
+from onebit.train.config import CHECKPOINT_DIR, FINETUNE_FILE, TOKENIZER_FILE, FinetuneConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,40 +28,6 @@ SCRATCH_FILE = "finetune-scratch.json"
 EVAL_BATCH = 256
 #: Fraction of the fine-tuning steps with a linearly rising learning rate.
 WARMUP_FRACTION = 0.1
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """Fine-tuning settings (the same for every pre-trained model that is compared).
-
-    The defaults come from the grid the BERT authors suggest for their small models (lr
-    1e-4 to 3e-4, batch 8 to 128, a few epochs); they were not tuned on this task.
-    """
-
-    epochs: int = 3
-    lr: float = 3e-4
-    batch_size: int = 32
-    dropout: float = 0.1
-    weight_decay: float = 0.01
-    seed: int = 0
-    max_train: int | None = None
-    max_test: int | None = None
-    from_scratch: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
-                )
-        for name in ("max_train", "max_test"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclass
