@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from onebit.bench import comparison
+from onebit.bench import analysis, bert, cli, comparison, report
 from onebit.bench.cluster import unavailable_reason
+from onebit.bench.settings import METHODS, ComparisonSettings
+from onebit.cli import main as onebit_main
 
 _REASON = unavailable_reason()
 needs_cluster = pytest.mark.skipif(
@@ -23,11 +26,11 @@ needs_cluster = pytest.mark.skipif(
 
 def test_ideal_figures() -> None:
     # The figures: 5.7x at w = 15 %, 4.4x at w = 20 %, 3.1x at s = 70 %.
-    assert comparison.ideal_traffic_reduction(0.15) == pytest.approx(5.66, abs=0.01)
-    assert comparison.ideal_traffic_reduction(0.20) == pytest.approx(4.44, abs=0.01)
-    assert comparison.ideal_speedup(0.7) == pytest.approx(3.10, abs=0.01)
-    assert comparison.ideal_speedup(0.0) == 1.0
-    assert comparison.ideal_speedup(0.7, w=1.0) == 1.0
+    assert analysis.ideal_traffic_reduction(0.15) == pytest.approx(5.66, abs=0.01)
+    assert analysis.ideal_traffic_reduction(0.20) == pytest.approx(4.44, abs=0.01)
+    assert analysis.ideal_speedup(0.7) == pytest.approx(3.10, abs=0.01)
+    assert analysis.ideal_speedup(0.0) == 1.0
+    assert analysis.ideal_speedup(0.7, w=1.0) == 1.0
 
 
 def _block(stage: str, seconds: float, tx: int, library: int, steps: int = 2) -> dict:
@@ -47,7 +50,7 @@ def _run(method: str, blocks: list[dict], round_: int = 0) -> dict:
     return {"method": method, "label": method, "round": round_, "ok": True, "blocks": blocks}
 
 
-def test_analyze_derives_shares_speedups_and_targets() -> None:
+def test_analyze_derives_shares_speedups_and_targets(tmp_path: Path, capsys) -> None:
     dense, onebit = 3200, 100
     raw = {
         "settings": {
@@ -96,7 +99,7 @@ def test_analyze_derives_shares_speedups_and_targets() -> None:
             },
         },
     }
-    result = comparison.analyze(raw)
+    result = analysis.analyze(raw)
     summary, derived = result["summary"], result["derived"]
     assert summary["lamb"]["t_comp"] == 4.0  # the fastest round
     assert derived["comm_share"] == pytest.approx(0.75)
@@ -107,41 +110,87 @@ def test_analyze_derives_shares_speedups_and_targets() -> None:
     assert item["end_to_end_speedup"] == pytest.approx(4000 / 1800)
     assert item["compression_stage_bytes_reduction"] == pytest.approx(32.0)
     assert item["whole_run_traffic_reduction"]["0.20"] == pytest.approx(
-        comparison.ideal_traffic_reduction(0.2)
+        analysis.ideal_traffic_reduction(0.2)
     )
     targets = result["targets"]
     assert targets["compression_bytes_30x"]["met"] is True
     assert targets["whole_run_traffic_w15"]["met"] is True
     assert targets["speedup_where_comm_70"]["met"] is True  # 3.2x >= 2.8x, faster than fp16
-    assert "onebit-lamb" in comparison.format_report(result)
+    assert "onebit-lamb" in report.format_report(result)
+
+    path = tmp_path / "cluster-tiny-2w-100mbit.json"
+    report.write_json(result, path)
+    assert onebit_main(["bench", "report", "--full", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "### 2 workers, 100mbit, model tiny" in out  # the full report
+    row = out.splitlines()[-1]  # the sweep table's row: 1-bit LAMB plain, fp16, not run
+    assert row.startswith("| 2 | 100mbit |") and "| 3.20x / 2.22x |" in row
+    assert "| 1.60x |" in row and row.count("not run") == 4
 
 
 def test_cluster_command_says_why_it_cannot_run(monkeypatch, capsys) -> None:
-    import onebit.bench.cluster as cluster
-
-    monkeypatch.setattr(cluster, "unavailable_reason", lambda: "not root (test)")
-    parser = argparse.ArgumentParser()
-    comparison.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["cluster", "--workers", "2", "--model", "tiny"])
-    assert args.handler(args) == 2
+    monkeypatch.setattr(comparison, "unavailable_reason", lambda: "not root (test)")
+    assert onebit_main(["bench", "cluster", "--workers", "2", "--model", "tiny"]) == 2
     assert "not root (test)" in capsys.readouterr().err
+    assert onebit_main(["bench", "cluster", "--workers", "1", "--model", "tiny"]) == 2
+    assert "--workers must be at least 2" in capsys.readouterr().err
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_options_are_the_settings_fields(capsys) -> None:
+    assert cli._settings(_parse("cluster")) == ComparisonSettings()
+    settings = cli._settings(
+        _parse(
+            "cluster", "--workers", "3", "--bandwidth", "none", "--methods", "lamb,fp16",
+            "--no-memory-check", "--seq-len", "16", "--latency", "0.1ms",
+        )
+    )  # fmt: skip
+    assert settings == ComparisonSettings(
+        workers=3,
+        bandwidth=None,
+        methods=("lamb", "fp16"),
+        memory_check=False,
+        seq_len=16,
+        latency="0.1ms",
+    )
+    assert cli._settings(_parse("cluster", "--methods", "all")).methods == tuple(METHODS)
+    sweep = _parse("sweep", "--bandwidths", "100mbit,none", "--worker-counts", "")
+    assert cli._settings(sweep) == ComparisonSettings(model="small")
+    assert (sweep.bandwidths, sweep.worker_counts) == (["100mbit", None], [])
+    for bad in (["--bandwidth", "fast"], ["--methods", "lamb,sgd"], ["--model", "huge"]):
+        with pytest.raises(SystemExit):
+            _parse("cluster", *bad)
+    err = capsys.readouterr().err
+    assert "bandwidth must be a positive rate" in err and "unknown method(s) ['sgd']" in err
+
+
+def test_presets_count_their_parameters() -> None:
+    model = bert.build_model("tiny", seed=0)
+    assert sum(p.numel() for p in model.parameters()) == bert.PRESETS["tiny"].parameter_count()
 
 
 @needs_cluster
 def test_two_worker_comparison_on_emulated_cluster() -> None:
     methods = ["lamb", "lamb-compute", "onebit-lamb-ddp", "onebit-lamb"]
     result = comparison.run_comparison(
-        workers=2,
-        bandwidth="1gbit",
-        model="tiny",
-        seq_len=16,
-        steps=1,
-        warm_steps=1,
-        skip_steps=1,
-        rounds=1,
-        methods=methods,
-        tcp_seconds=0.5,
-        timeout=120,
+        ComparisonSettings(
+            workers=2,
+            bandwidth="1gbit",
+            model="tiny",
+            seq_len=16,
+            steps=1,
+            warm_steps=1,
+            skip_steps=1,
+            rounds=1,
+            methods=methods,
+            tcp_seconds=0.5,
+            timeout=120,
+        )
     )
     assert result["errors"] == []
     run_id = result["cluster"]["run_id"]

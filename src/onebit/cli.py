@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 TOP_LEVEL_MODULES = ("onebit.train.cli",)
-BENCH_MODULES = ("onebit.bench.comparison", "onebit.bench.micro")
+BENCH_MODULES = ("onebit.bench.cli", "onebit.bench.micro")
 
 
 def option(

@@ -1,6 +1,7 @@
 """One rank of the emulated-cluster comparison; started by :mod:`onebit.bench.comparison`.
 
-Run as ``python -m onebit.bench._worker CONFIG_JSON`` inside a host's namespace with the
+Run as ``python -m onebit.bench._worker SETTINGS_JSON`` (a
+:class:`~onebit.bench.settings.ComparisonSettings` as a dict) inside a host's namespace with the
 environment ``torchrun`` gives a multi-node job (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``, ``GLOO_SOCKET_IFNAME``); the process group is created through ``env://``.
 
@@ -35,19 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from onebit.bench.settings import METHODS, ONEBIT_METHODS
+
 logger = logging.getLogger("onebit.bench.worker")
 
-ONEBIT_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-adam")
-METHODS: dict[str, str] = {
-    "lamb": "LAMB + DDP (fp32 allreduce)",
-    "lamb-compute": "LAMB + DDP, no-op hook (compute only)",
-    "onebit-lamb-ddp": "1-bit LAMB, DDP hook path",
-    "onebit-lamb": "1-bit LAMB, plain path",
-    "onebit-adam": "1-bit Adam, DDP hook path",
-    "fp16": "LAMB + DDP fp16_compress_hook",
-    "powersgd-1": "LAMB + DDP PowerSGD rank 1",
-    "powersgd-4": "LAMB + DDP PowerSGD rank 4",
-}
 POWERSGD_START_ITER = 2
 """PowerSGD's ``start_powerSGD_iter``: the smallest value its error feedback accepts."""
 
@@ -287,7 +279,7 @@ def run(cfg: dict[str, Any]) -> None:
         for round_, name in schedule:
             runner.cursor = 0  # the same batches, in the same order, for every method
             t0 = time.perf_counter()
-            result: dict[str, Any] = {"method": name, "label": METHODS[name], "round": round_}
+            result: dict[str, Any] = {"method": name, "label": METHODS[name].label, "round": round_}
             error = None
             try:
                 result.update(runner.run_method(name, template))
@@ -315,7 +307,7 @@ def run(cfg: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        sys.stderr.write("usage: python -m onebit.bench._worker CONFIG_JSON\n")
+        sys.stderr.write("usage: python -m onebit.bench._worker SETTINGS_JSON\n")
         return 2
     logging.basicConfig(
         level=logging.WARNING, format=f"[rank {os.environ.get('RANK')}] %(message)s"

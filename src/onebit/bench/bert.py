@@ -1,12 +1,13 @@
 """The benchmark model: a BERT masked-language model built from a config, with synthetic batches.
 
 The cluster comparison only needs a model whose gradient has the size and layout of a real
-pre-training workload, so it uses ``transformers.BertForMaskedLM`` built from a
-``BertConfig`` (random initialisation, seeded, identical on every rank) and random token
-batches with 15 % of the positions labelled, as in MLM pre-training. No tokenizer, corpus or
-download is involved.
+pre-training workload, so it uses ``transformers.BertForMaskedLM`` built from the training
+job's :func:`onebit.train.model.bert_config` (random initialisation, seeded, identical on every
+rank) and random token batches with 15 % of the positions labelled, as in MLM pre-training. No
+tokenizer, corpus or download is involved.
 
-Presets (parameter counts with the MLM head, whose decoder is tied to the word embeddings):
+Presets (feed-forward width 4 x hidden; parameter counts with the MLM head, whose decoder is
+tied to the word embeddings):
 
 ========  ======  ======  ======  =======  ==========
 preset    vocab   hidden  layers  heads    parameters
@@ -23,49 +24,37 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["PRESETS", "ModelPreset", "bert_config", "build_model", "synthetic_batches"]
+__all__ = ["PRESETS", "ModelPreset", "build_model", "synthetic_batches"]
+
+#: BERT's dropout, which the benchmark model keeps.
+DROPOUT = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelPreset:
-    """A ``BertConfig`` shape."""
+    """The shape of a BERT (the feed-forward layers are 4 x ``hidden`` wide)."""
 
     vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    max_position_embeddings: int = 512
+    hidden: int
+    layers: int
+    heads: int
+    max_seq_len: int = 512
 
     def parameter_count(self) -> int:
         """Trainable parameters of ``BertForMaskedLM`` with this shape (decoder tied)."""
-        h, i, v, p = (
-            self.hidden_size,
-            self.intermediate_size,
-            self.vocab_size,
-            self.max_position_embeddings,
-        )
+        h, i, v, p = self.hidden, 4 * self.hidden, self.vocab_size, self.max_seq_len
         embeddings = (v + p + 2) * h + 2 * h
         layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
         head = h * h + h + 2 * h + v
-        return embeddings + self.num_hidden_layers * layer + head
+        return embeddings + self.layers * layer + head
 
 
 PRESETS: dict[str, ModelPreset] = {
-    "base": ModelPreset(30522, 768, 12, 12, 3072),
-    "small": ModelPreset(30522, 512, 4, 8, 2048),
-    "mini": ModelPreset(30522, 256, 4, 4, 1024),
-    "tiny": ModelPreset(1024, 64, 2, 2, 128, max_position_embeddings=128),
+    "base": ModelPreset(30522, 768, 12, 12),
+    "small": ModelPreset(30522, 512, 4, 8),
+    "mini": ModelPreset(30522, 256, 4, 4),
+    "tiny": ModelPreset(1024, 64, 2, 2, max_seq_len=128),
 }
-
-
-def bert_config(preset: str) -> Any:
-    """The ``transformers.BertConfig`` of a preset (see the module docstring)."""
-    from transformers import BertConfig
-
-    if preset not in PRESETS:
-        raise ValueError(f"model preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    return BertConfig(**dataclasses.asdict(PRESETS[preset]))
 
 
 def build_model(preset: str, seed: int) -> Any:
@@ -74,8 +63,20 @@ def build_model(preset: str, seed: int) -> Any:
     from transformers import BertForMaskedLM
     from transformers.utils import logging as hf_logging
 
+    from onebit.train.model import bert_config
+
+    if preset not in PRESETS:
+        raise ValueError(f"model preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    shape = PRESETS[preset]
     hf_logging.set_verbosity_error()
-    config = bert_config(preset)
+    config = bert_config(
+        vocab_size=shape.vocab_size,
+        seq_len=shape.max_seq_len,
+        layers=shape.layers,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        dropout=DROPOUT,
+    )
     torch.manual_seed(seed)
     model = BertForMaskedLM(config)
     model.train()
@@ -100,10 +101,9 @@ def synthetic_batches(
     import torch
 
     shape = PRESETS[preset]
-    if seq_len > shape.max_position_embeddings:
+    if seq_len > shape.max_seq_len:
         raise ValueError(
-            f"seq_len {seq_len} exceeds the {preset} preset's max_position_embeddings "
-            f"{shape.max_position_embeddings}"
+            f"seq_len {seq_len} exceeds the {preset} preset's max_seq_len {shape.max_seq_len}"
         )
     batches = []
     for index in range(count):

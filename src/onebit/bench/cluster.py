@@ -579,19 +579,25 @@ class EmulatedCluster:
         }
 
     def launch_ranks(
-        self, argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: object
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        rank_kwargs: Callable[[int], Mapping[str, object]] | None = None,
+        **kwargs: object,
     ) -> list[subprocess.Popen[str]]:
         """Start ``argv`` once per host as rank ``i`` of ``num_hosts``; master on host 0.
 
-        Each process gets :meth:`torchrun_like_env` on top of ``env``; ``kwargs`` go to
-        :meth:`popen`. Returns the processes in rank order.
+        Each process gets :meth:`torchrun_like_env` on top of ``env``; ``kwargs``, and
+        ``rank_kwargs(rank)`` for what differs between ranks (such as each rank's own log
+        file), go to :meth:`popen`. Returns the processes in rank order.
         """
         port = self.free_port(0)
         master = self.host_address(0)
         processes = []
         for rank in range(self.num_hosts):
             rank_env = {**(env or {}), **self.torchrun_like_env(rank, self.num_hosts, master, port)}
-            processes.append(self.popen(rank, argv, env=rank_env, **kwargs))
+            extra = rank_kwargs(rank) if rank_kwargs is not None else {}
+            processes.append(self.popen(rank, argv, env=rank_env, **kwargs, **extra))
         return processes
 
     # ----- measurements --------------------------------------------------------------------

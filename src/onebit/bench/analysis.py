@@ -1,0 +1,222 @@
+"""What a comparison's raw measurements mean: per-stage summaries, speedups and targets.
+
+Derived figures:
+
+* ``s``, the share of LAMB's step spent on communication: ``1 - t(lamb-compute) / t(lamb)``.
+* The end-to-end time of a run of ``S`` steps with warm-up fraction ``w``, *computed* from the
+  measured per-stage step times, ``T = w S t_warm + (1 - w) S t_comp`` (methods without stages
+  use their steady step time for both), and the speedup ``T(lamb) / T``.
+* Whole-run traffic reduction ``B(lamb) / (w B_warm + (1 - w) B_comp)`` from the measured bytes.
+* The ideals for 32x compression: ``1 / (w + (1 - w) / 32)`` for traffic and
+  ``1 / ((1 - s) + s / 32)`` for the compression-stage speedup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from onebit.bench.settings import ONEBIT_LAMB_METHODS, ONEBIT_METHODS
+
+__all__ = ["analyze", "ideal_speedup", "ideal_traffic_reduction"]
+
+COMPRESSION_RATIO = 32.0
+TARGET_WARMUP_FRACTIONS = (0.15, 0.20)
+
+
+def ideal_traffic_reduction(w: float, ratio: float = COMPRESSION_RATIO) -> float:
+    """Whole-run traffic reduction against fp32 with a fraction ``w`` of uncompressed steps."""
+    return 1.0 / (w + (1.0 - w) / ratio)
+
+
+def ideal_speedup(s: float, ratio: float = COMPRESSION_RATIO, w: float = 0.0) -> float:
+    """Speedup over the baseline when a share ``s`` of its step is communication, the
+    compressed steps send ``1/ratio`` of the bytes, and a fraction ``w`` of steps is not
+    compressed (``w = 0``: the compression stage alone)."""
+    compressed = (1.0 - s) + s / ratio
+    return 1.0 / (w + (1.0 - w) * compressed)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _stage_summary(blocks: Sequence[dict[str, Any]], world: int, batch_size: int) -> dict[str, Any]:
+    """One stage of one method over its rounds: the fastest round's step time (the machine is
+    shared, so contention only ever adds time), byte counts averaged over the rounds."""
+    means = [b["seconds"] / b["steps"] for b in blocks]
+    step_seconds = min(means)
+    summary: dict[str, Any] = {
+        "steps_per_round": blocks[0]["steps"],
+        "rounds": len(blocks),
+        "step_seconds": step_seconds,
+        "step_seconds_by_round": means,
+        "samples_per_second": world * batch_size / step_seconds,
+        "rank0_step_seconds": [b["rank0_step_seconds"] for b in blocks],
+        "library_bytes_per_step": _mean(
+            [_mean(b["library_bytes_by_rank"]) / b["steps"] for b in blocks]
+        ),
+        "last_loss": blocks[-1]["last_loss"],
+    }
+    fastest = blocks[means.index(step_seconds)]
+    for key in ("forward_backward", "optimizer_step"):
+        values = fastest.get(f"rank0_{key}_seconds")
+        if values:  # rank 0's split of the fastest round's steps
+            summary[f"rank0_{key}_seconds"] = _mean(values)
+    wired = [b for b in blocks if "interface_tx_bytes_by_host" in b]
+    if wired:
+        summary["wire_tx_bytes_per_step"] = _mean(
+            [_mean(b["interface_tx_bytes_by_host"]) / b["steps"] for b in wired]
+        )
+        summary["wire_rx_bytes_per_step"] = _mean(
+            [_mean(b["interface_rx_bytes_by_host"]) / b["steps"] for b in wired]
+        )
+        summary["wire_tx_bytes_per_step_by_host"] = [
+            _mean(per_host)
+            for per_host in zip(
+                *[[x / b["steps"] for x in b["interface_tx_bytes_by_host"]] for b in wired],
+                strict=False,
+            )
+        ]
+    return summary
+
+
+def analyze(raw: dict[str, Any]) -> dict[str, Any]:
+    """Add per-stage summaries, the communication share, speedups and targets to ``raw``."""
+    settings = raw["settings"]
+    world, batch = settings["workers"], settings["batch_size"]
+    w, steps_run = settings["freeze_fraction"], settings["run_steps"]
+    parameters = raw.get("info", {}).get("parameters")
+    summary: dict[str, Any] = {}
+    for name, entry in raw["methods"].items():
+        runs = [run for run in entry["runs"] if run.get("ok")]
+        if not runs:
+            continue
+        by_stage: dict[str, list[dict[str, Any]]] = {}
+        for run in runs:
+            for block in run["blocks"]:
+                by_stage.setdefault(block["stage"], []).append(block)
+        stages = {stage: _stage_summary(blocks, world, batch) for stage, blocks in by_stage.items()}
+        if "steady" in stages:
+            warm = comp = stages["steady"]
+        else:
+            warm, comp = stages["warmup"], stages["compression"]
+        summary[name] = {
+            "label": entry["label"],
+            "stages": stages,
+            "t_warm": warm["step_seconds"],
+            "t_comp": comp["step_seconds"],
+            "end_to_end_seconds": steps_run
+            * (w * warm["step_seconds"] + (1 - w) * comp["step_seconds"]),
+            "wire_warm": warm.get("wire_tx_bytes_per_step"),
+            "wire_comp": comp.get("wire_tx_bytes_per_step"),
+            "peak_rss_bytes": max(run.get("peak_rss_bytes") or 0 for run in runs),
+        }
+    derived: dict[str, Any] = {
+        "freeze_fraction": w,
+        "run_steps": steps_run,
+        "end_to_end_note": (
+            "end-to-end time is computed, not measured end to end: T = w*S*t_warm + "
+            "(1-w)*S*t_comp from the measured per-stage step times (methods without stages: "
+            "their steady step time for both)"
+        ),
+    }
+    if parameters and world > 1:
+        derived["ring_allreduce_fp32_bytes_per_step_model"] = (
+            2 * (world - 1) / world * 4 * parameters
+        )
+        derived["onebit_bytes_per_step_model"] = 2 * (world - 1) / world * parameters / 8
+    lamb = summary.get("lamb")
+    compute = summary.get("lamb-compute")
+    if lamb and compute:
+        s = max(0.0, 1.0 - compute["t_comp"] / lamb["t_comp"])
+        derived["comm_share"] = s
+        derived["ideal_compression_stage_speedup"] = ideal_speedup(s)
+        derived["ideal_end_to_end_speedup"] = ideal_speedup(s, w=w)
+    for name, item in summary.items():
+        if lamb:
+            item["compression_stage_speedup"] = lamb["t_comp"] / item["t_comp"]
+            item["warmup_stage_speedup"] = lamb["t_comp"] / item["t_warm"]
+            item["end_to_end_speedup"] = lamb["end_to_end_seconds"] / item["end_to_end_seconds"]
+            b_lamb = lamb["wire_comp"]
+            if b_lamb and item["wire_comp"] and name != "lamb-compute":  # sends ~nothing
+                item["compression_stage_bytes_reduction"] = b_lamb / item["wire_comp"]
+                item["whole_run_traffic_reduction"] = {
+                    f"{fraction:.2f}": b_lamb
+                    / (fraction * item["wire_warm"] + (1 - fraction) * item["wire_comp"])
+                    for fraction in sorted({*TARGET_WARMUP_FRACTIONS, w})
+                }
+    raw["summary"] = summary
+    raw["derived"] = derived
+    raw["targets"] = _targets(raw)
+    return raw
+
+
+def _target(met: bool | None, detail: str) -> dict[str, Any]:
+    return {"met": met, "detail": detail}
+
+
+def _targets(raw: dict[str, Any]) -> dict[str, Any]:
+    summary, derived, settings = raw["summary"], raw["derived"], raw["settings"]
+    targets: dict[str, Any] = {}
+    lamb = summary.get("lamb")
+    onebit = [m for m in ONEBIT_METHODS if m in summary]
+    if not lamb or not onebit:
+        return {"note": "LAMB or every 1-bit method is missing: no target can be evaluated"}
+    ratios = {m: summary[m].get("compression_stage_bytes_reduction") for m in onebit}
+    if all(r is not None for r in ratios.values()):
+        worst = min(ratios.values())
+        targets["compression_bytes_30x"] = _target(
+            worst >= 30.0,
+            "wire bytes per worker per step, LAMB / compression stage: "
+            + ", ".join(f"{m} {r:.1f}x" for m, r in ratios.items()),
+        )
+    for fraction in TARGET_WARMUP_FRACTIONS:
+        ideal = ideal_traffic_reduction(fraction)
+        got = {
+            m: summary[m]["whole_run_traffic_reduction"][f"{fraction:.2f}"]
+            for m in onebit
+            if "whole_run_traffic_reduction" in summary[m]
+        }
+        if got:
+            targets[f"whole_run_traffic_w{round(fraction * 100)}"] = _target(
+                min(got.values()) >= 0.95 * ideal,
+                f"ideal {ideal:.2f}x; measured "
+                + ", ".join(f"{m} {r:.2f}x ({r / ideal:.3f} of ideal)" for m, r in got.items()),
+            )
+    s = derived.get("comm_share")
+    lamb_paths = [m for m in ONEBIT_LAMB_METHODS if m in summary]
+    if s is None:
+        targets["speedup_where_comm_70"] = _target(None, "comm share not measured")
+    elif s < 0.7:
+        targets["speedup_where_comm_70"] = _target(
+            None, f"not applicable: LAMB's communication share here is {s:.2f} < 0.70"
+        )
+    elif lamb_paths:
+        fp16 = summary.get("fp16")
+        parts, met = [], True
+        for m in lamb_paths:
+            speedup = summary[m]["compression_stage_speedup"]
+            above_fp16 = fp16 is None or summary[m]["t_comp"] < fp16["t_comp"]
+            met = met and speedup >= 2.8 and above_fp16
+            parts.append(
+                f"{m}: compression-stage throughput {speedup:.2f}x LAMB"
+                + (f", fp16 hook {lamb['t_comp'] / fp16['t_comp']:.2f}x" if fp16 else "")
+                + f"; whole-run {summary[m]['end_to_end_speedup']:.2f}x"
+            )
+        targets["speedup_where_comm_70"] = _target(
+            met,
+            f"s = {s:.2f}, ideal compression-stage {ideal_speedup(s):.2f}x, ideal whole-run "
+            f"(w = {settings['freeze_fraction']:.2f}) "
+            f"{ideal_speedup(s, w=settings['freeze_fraction']):.2f}x; " + "; ".join(parts),
+        )
+    if settings["bandwidth"] is None:
+        parts, met = [], True
+        for m in lamb_paths:
+            ratio = summary[m]["t_comp"] / lamb["t_comp"]
+            met = met and ratio <= 1.1
+            parts.append(f"{m} compression-stage step / LAMB step = {ratio:.2f}")
+        targets["unshaped_step_within_1.1x"] = _target(
+            met if lamb_paths else None, "; ".join(parts)
+        )
+    return targets

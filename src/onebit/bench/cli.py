@@ -1,0 +1,155 @@
+"""``onebit bench cluster``, ``onebit bench sweep`` and ``onebit bench report``.
+
+The options of ``cluster`` and ``sweep`` are the fields of
+:class:`~onebit.bench.settings.ComparisonSettings`; ``sweep`` adds the bandwidths and worker
+counts it goes through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from onebit.bench.settings import ComparisonSettings, bandwidth_option
+from onebit.cli import add_options, checked_type, given_options
+
+logger = logging.getLogger(__name__)
+
+
+def _bandwidth_list(text: str) -> list[str | None]:
+    return [bandwidth_option(b) for b in text.split(",") if b.strip()]
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(n) for n in text.split(",") if n.strip()]
+
+
+def _settings(args: argparse.Namespace) -> ComparisonSettings:
+    return ComparisonSettings(**given_options(ComparisonSettings, args))
+
+
+def _cluster_command(args: argparse.Namespace) -> int:
+    from onebit.bench.comparison import ComparisonError, run_comparison
+    from onebit.bench.report import format_report, write_json
+
+    try:
+        result = run_comparison(_settings(args))
+    except ComparisonError as exc:
+        print(f"onebit bench cluster: {exc}", file=sys.stderr)
+        return 2
+    if args.output:
+        write_json(result, Path(args.output))
+        logger.info("wrote %s", args.output)
+    print(format_report(result))
+    return 0 if not result["errors"] else 1
+
+
+def _sweep_command(args: argparse.Namespace) -> int:
+    from onebit.bench.cluster import unavailable_reason
+    from onebit.bench.report import bandwidth_label
+    from onebit.bench.sweep import run_sweep
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(
+            f"onebit bench sweep: the emulated cluster needs root and iproute2: {reason}",
+            file=sys.stderr,
+        )
+        return 2
+    sweep = run_sweep(
+        _settings(args),
+        bandwidths=args.bandwidths,
+        worker_counts=args.worker_counts,
+        worker_bandwidth=args.worker_bandwidth,
+        out_dir=Path(args.out_dir),
+    )
+    failed = [r for r in sweep["rows"] if "error" in r]
+    for row in failed:
+        print(
+            f"failed: {row['workers']} workers, {bandwidth_label(row['bandwidth'])}: "
+            f"{row['error']}",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    from onebit.bench.report import format_report, format_sweep_table
+    from onebit.bench.sweep import plot_sweep, sweep_row, x_of
+
+    rows: list[dict[str, Any]] = []
+    for path in args.files:
+        result = json.loads(Path(path).read_text())
+        if "rows" in result:  # a sweep summary
+            rows.extend(result["rows"])
+            continue
+        if args.full:
+            print(f"<!-- {path} -->")
+            print(format_report(result))
+            print()
+        rows.append(sweep_row(result))
+    rows.sort(key=lambda r: (str(r.get("model")), r["workers"], x_of(r)))
+    print(format_sweep_table(rows))
+    if args.plot:
+        workers = {r["workers"] for r in rows}
+        bandwidths = {r["bandwidth"] for r in rows}
+        models = {r.get("model") for r in rows} - {None}
+        sweep = {
+            "model": ", ".join(sorted(models)) or "?",
+            "bandwidth_workers": next(iter(workers)) if len(workers) == 1 else None,
+            "worker_bandwidth": next(iter(bandwidths)) if len(bandwidths) == 1 else None,
+            "rows": rows,
+        }
+        plot_sweep(sweep, Path(args.plot))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``cluster``, ``sweep`` and ``report`` to the ``onebit bench`` sub-commands."""
+    cluster = subparsers.add_parser(
+        "cluster",
+        help="1-bit LAMB vs LAMB, fp16 and PowerSGD hooks on an emulated cluster (root)",
+        description="1-bit LAMB against LAMB and the alternatives on an emulated "
+        "bandwidth-limited cluster: one network namespace per worker, links shaped with tc.",
+    )
+    add_options(cluster, ComparisonSettings)
+    cluster.add_argument("--output", default=None, help="write the result JSON here")
+    cluster.set_defaults(handler=_cluster_command)
+
+    sweep = subparsers.add_parser(
+        "sweep",
+        help="the cluster comparison over bandwidths and worker counts, JSON + PNG (root)",
+    )
+    add_options(sweep, ComparisonSettings, exclude={"bandwidth"}, defaults={"model": "small"})
+    sweep.add_argument(
+        "--bandwidths",
+        type=checked_type(_bandwidth_list),
+        default=["100mbit", "1gbit", "10gbit", None],
+        help="comma-separated link rates, 'none' = unshaped (default: 100mbit,1gbit,10gbit,none)",
+    )
+    sweep.add_argument(
+        "--worker-counts",
+        type=_int_list,
+        default=[2, 4, 8],
+        help="worker counts to sweep (default: 2,4,8)",
+    )
+    sweep.add_argument(
+        "--worker-bandwidth",
+        type=checked_type(bandwidth_option),
+        default="1gbit",
+        help="link rate of the worker sweep (default: 1gbit)",
+    )
+    sweep.add_argument("--out-dir", default="docs/bench", help="where JSON and PNG go")
+    sweep.set_defaults(handler=_sweep_command)
+
+    report = subparsers.add_parser(
+        "report", help="Markdown tables (and optionally the plot) from result JSON files"
+    )
+    report.add_argument("files", nargs="+", help="cluster-*.json or sweep-*.json files")
+    report.add_argument("--full", action="store_true", help="also each comparison's full report")
+    report.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
+    report.set_defaults(handler=_report_command)

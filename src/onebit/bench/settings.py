@@ -1,0 +1,141 @@
+"""The settings of one emulated-cluster comparison, and the methods it compares.
+
+:class:`ComparisonSettings` is the single list of a comparison's parameters: its fields are the
+options of ``onebit bench cluster`` and ``onebit bench sweep``, the sweep varies its
+``workers`` and ``bandwidth``, the workers receive it as JSON, and the result JSON records it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from onebit.bench.bert import PRESETS
+from onebit.bench.cluster import parse_bandwidth, parse_latency
+from onebit.cli import option
+
+
+class Method(NamedTuple):
+    label: str
+    """What it runs, as results and reports name it."""
+    short: str
+    """Its column header in the sweep table."""
+
+
+#: Every method a comparison can run.
+METHODS: dict[str, Method] = {
+    "lamb": Method("LAMB + DDP (fp32 allreduce)", "LAMB"),
+    "lamb-compute": Method("LAMB + DDP, no-op hook (compute only)", "compute-only"),
+    "onebit-lamb-ddp": Method("1-bit LAMB, DDP hook path", "1-bit LAMB (DDP hook)"),
+    "onebit-lamb": Method("1-bit LAMB, plain path", "1-bit LAMB (plain)"),
+    "onebit-adam": Method("1-bit Adam, DDP hook path", "1-bit Adam"),
+    "fp16": Method("LAMB + DDP fp16_compress_hook", "fp16 hook"),
+    "powersgd-1": Method("LAMB + DDP PowerSGD rank 1", "PowerSGD r1"),
+    "powersgd-4": Method("LAMB + DDP PowerSGD rank 4", "PowerSGD r4"),
+}
+#: The baseline and its compute-only twin, against which the others are compared.
+BASELINE_METHODS = ("lamb", "lamb-compute")
+ONEBIT_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-adam")
+ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb")
+
+
+def bandwidth_option(text: str) -> str | None:
+    """A link rate such as ``1gbit``, checked; ``none`` (or ``unshaped``) for unshaped links."""
+    if text.lower() in ("none", "unshaped"):
+        return None
+    parse_bandwidth(text)
+    return text
+
+
+def _latency_option(text: str) -> str | None:
+    if text.lower() == "none":
+        return None
+    parse_latency(text)
+    return text
+
+
+def _check_methods(methods: tuple[str, ...]) -> None:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+
+
+def _methods_option(text: str) -> tuple[str, ...]:
+    if text == "all":
+        return tuple(METHODS)
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    _check_methods(methods)
+    return methods
+
+
+@dataclass(frozen=True)
+class ComparisonSettings:
+    """What one comparison runs: the cluster, the model and batch, the timing, the methods."""
+
+    workers: int = option(
+        4, help="workers, one per network namespace (a sweep: those of its bandwidth sweep)"
+    )
+    bandwidth: str | None = option(
+        "1gbit",
+        parse=bandwidth_option,
+        help="per-link rate such as 100mbit or 1gbit; 'none' = unshaped",
+    )
+    latency: str | None = option(
+        None,
+        parse=_latency_option,
+        help="added one-way delay such as 0.1ms (needs the netem qdisc)",
+    )
+    model: str = option("base", choices=tuple(PRESETS), help="BERT preset (see onebit.bench.bert)")
+    batch_size: int = option(1, help="per-worker batch")
+    seq_len: int = option(128, help="tokens per sequence")
+    steps: int = option(3, help="timed steps of the compression / steady stage")
+    warm_steps: int = option(2, help="timed warm-up-stage steps of the 1-bit methods")
+    skip_steps: int = option(1, help="untimed steps before each timed block")
+    methods: tuple[str, ...] = option(
+        tuple(METHODS),
+        parse=_methods_option,
+        help="comma-separated subset of " + ",".join(METHODS),
+        default_help="all",
+    )
+    freeze_fraction: float = option(0.2, help="warm-up fraction w of the computed end-to-end run")
+    run_steps: int = option(10000, help="steps S of the computed end-to-end run")
+    tcp_seconds: float = option(2.0, help="length of the raw TCP shaping check, 0 to skip")
+    threads: int | None = option(
+        None, help="torch threads per worker", default_help="cores // workers, at least 1"
+    )
+    timeout: float = option(1800.0, help="seconds before a configuration is abandoned")
+    seed: int = option(0, help="seed of the initial weights and the batches")
+    lr: float = option(1e-3, help="learning rate of the LAMB methods (1-bit Adam: a tenth)")
+    rounds: int = option(
+        2,
+        help="run every method this many times, alternating the order; a stage's step time "
+        "is its fastest round's",
+    )
+    memory_check: bool = option(
+        True, help="refuse to start when the workers' estimated memory exceeds what is free"
+    )
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first setting that is out of range."""
+        if self.workers < 2:
+            raise ValueError(f"--workers must be at least 2, got {self.workers}")
+        if self.bandwidth is not None:
+            parse_bandwidth(self.bandwidth)
+        if self.latency is not None:
+            parse_latency(self.latency)
+        _check_methods(tuple(self.methods))
+        if self.model not in PRESETS:
+            raise ValueError(f"unknown model preset {self.model!r}; choose from {sorted(PRESETS)}")
+        for name in ("steps", "warm_steps", "skip_steps", "batch_size", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0.0 <= self.freeze_fraction <= 1.0:
+            raise ValueError(f"--freeze-fraction must be in [0, 1], got {self.freeze_fraction}")
+
+    def resolved(self) -> ComparisonSettings:
+        """A validated copy with ``threads`` filled in."""
+        self.validate()
+        threads = self.threads or max(1, (os.cpu_count() or 1) // self.workers)
+        return dataclasses.replace(self, methods=tuple(self.methods), threads=threads)
