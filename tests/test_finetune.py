@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -44,12 +43,9 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     corpus = write_corpus(tmp_path / "corpus.txt")
     with corpus.open("a") as f:  # the task's words, often enough to become whole tokens
         f.write("\n\n" + " ".join((POSITIVE + NEGATIVE + FILLER) * 20))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     for name, value in dict(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="0",  # one rank: the store binds any free port
     ).items():  # fmt: skip
         monkeypatch.setenv(name, value)
     out = tmp_path / "run"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -246,10 +245,8 @@ def test_lr_schedule_and_seeds() -> None:
 
 @pytest.fixture
 def single_rank_group() -> Iterator[None]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # Port 0: the store binds a free port itself (nothing else needs to find it).
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -46,6 +46,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -77,6 +78,9 @@ DEFAULT_PREFIX = "ob"
 
 MAX_HOSTS = 250
 """Most hosts in one cluster (one /24 subnet, three-digit indices in interface names)."""
+
+_FIRST_MASTER_PORT = 29500
+_MASTER_PORTS = 1000
 
 _MODULE = "onebit.bench.cluster"
 # The small helpers run this file as a script in isolated mode: standard library only, so they
@@ -322,6 +326,7 @@ class EmulatedCluster:
         self.run_id = prefix + token
         self._owner = os.getpid()
         self._subnet = f"10.213.{int(token, 16) % 256}"
+        self._launches = 0
         self._children: list[subprocess.Popen[str]] = []
         self._lock = threading.Lock()
         self._active = False
@@ -538,22 +543,6 @@ class EmulatedCluster:
             self._children.append(process)
         return process
 
-    def _helper_call(self, i: int, args: Sequence[str], timeout: float) -> str:
-        """Run one of this module's helper commands in host ``i``'s namespace; return stdout."""
-        process = self.popen(i, [*_HELPER_ARGV, *args], stdout=subprocess.PIPE)
-        try:
-            out, _ = process.communicate(timeout=timeout)
-        finally:
-            _stop([process])
-        if process.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} in host {i} failed (exit {process.returncode})")
-        return out
-
-    def free_port(self, i: int) -> int:
-        """Return a TCP port that is free on host ``i`` (bound to port 0 there, then released)."""
-        args = ["free-port", "--bind", self.host_address(i)]
-        return int(self._helper_call(i, args, _COMMAND_TIMEOUT).strip())
-
     def torchrun_like_env(
         self, rank: int, world_size: int, master_addr: str, master_port: int
     ) -> dict[str, str]:
@@ -590,8 +579,14 @@ class EmulatedCluster:
         Each process gets :meth:`torchrun_like_env` on top of ``env``; ``kwargs``, and
         ``rank_kwargs(rank)`` for what differs between ranks (such as each rank's own log
         file), go to :meth:`popen`. Returns the processes in rank order.
+
+        The master port is not probed (a port found free can be taken before rank 0 binds
+        it): host 0's namespace belongs to this cluster and nothing in it binds below the
+        ephemeral port range, so each launch takes the next port from 29500.
         """
-        port = self.free_port(0)
+        with self._lock:
+            port = _FIRST_MASTER_PORT + self._launches % _MASTER_PORTS
+            self._launches += 1
         master = self.host_address(0)
         processes = []
         for rank in range(self.num_hosts):
@@ -625,12 +620,16 @@ class EmulatedCluster:
             raise ValueError("nbytes and seconds must be positive")
         idle = seconds + 10.0
         address = self.host_address(dst)
-        port = str(self.free_port(dst))
         receiver = self.popen(
             dst,
-            [*_HELPER_ARGV, "tcp-recv", "--bind", address, "--port", port, "--timeout", str(idle)],
+            [*_HELPER_ARGV, "tcp-recv", "--bind", address, "--timeout", str(idle)],
             stdout=subprocess.PIPE,
         )
+        try:
+            port = str(_read_port(receiver))
+        except BaseException:
+            _stop([receiver])
+            raise
         sender = self.popen(
             src,
             [
@@ -684,14 +683,20 @@ def _emit(record: Mapping[str, object]) -> None:
     sys.stdout.flush()
 
 
-def _free_port_command(args: argparse.Namespace) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((args.bind, 0))
-        sys.stdout.write(f"{sock.getsockname()[1]}\n")
+def _read_port(receiver: subprocess.Popen[str]) -> int:
+    """The port a ``tcp-recv`` helper bound, from the first line it writes."""
+    assert receiver.stdout is not None
+    ready, _, _ = select.select([receiver.stdout], [], [], _COMMAND_TIMEOUT)
+    line = receiver.stdout.readline() if ready else ""
+    if not line:
+        raise RuntimeError(f"the TCP receiver did not report its port (exit {receiver.poll()})")
+    return int(json.loads(line)["port"])
 
 
 def _tcp_recv_command(args: argparse.Namespace) -> None:
-    with socket.create_server((args.bind, args.port)) as server:
+    """Bind a free port (reported as the first output line), receive one stream, report it."""
+    with socket.create_server((args.bind, 0)) as server:
+        _emit({"port": server.getsockname()[1]})
         server.settimeout(args.timeout)
         conn, _ = server.accept()
     deadline = time.monotonic() + args.timeout
@@ -820,12 +825,8 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--threads", type=int, default=1)
     worker.add_argument("--timeout", type=float, default=300.0)
     worker.set_defaults(handler=_worker_command)
-    free = sub.add_parser("free-port")
-    free.add_argument("--bind", required=True)
-    free.set_defaults(handler=_free_port_command)
     recv = sub.add_parser("tcp-recv")
     recv.add_argument("--bind", required=True)
-    recv.add_argument("--port", type=int, required=True)
     recv.add_argument("--timeout", type=float, required=True)
     recv.set_defaults(handler=_tcp_recv_command)
     send = sub.add_parser("tcp-send")

@@ -1,7 +1,8 @@
 """Start the workers of a training run on this machine with torch's elastic launcher.
 
 The launcher is ``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun`` runs):
-a c10d rendezvous on 127.0.0.1 at a free port, ``workers`` processes of
+a c10d rendezvous on 127.0.0.1 whose store binds a port of its own choosing (port 0, as
+``torchrun --standalone`` asks for), ``workers`` processes of
 ``python -m onebit.train.worker RUN_DIR``, and up to ``max_restarts`` restarts of all of
 them when one fails; every restart resumes from the run folder's newest usable checkpoint.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 import uuid
 from pathlib import Path
@@ -23,13 +23,6 @@ logger = logging.getLogger(__name__)
 
 #: Environment variable that makes each restart of the workers use a fresh store.
 SHARED_STORE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def launch_job(
@@ -77,7 +70,7 @@ def launch_job(
         nproc_per_node=workers,
         run_id=f"onebit-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint="127.0.0.1:0",
         max_restarts=max_restarts,
         monitor_interval=0.5,
     )
