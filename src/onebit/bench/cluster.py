@@ -3,9 +3,10 @@
 :class:`EmulatedCluster` builds, for the duration of a ``with`` block:
 
 * one network namespace acting as the switch, holding a Linux bridge;
-* one network namespace per host, linked to the bridge by a veth pair, with an address in a
-  private ``10.213.X.0/24`` subnet that exists only inside these namespaces (nothing is created
-  in, or routable from, the root namespace);
+* one network namespace per host, linked to the bridge by a veth pair, with an address in
+  ``198.18.0.0/24`` (part of ``198.18.0.0/15``, the range set aside for benchmarking by
+  RFC 2544) that exists only inside these namespaces (nothing is created in, or routable from,
+  the root namespace);
 * optional shaping of every link with ``tc``.
 
 Link semantics
@@ -79,6 +80,7 @@ DEFAULT_PREFIX = "ob"
 MAX_HOSTS = 250
 """Most hosts in one cluster (one /24 subnet, three-digit indices in interface names)."""
 
+_SUBNET = "198.18.0"
 _FIRST_MASTER_PORT = 29500
 _MASTER_PORTS = 1000
 
@@ -325,7 +327,6 @@ class EmulatedCluster:
         token = secrets.token_hex(_TOKEN_HEX // 2)
         self.run_id = prefix + token
         self._owner = os.getpid()
-        self._subnet = f"10.213.{int(token, 16) % 256}"
         self._launches = 0
         self._children: list[subprocess.Popen[str]] = []
         self._lock = threading.Lock()
@@ -354,9 +355,9 @@ class EmulatedCluster:
         return f"{self.run_id}h{i}"
 
     def host_address(self, i: int) -> str:
-        """IPv4 address of host ``i`` (a private /24 that exists only inside the cluster)."""
+        """IPv4 address of host ``i``: ``198.18.0.<i + 1>``, only inside the cluster."""
         self._check_host(i)
-        return f"{self._subnet}.{i + 1}"
+        return f"{_SUBNET}.{i + 1}"
 
     def _switch_port(self, i: int) -> str:
         return f"{self.run_id}b{i}"
@@ -426,7 +427,7 @@ class EmulatedCluster:
             "emulated cluster %s up: %d hosts on %s.0/24, bandwidth %s, latency %s (%.2f s)",
             self.run_id,
             self.num_hosts,
-            self._subnet,
+            _SUBNET,
             self.bandwidth or "unshaped",
             self.latency or "none added",
             time.perf_counter() - started,
