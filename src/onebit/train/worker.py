@@ -35,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import onebit
 from onebit.collectives import TrafficCounter, allreduce_bytes
+from onebit.optim._onebit import COMPRESSION
 from onebit.train import checkpoint, data, report
 from onebit.train.atomic import write_bytes_atomic
 from onebit.train.config import (
@@ -115,7 +116,7 @@ def counted_allreduce_hook(traffic, bucket):
 
 
 def average_gradients(params: list[nn.Parameter], traffic: TrafficCounter) -> None:
-    """Mean of every gradient over ranks in one dense allreduce (the no-DDP dense path)."""
+    """Mean of every gradient over ranks in one dense allreduce (what DDP does, without it)."""
     grads = [p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     onebit.allreduce_mean_(flat, traffic=traffic)
@@ -271,6 +272,9 @@ class _Trainer:
                 onebit.ddp.register_comm_hook(self.forward, self.optimizer)
             else:
                 self.forward.register_comm_hook(self.dense_traffic, counted_allreduce_hook)
+        elif config.uses_onebit:
+            # The job averages the warm-up gradients itself (see _train_step).
+            self.optimizer.gradients_averaged_by_ddp = True
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda i: lr_factor(i, config.lr_warmup_steps, config.steps),
@@ -292,9 +296,10 @@ class _Trainer:
 
     def _bytes_sent(self) -> int:
         """Bytes this rank has sent for gradients and momenta so far."""
+        sent = self.dense_traffic.total()  # gradients averaged by the job or DDP's default hook
         if self.config.uses_onebit:
-            return sum(self.optimizer.bytes_sent.values())
-        return self.dense_traffic.total()
+            sent += sum(self.optimizer.bytes_sent.values())
+        return sent
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -377,7 +382,9 @@ class _Trainer:
         sent_before = self._bytes_sent()
         loss = self.forward(inputs, labels)
         loss.backward()
-        if not config.ddp and not config.uses_onebit:
+        if not config.ddp and stage != COMPRESSION:
+            # Averaged before they are clipped, as under DDP: clipping each rank's own
+            # gradients would give another update than clipping their mean.
             average_gradients(self.params, self.dense_traffic)
         if config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, config.grad_clip)
