@@ -60,9 +60,9 @@ def verify_replicas(
 ) -> None:
     """Raise :class:`ReplicaMismatchError` on every rank if ranks' tensors differ in any bit.
 
-    Two small fixed-size all-gathers (CPU tensors: use with gloo, or a gloo group beside an
-    NCCL one): first the count, then one signature row per tensor. Names the first
-    mismatching tensor, what differs and on which rank.
+    Two small fixed-size all-gathers, on the CPU with gloo and on the current CUDA device with
+    NCCL: first the count, then one signature row per tensor. Names the first mismatching
+    tensor, what differs and on which rank.
     """
     tensors = list(tensors)
     n = world_size(group)
