@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from onebit.bench.cluster import parse_bandwidth
 from onebit.bench.comparison import ComparisonError, run_comparison
 from onebit.bench.report import COMPARED_METHODS, bandwidth_label, format_report, write_json
 from onebit.bench.settings import ComparisonSettings
@@ -131,34 +132,20 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
             if pts:
                 style = "-o" if name.startswith("onebit") else "--s"
                 ax.plot(*zip(*pts, strict=False), style, label=f"{name} (compr. stage)")
-        for name in ("onebit-lamb-ddp",):
-            pts = [
-                (x, r["methods"][name]["end_to_end_speedup"])
-                for x, r in zip(xs, data, strict=False)
-                if name in r["methods"]
-            ]
-            if pts:
-                ax.plot(
-                    *zip(*pts, strict=False), ":^", color="black", label=f"{name} whole run (w=0.2)"
-                )
-        ax.plot(
-            xs,
-            [r["ideal_compression_stage_speedup"] for r in data],
-            "-",
-            color="grey",
-            linewidth=3,
-            alpha=0.5,
-            label="ideal 1/((1-s)+s/32), measured s",
-        )
-        ax.plot(
-            xs,
-            [r["ideal_end_to_end_speedup"] for r in data],
-            ":",
-            color="grey",
-            linewidth=3,
-            alpha=0.5,
-            label="ideal whole run, measured s, w=0.2",
-        )
+        whole_run = [
+            (x, r["methods"]["onebit-lamb-ddp"]["end_to_end_speedup"])
+            for x, r in zip(xs, data, strict=False)
+            if "onebit-lamb-ddp" in r["methods"]
+        ]
+        if whole_run:
+            label = "onebit-lamb-ddp whole run (w=0.2)"
+            ax.plot(*zip(*whole_run, strict=False), ":^", color="black", label=label)
+        for key, style, label in (
+            ("ideal_compression_stage_speedup", "-", "ideal 1/((1-s)+s/32), measured s"),
+            ("ideal_end_to_end_speedup", ":", "ideal whole run, measured s, w=0.2"),
+        ):
+            ideal = [r[key] for r in data]
+            ax.plot(xs, ideal, style, color="grey", linewidth=3, alpha=0.5, label=label)
         ax.axhline(1.0, color="black", linewidth=0.5)
         ax.set_ylabel("speedup over LAMB + DDP (step time ratio)")
         for x, r in zip(xs, data, strict=False):
@@ -196,8 +183,6 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
 
 def x_of(row: dict[str, Any]) -> float:
     """The position of a sweep row on the bandwidth axis, in bits/s."""
-    from onebit.bench.cluster import parse_bandwidth
-
     if row["bandwidth"] is not None:
         return parse_bandwidth(row["bandwidth"])
     return _UNSHAPED_X
