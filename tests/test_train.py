@@ -18,6 +18,7 @@ import torch.distributed as dist
 from onebit.cli import build_parser, given_options
 from onebit.cli import main as onebit_main
 from onebit.train import checkpoint, report
+from onebit.train.atomic import atomic_path, write_json_atomic
 from onebit.train.config import TrainConfig, prepare_run_dir
 from onebit.train.worker import lr_factor, step_seed
 
@@ -245,6 +246,16 @@ def test_lr_schedule_and_seeds() -> None:
     assert lr_factor(0, 0, 10) == 1.0
     assert step_seed(0, 1) != step_seed(0, 2) != step_seed(1, 1)
     assert step_seed(0, 1, 0) != step_seed(0, 1, 1) and step_seed(3, 4) == step_seed(3, 4)
+
+
+def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "config.json"
+    write_json_atomic(path, {"steps": 1})
+    with pytest.raises(OSError), atomic_path(path) as tmp:
+        tmp.write_text('{"ste')
+        raise OSError("disk full")
+    assert json.loads(path.read_text()) == {"steps": 1}
+    assert [p.name for p in path.parent.iterdir()] == ["config.json"]  # no temporary file left
 
 
 @pytest.fixture
