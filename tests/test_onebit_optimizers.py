@@ -88,7 +88,7 @@ def _trajectories(rank, world_size):
             "history": history,
             "stages": stages,
             "bytes": opt.bytes_sent,
-            "coeffs": opt.get_lamb_coeffs(),
+            "coeffs": opt.get_lamb_coeffs() if kind == "lamb" else None,
         }
     return out
 
@@ -308,6 +308,11 @@ def test_loading_into_another_world_size_resets_error_buffers_once():
     set_grads(params2, 0)
     opt2.step()  # runs with fresh, correctly sized error buffers
     assert opt2.state_dict()["onebit"]["worker_error"].numel() == onebit.padded_size(56, 1)
+
+
+def test_only_lamb_optimizers_have_trust_ratio_coefficients():
+    params, adam = build("adam", torch.float32)
+    assert not hasattr(adam, "get_lamb_coeffs")  # 1-bit Adam has no trust ratio
 
 
 def test_checkpoint_from_another_optimizer_is_rejected():

@@ -9,6 +9,7 @@ same bits: work is split into fixed blocks whatever the thread count.
 from __future__ import annotations
 
 import math
+import types
 
 import numba
 import numpy as np
@@ -27,8 +28,10 @@ _DRIVERS = (
 )
 
 
-class _Compiled:
-    """Serial (disk-cached) and parallel builds of a module's driver functions."""
+class Compiled:
+    """Serial and parallel builds of a module's driver functions, compiled on first use and
+    cached on disk (numba's cache keys a function by its qualified name, so the parallel
+    build is made from a renamed copy of each function)."""
 
     def __init__(self, module, names) -> None:
         self._module, self._names = module, names
@@ -39,16 +42,36 @@ class _Compiled:
         parallel = threads > 1
         build = self._builds.get(parallel)
         if build is None:
-            # numba's disk cache does not tell a parallel build from a serial one: cache one.
-            jit = numba.njit(parallel=parallel, cache=not parallel)
-            build = {n: jit(getattr(self._module, n)) for n in self._names}
+            jit = numba.njit(parallel=parallel, error_model="numpy", cache=True)
+            build = {n: jit(_variant(getattr(self._module, n), parallel)) for n in self._names}
             self._builds[parallel] = build
         if parallel:
             numba.set_num_threads(threads)
         return build[name]
 
+    def compile_all(self) -> None:
+        """Compile (or load from the disk cache) every driver of the current build."""
+        for name in self._names:
+            self(name)
 
-_COMPRESSION = _Compiled(compression, _DRIVERS)
+
+def _variant(function, parallel: bool):
+    """``function`` itself, or a copy named ``<name>_parallel`` for the parallel build."""
+    if not parallel:
+        return function
+    copy = types.FunctionType(
+        function.__code__,
+        function.__globals__,
+        function.__name__ + "_parallel",
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__qualname__ = function.__qualname__ + "_parallel"
+    copy.__module__ = function.__module__
+    return copy
+
+
+_COMPRESSION = Compiled(compression, _DRIVERS)
 
 
 def _np(tensor: Tensor) -> np.ndarray:

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.optim import Optimizer
 
 from onebit.collectives import (
     CompressionWorkspace,
@@ -26,7 +23,8 @@ from onebit.collectives import (
     world_size,
 )
 from onebit.consistency import ReplicaMismatchError, verify_replicas
-from onebit.optim import _common
+from onebit.optim import _common, functional
+from onebit.optim._flat import FlatOptimizer, FlatState
 
 logger = logging.getLogger("onebit")
 
@@ -39,16 +37,7 @@ class CommunicationError(RuntimeError):
     """A collective of the optimizer's step failed: a peer died, hung or diverged."""
 
 
-@dataclass
-class _FusedLayout:
-    """Where each parameter's momentum sits in the fused buffer of the compression stage."""
-
-    entries: list[tuple[dict[str, Any], Tensor, int, Tensor | None]]  # group, param, offset, mask
-    numel: int
-    buffer: Tensor  # padded_size(numel, n) elements; reused every step
-
-
-class OneBitOptimizer(Optimizer):
+class OneBitOptimizer(FlatOptimizer):
     """Base class of :class:`OneBitLamb` and :class:`OneBitAdam`.
 
     Steps ``1 .. freeze_step`` form the warm-up stage: gradients are averaged over ranks at full
@@ -59,9 +48,13 @@ class OneBitOptimizer(Optimizer):
     exchanged in one :func:`onebit.compressed_allreduce`, and the subclass applies its update
     with the decoded momentum, which is identical on every rank.
 
-    Subclasses implement ``_init_state``, ``_warmup_update``, ``_compressed_update`` and may
-    implement ``_start_compression``.
+    State lives in a :class:`~onebit.optim._flat.FlatState` (built at the first step) and is
+    updated in whole-buffer passes by :mod:`onebit.optim.functional`; ``self.state[p]`` holds
+    views of it. Subclasses set ``_SCALARS`` (per-parameter scalar state and its initial
+    value) and implement ``_warmup_update`` and ``_compressed_update``.
     """
+
+    _SCALARS: dict[str, float] = {"scaling_coeff": 1.0}
 
     def __init__(
         self,
@@ -94,10 +87,9 @@ class OneBitOptimizer(Optimizer):
         }
         self._worker_error: Tensor | None = None
         self._server_error: Tensor | None = None
-        self._layout: _FusedLayout | None = None
-        self._flat_grads: Tensor | None = None
+        self._exchange_buffer: Tensor | None = None
+        self._mask: Tensor | None = None
         self._replicas_verified = False
-        self._scratch = _common.ScratchPool()
         self._workspace = CompressionWorkspace()
         self._traffic = TrafficCounter()
         super().__init__(params, defaults)
@@ -120,7 +112,8 @@ class OneBitOptimizer(Optimizer):
 
     @property
     def bytes_sent(self) -> dict[str, int]:
-        """Bytes this rank has sent in each stage (a copy)."""
+        """Bytes this rank has sent in each stage for this optimizer (a copy): its own
+        collectives, and the warm-up allreduces of :func:`onebit.ddp.register_comm_hook`."""
         return dict(self._counters["bytes_sent"])
 
     def count_bytes_sent(self, stage: str, nbytes: int) -> None:
@@ -131,21 +124,8 @@ class OneBitOptimizer(Optimizer):
     def world_size(self) -> int:
         return world_size(self.process_group)
 
-    def get_lamb_coeffs(self) -> list[float]:
-        """Each parameter's last step coefficient (a copy), in parameter order."""
-        return [
-            self.state[p]["lamb_coeff"]
-            for p in _common.params_in_order(self.param_groups)
-            if "lamb_coeff" in self.state[p]
-        ]
-
     # ----------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_layout", None) is not None:
-            raise RuntimeError(
-                "cannot add a parameter group in the compression stage: the fused momentum "
-                "buffer and its error-feedback state are fixed at the switch"
-            )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if "exp_avg_mask" in group:
@@ -178,8 +158,8 @@ class OneBitOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params = _common.trainable_params(self)
-        self._unscale_for_grad_scaler(params)
+        flat = self._flat_state()
+        self._unscale_for_grad_scaler(flat.params)
         stage = self.stage
         traffic_before = self._traffic.total()
         try:
@@ -187,23 +167,24 @@ class OneBitOptimizer(Optimizer):
             if not self._replicas_verified or due:
                 with self._collective():
                     verify_replicas(
-                        self._replica_tensors(params), self.process_group, step=self.step_count + 1
+                        self._replica_tensors(flat), self.process_group, step=self.step_count + 1
                     )
                 self._replicas_verified = True
+            grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
             if stage == WARMUP:
-                applied = self._warmup_step(params)
+                applied = self._warmup_step(flat, grads)
             else:
-                applied = self._compression_step()
+                applied = self._compression_step(flat, grads)
         finally:
             self.count_bytes_sent(stage, self._traffic.total() - traffic_before)
         if applied:
+            flat.refresh_half_params()
             self._counters["step"] += 1
         return loss
 
-    def _replica_tensors(self, params: list[Tensor]) -> list[Tensor]:
+    def _replica_tensors(self, flat: FlatState) -> list[Tensor]:
         """What must agree across ranks: the parameters and any fp32 master copies."""
-        masters = [self.state[p]["master_param"] for p in params if "master_param" in self.state[p]]
-        return params + masters
+        return flat.params + [master for _, master in flat.half_params]
 
     @contextlib.contextmanager
     def _collective(self) -> Iterator[None]:
@@ -232,10 +213,9 @@ class OneBitOptimizer(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is None:
             return
-        inverse = 1.0 / float(grad_scale)
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, inverse)
+            torch._foreach_div_(grads, grad_scale.to(grads[0].device))
 
     def _skip(self, reason: str) -> bool:
         message = f"non-finite gradients at step {self.step_count + 1} ({reason})"
@@ -250,75 +230,28 @@ class OneBitOptimizer(Optimizer):
         )
         return False
 
-    def _averaged_warmup_grads(self, params: list[Tensor]) -> list[Tensor | None] | None:
-        """Gradients averaged over ranks, ``None`` for a parameter no rank has a gradient
-        for; ``None`` as a whole if any gradient is not finite (the same answer on every rank).
-        """
-        if self.gradients_averaged_by_ddp or self.world_size == 1:
-            grads = [_common.dense_grad(p, _common.state_dtype(p)) for p in params]
-            return grads if _common.all_finite(g for g in grads if g is not None) else None
-        # One dense allreduce of every gradient, plus one flag per parameter that says
-        # whether the rank had a gradient for it.
-        total = sum(p.numel() for p in params)
-        if self._flat_grads is None or self._flat_grads.numel() != total + len(params):
-            dtype = self._buffer_dtype(params)
-            self._flat_grads = torch.empty(
-                total + len(params), dtype=dtype, device=params[0].device
-            )
-        flat = self._flat_grads
-        flags = flat[total:]
-        views, offset = [], 0
-        for index, param in enumerate(params):
-            view = flat[offset : offset + param.numel()].view_as(param)
-            offset += param.numel()
-            grad = _common.dense_grad(param, flat.dtype)
-            if grad is None:
-                view.zero_()
-                flags[index] = 0
-            else:
-                view.copy_(grad)
-                flags[index] = 1
-            views.append(view)
-        with self._collective():
-            allreduce_mean_(flat, self.process_group, traffic=self._traffic)
-        if not _common.all_finite([flat]):
-            return None
-        present = (flags > 0).tolist()
-        return [view if has_grad else None for view, has_grad in zip(views, present, strict=True)]
+    def _warmup_step(self, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
+        """Average the gradients (unless DDP did), then the subclass's uncompressed update.
 
-    def _warmup_step(self, params: list[Tensor]) -> bool:
-        grads = self._averaged_warmup_grads(params)
-        if grads is None:
+        In the plain loop one dense allreduce carries every gradient and one flag per
+        parameter that says whether a rank had a gradient for it; a parameter no rank has a
+        gradient for is left alone, and a gradient missing on some ranks counts as zero."""
+        flat.load_grads(grads)
+        if not self.gradients_averaged_by_ddp and self.world_size > 1:
+            with self._collective():
+                allreduce_mean_(flat.grad_and_flags, self.process_group, traffic=self._traffic)
+        present = (flat.grad_flags > 0).tolist()
+        self._expose_new_state(flat, present)
+        if not self._warmup_update(flat, present):
             return self._skip("warm-up gradients")
-        grad_of = {id(p): g for p, g in zip(params, grads, strict=True)}
-        for group in self.param_groups:
-            for param in group["params"]:
-                grad = grad_of.get(id(param))
-                if grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    _common.init_param_state(param, state)
-                    self._init_state(state)
-                self._warmup_update(group, param, state, grad.to(state["exp_avg"].dtype))
-                _common.sync_param_from_master(param, state)
         return True
 
-    def _compression_step(self) -> bool:
-        layout = self._fused_layout()
-        buffer = layout.buffer
-        for group, param, offset, _ in layout.entries:
-            state = self.state[param]
-            exp_avg = state["exp_avg"]
-            local = buffer[offset : offset + exp_avg.numel()].view_as(exp_avg)
-            # s_p * m_local with m_local = b1 m + (1 - b1) g_local, straight into the buffer
-            # (two passes: s_p is folded into both coefficients).
-            beta1, scaling = group["betas"][0], state["scaling_coeff"]
-            torch.mul(exp_avg, beta1 * scaling, out=local)
-            grad = _common.dense_grad(param, exp_avg.dtype)
-            if grad is not None:
-                local.add_(grad, alpha=(1 - beta1) * scaling)
-        buffer[layout.numel :].zero_()
+    def _compression_step(self, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
+        buffer = self._exchange_buffer_for(flat)
+        flat.load_grads(grads)
+        functional.scaled_momentum(
+            flat, flat.scalars["scaling_coeff"], buffer, self._has_state, backend=self._backend
+        )
         try:
             with self._collective():
                 compressed_allreduce(
@@ -329,81 +262,72 @@ class OneBitOptimizer(Optimizer):
                     out=buffer,
                     workspace=self._workspace,
                     traffic=self._traffic,
+                    kernels_name=self._backend,
                 )
         except NonFiniteError:
             return self._skip("a rank's local momentum")
-        for group, param, offset, mask in layout.entries:
-            state = self.state[param]
-            exp_avg = state["exp_avg"]
-            exchanged = buffer[offset : offset + exp_avg.numel()].view_as(exp_avg)
-            exchanged.div_(state["scaling_coeff"])
-            if mask is not None:
-                exchanged.mul_(mask)
-            self._compressed_update(group, param, state, exchanged)
-            _common.sync_param_from_master(param, state)
+        self._compressed_update(flat, buffer, self._mask, self._has_state)
         return True
 
     # ----------------------------------------------------------------- the switch
-    @staticmethod
-    def _buffer_dtype(params: Iterable[Tensor]) -> torch.dtype:
-        dtypes = {_common.state_dtype(p) for p in params}
-        return torch.float64 if dtypes == {torch.float64} else torch.float32
-
-    def _fused_layout(self) -> _FusedLayout:
-        """Build (once) the fused momentum buffer; at the first compression step, also the
-        scaling coefficients ``s_p`` and the subclass's compression-stage state."""
-        if self._layout is not None:
-            return self._layout
-        entries, offset, skipped = [], 0, 0
-        for group in self.param_groups:
-            masks = self._masks_of(group) if "exp_avg_mask" in group else None
-            for index, param in enumerate(group["params"]):
-                if "exp_avg" not in self.state[param]:
-                    skipped += param.requires_grad
-                    continue
-                mask = None
-                if masks is not None:
-                    mask = masks[index].to(self.state[param]["exp_avg"])
-                entries.append((group, param, offset, mask))
-                offset += param.numel()
-        if not entries:
+    def _exchange_buffer_for(self, flat: FlatState) -> Tensor:
+        """The padded buffer the momentum is exchanged in; at the first compression step also
+        the error-feedback state, the masks, the scaling coefficients ``s_p`` and the
+        subclass's compression-stage state."""
+        if self._exchange_buffer is not None:
+            return self._exchange_buffer
+        if not any(self._has_state):
             raise RuntimeError(
                 "no parameter received a gradient during the warm-up stage; nothing to compress"
             )
+        skipped = self._has_state.count(False)
         if skipped:
             logger.warning(
                 "%d trainable parameter tensor(s) had no gradient during warm-up; they are "
                 "left out of the compression stage and no longer updated",
                 skipped,
             )
-        params = [param for _, param, _, _ in entries]
         n = self.world_size
-        size = padded_size(offset, n)
-        dtype = self._buffer_dtype(params)
-        device = params[0].device
+        size = padded_size(flat.numel, n)
         if self._worker_error is None or self._worker_error.numel() != size:
-            self._worker_error = torch.zeros(size, dtype=dtype, device=device)
-            self._server_error = torch.zeros(size // n, dtype=dtype, device=device)
-        if any("scaling_coeff" not in self.state[p] for p in params):
-            self._start_compression(params)
-        self._layout = _FusedLayout(entries, offset, torch.zeros(size, dtype=dtype, device=device))
-        self._flat_grads = None  # the warm-up's gradient buffer is not needed any more
-        return self._layout
+            self._worker_error = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+            self._server_error = torch.zeros(size // n, dtype=flat.dtype, device=flat.device)
+        self._mask = self._flat_mask(flat)
+        if self.step_count == self.freeze_step:  # not when resuming later in the stage
+            self._start_compression(flat)
+        self._exchange_buffer = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        return self._exchange_buffer
 
-    def _start_compression(self, params: list[Tensor]) -> None:
-        """At the first compression step: ``s_p = mean_q rms(m_q) / rms(m_p)`` (1 if 0)."""
-        rms = [self.state[p]["exp_avg"].norm().item() / math.sqrt(p.numel()) for p in params]
-        mean_rms = sum(rms) / len(rms)
-        for param, value in zip(params, rms, strict=True):
-            self.state[param]["scaling_coeff"] = mean_rms / value if value > 0 else 1.0
+    def _flat_mask(self, flat: FlatState) -> Tensor | None:
+        """The groups' ``exp_avg_mask`` as one flat buffer (ones elsewhere), if any."""
+        if not any("exp_avg_mask" in group for group in self.param_groups):
+            return None
+        mask = torch.ones(flat.numel, dtype=flat.dtype, device=flat.device)
+        index_of = {id(param): index for index, param in enumerate(flat.params)}
+        for group in self.param_groups:
+            if "exp_avg_mask" in group:
+                for param, param_mask in zip(group["params"], self._masks_of(group), strict=True):
+                    if id(param) in index_of:
+                        flat.view(mask, index_of[id(param)]).copy_(param_mask)
+        return mask
+
+    def _start_compression(self, flat: FlatState) -> None:
+        """At the first compression step: ``s_p = mean_q rms(m_q) / rms(m_p)`` (1 if 0);
+        subclasses add their compression-stage state."""
+        indices = [i for i, has in enumerate(self._has_state) if has]
+        momenta = [flat.view(flat.exp_avg, i) for i in indices]
+        sizes = torch.tensor([m.numel() for m in momenta], dtype=flat.dtype, device=flat.device)
+        rms = torch.stack(torch._foreach_norm(momenta)) / sizes.sqrt()
+        scaling = torch.where(rms > 0, rms.mean() / torch.where(rms > 0, rms, 1), 1)
+        flat.scalars["scaling_coeff"][indices] = scaling
         if self._is_logging_rank():
             logger.info(
                 "%s: switching to 1-bit compressed momentum at step %d (%d tensors, %d "
                 "elements, %d ranks)",
                 type(self).__name__,
                 self.step_count + 1,
-                len(params),
-                sum(p.numel() for p in params),
+                len(indices),
+                sum(m.numel() for m in momenta),
                 self.world_size,
             )
 
@@ -412,8 +336,8 @@ class OneBitOptimizer(Optimizer):
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state plus ``"onebit"``: the step, this rank's error-feedback
-        buffers, the world size they belong to, and the traffic counters."""
+        """torch's optimizer state (per parameter) plus ``"onebit"``: the step, this rank's
+        error-feedback buffers, the world size they belong to, and the traffic counters."""
         state = super().state_dict()
         state["onebit"] = {
             "optimizer": type(self).__name__,
@@ -427,12 +351,19 @@ class OneBitOptimizer(Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint; with another world size the error buffers restart from zero."""
+        """Load a checkpoint; with another world size the error buffers restart from zero.
+
+        Raises ``ValueError`` naming the problem, with nothing changed, for a checkpoint of
+        another optimizer or model, or error buffers of the wrong size."""
         extra = state_dict.get("onebit")
         if not isinstance(extra, dict) or extra.get("optimizer") != type(self).__name__:
             found = extra.get("optimizer") if isinstance(extra, dict) else "a non-onebit optimizer"
             raise ValueError(f"checkpoint was saved by {found}, not by {type(self).__name__}")
         _common.validate_checkpoint(self, state_dict)
+        worker_error, server_error = extra["worker_error"], extra["server_error"]
+        same_world = extra["world_size"] == self.world_size
+        if worker_error is not None and same_world:
+            self._validate_error_sizes(worker_error, server_error)
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
         _common.restore_state_precision(self, state_dict)
         self._counters = {
@@ -440,11 +371,10 @@ class OneBitOptimizer(Optimizer):
             "skipped_steps": int(extra["skipped_steps"]),
             "bytes_sent": dict(extra["bytes_sent"]),
         }
-        self._layout = None
-        self._flat_grads = None
+        self._forget_flat_state()
+        self._exchange_buffer = None
         self._replicas_verified = False
-        worker_error, server_error = extra["worker_error"], extra["server_error"]
-        if worker_error is not None and extra["world_size"] != self.world_size:
+        if worker_error is not None and not same_world:
             warnings.warn(
                 f"checkpoint was saved with world size {extra['world_size']}, now "
                 f"{self.world_size}: the error-feedback buffers are reset to zero",
@@ -456,18 +386,28 @@ class OneBitOptimizer(Optimizer):
         self._worker_error = None if worker_error is None else worker_error.to(device, copy=True)
         self._server_error = None if server_error is None else server_error.to(device, copy=True)
 
-    # ----------------------------------------------------------------- subclass hooks
-    def _init_state(self, state: dict[str, Any]) -> None:
-        """Extra per-parameter state, created with the moments."""
+    def _validate_error_sizes(self, worker_error: Tensor, server_error: Tensor) -> None:
+        n = self.world_size
+        numel = sum(p.numel() for p in _common.trainable_params(self))
+        size = padded_size(numel, n)
+        expected = {"worker_error": size, "server_error": size // n}
+        for name, tensor in (("worker_error", worker_error), ("server_error", server_error)):
+            if tensor is None or tensor.numel() != expected[name]:
+                size = None if tensor is None else tensor.numel()
+                raise ValueError(
+                    f"checkpoint's {name} has {size} elements; this optimizer's parameters "
+                    f"({numel} elements, world size {n}) need {expected[name]}"
+                )
 
-    def _warmup_update(
-        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], grad: Tensor
-    ) -> None:
+    # ----------------------------------------------------------------- subclass hooks
+    def _warmup_update(self, flat: FlatState, active: Sequence[bool]) -> bool:
+        """The uncompressed update with the averaged gradients in ``flat.grad``; False (and
+        nothing changed) if a gradient is not finite."""
         raise NotImplementedError
 
     def _compressed_update(
-        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], exp_avg: Tensor
+        self, flat: FlatState, exchanged: Tensor, mask: Tensor | None, active: Sequence[bool]
     ) -> None:
-        """Apply the update with the exchanged momentum ``exp_avg`` (state still holds the
-        previous momentum; the subclass stores the new one)."""
+        """The update with the exchanged (scaled) momentum ``exchanged``; ``flat.exp_avg`` still
+        holds the previous momentum."""
         raise NotImplementedError

@@ -1,189 +1,357 @@
-"""The update rules of LAMB, 1-bit LAMB and 1-bit Adam as plain per-tensor functions.
+"""The update rules of LAMB, 1-bit LAMB and 1-bit Adam over flat state (ALGORITHM.md).
 
-The optimizer classes only validate, gather tensors and keep state; the maths lives here,
-named after the paper's terms (ALGORITHM.md). Every function works in place on one tensor's
-state and returns the scalar it decided (a trust ratio or a factor), so the classes can
-record it. No bias correction anywhere.
+Every function updates all parameters of a :class:`~onebit.optim._flat.FlatState` at once:
+a few whole-buffer passes, per-parameter norms in one call, per-parameter scalars (trust
+ratios, factors) kept in device vectors, so a step makes no host synchronisation per
+tensor. Hyper-parameters come from each parameter's group. ``active`` (a bool per
+parameter, on the host) says which parameters take part; the others keep their state and
+weights bit for bit. No bias correction anywhere.
+
+Two implementations share these entry points: fused numba kernels for CPU
+(:mod:`onebit.kernels._numba_optim`) and plain torch everywhere else (the reference).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
+from onebit.optim._flat import FlatState
+
 __all__ = [
-    "update_moments_",
-    "adam_direction",
-    "trust_ratio",
     "lamb_step_",
     "adam_step_",
-    "reconstruct_gradient",
-    "update_fresh_variance_",
-    "compression_factor",
+    "scaled_momentum",
     "onebit_lamb_compressed_step_",
+    "onebit_adam_compressed_step_",
+    "trust_ratio",
+    "compression_factor",
 ]
 
 
-def update_moments_(
-    exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, beta1: float, beta2: float
-) -> None:
-    """``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``."""
-    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+def _numba(flat: FlatState, backend: str):
+    """The numba module when ``backend`` is ``"numba"`` (None for the torch reference)."""
+    if backend != "numba":
+        return None
+    from onebit.kernels import _numba_optim
+
+    return _numba_optim
 
 
-def adam_direction(
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    param: Tensor,
-    eps: float,
-    weight_decay: float,
-    *,
-    out: Tensor | None = None,
-) -> Tensor:
-    """The (decoupled weight decay) Adam direction ``u = m / (sqrt(v) + eps) + wd p``.
-
-    Written into ``out`` if given (no allocation)."""
-    update = torch.sqrt(exp_avg_sq, out=out).add_(eps)
-    torch.div(exp_avg, update, out=update)
-    if weight_decay:
-        update.add_(param, alpha=weight_decay)
-    return update
-
-
-def trust_ratio(param: Tensor, update: Tensor, min_coeff: float, max_coeff: float) -> float | None:
-    """LAMB's layer-wise coefficient ``clamp(||p|| / ||u||, c_min, c_max)``; ``None`` where
-    ``||p||`` or ``||u||`` is 0 (the step then uses ``c = 1``)."""
-    param_norm = param.norm().item()
-    update_norm = update.norm().item()
-    if param_norm > 0 and update_norm > 0:
-        return min(max(param_norm / update_norm, min_coeff), max_coeff)
-    return None
-
-
-def lamb_step_(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    min_coeff: float,
-    max_coeff: float,
-    work: Tensor | None = None,
-) -> float | None:
-    """One LAMB step on one tensor; returns its trust ratio (``None`` if undefined).
-
-    ``m, v <- moments(g)``; ``u = m / (sqrt(v) + eps) + wd p``;
-    ``c = clamp(||p|| / ||u||, c_min, c_max)``, or 1 where a norm is 0; ``p <- p - lr c u``.
-    ``work``: optional scratch of ``param``'s shape for ``u``.
-    """
-    update_moments_(exp_avg, exp_avg_sq, grad, beta1, beta2)
-    update = adam_direction(exp_avg, exp_avg_sq, param, eps, weight_decay, out=work)
-    coeff = trust_ratio(param, update, min_coeff, max_coeff)
-    param.add_(update, alpha=-lr * (1.0 if coeff is None else coeff))
-    return coeff
-
-
-def adam_step_(
-    param: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    *,
-    lr: float,
-    eps: float,
-    weight_decay: float,
-    work: Tensor | None = None,
-) -> None:
-    """``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with moments already updated."""
-    update = adam_direction(exp_avg, exp_avg_sq, param, eps, weight_decay, out=work)
-    param.add_(update, alpha=-lr)
-
-
-def reconstruct_gradient(
-    exp_avg: Tensor, previous_exp_avg: Tensor, beta1: float, *, out: Tensor | None = None
-) -> Tensor:
-    """The averaged gradient implied by two momenta: ``g = (m_t - b1 m_{t-1}) / (1 - b1)``."""
-    return torch.add(exp_avg, previous_exp_avg, alpha=-beta1, out=out).div_(1 - beta1)
-
-
-def update_fresh_variance_(exp_avg_sq_fresh: Tensor, grad: Tensor, beta2: float) -> None:
-    """``v_fresh = b2 v_fresh + (1-b2) g^2`` (the frozen ``v`` itself never changes)."""
-    exp_avg_sq_fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+# --------------------------------------------------------------------------- small maths
+def trust_ratio(
+    param_norm: Tensor, update_norm: Tensor, min_coeff: Tensor, max_coeff: Tensor
+) -> tuple[Tensor, Tensor]:
+    """LAMB's ``c = clamp(||p|| / ||u||, c_min, c_max)`` per parameter, and where it is
+    defined (both norms positive); ``c = 1`` elsewhere."""
+    defined = (param_norm > 0) & (update_norm > 0)
+    ratio = torch.where(defined, param_norm / torch.where(defined, update_norm, 1), 1)
+    return torch.where(
+        defined, torch.minimum(torch.maximum(ratio, min_coeff), max_coeff), 1
+    ), defined
 
 
 def compression_factor(
-    denom: Tensor,
-    exp_avg_sq_fresh: Tensor,
-    eps: float,
-    *,
-    work: Tensor | None = None,
-    update_norm_ratio: float,
-    last_factor: float,
-    factor_min: float,
-    factor_max: float,
-    factor_threshold: float,
-) -> float:
-    """1-bit LAMB's per-layer factor ``f`` that lets the frozen trust ratio keep adapting.
+    max_ratio: Tensor,
+    base_norm: Tensor,
+    full_norm: Tensor,
+    last_factor: Tensor,
+    factor_min: Tensor,
+    factor_max: Tensor,
+    factor_threshold: Tensor,
+) -> Tensor:
+    """1-bit LAMB's per-parameter factor ``f`` that lets the frozen trust ratio adapt.
 
-    ``f = max(denom / (sqrt(v_fresh) + eps))``, pulled towards 1 by
-    ``rho = ||u0|| / ||u||`` (``f = rho f + 1 - rho``, the weight-decay share), clamped to
-    ``[f_min, f_max]`` and to within ``factor_threshold`` of the last step's factor.
-    """
-    ratio = torch.sqrt(exp_avg_sq_fresh, out=work).add_(eps)
-    factor = torch.div(denom, ratio, out=ratio).max().item()
-    factor = update_norm_ratio * factor + (1 - update_norm_ratio)
-    factor = min(max(factor, factor_min), factor_max)
-    return min(
-        max(factor, last_factor * (1 - factor_threshold)), last_factor * (1 + factor_threshold)
+    ``f = max(d / (sqrt(v_fresh) + eps))`` (``max_ratio``), pulled towards 1 by
+    ``rho = min(1, ||u0|| / ||u||)`` (``f = rho f + 1 - rho``; ``rho = 1`` where
+    ``||u|| = 0``), clamped to ``[f_min, f_max]`` and to within ``factor_threshold`` of the
+    last step's factor."""
+    rho = torch.where(full_norm > 0, base_norm / torch.where(full_norm > 0, full_norm, 1), 1)
+    rho = torch.clamp(rho, max=1)
+    factor = rho * max_ratio + (1 - rho)
+    factor = torch.minimum(torch.maximum(factor, factor_min), factor_max)
+    low, high = last_factor * (1 - factor_threshold), last_factor * (1 + factor_threshold)
+    return torch.minimum(torch.maximum(factor, low), high)
+
+
+def _norms(tensors: Sequence[Tensor], like: Tensor) -> Tensor:
+    """Each tensor's Euclidean norm, as one device vector (one call, no host sync)."""
+    if not tensors:
+        return like.new_zeros(0)
+    return torch.stack(torch._foreach_norm(list(tensors)))
+
+
+def _by_group(flat: FlatState, indices: Sequence[int]):
+    """``(group, indices)`` of the given parameters, group by group."""
+    by_group: dict[int, tuple[dict, list[int]]] = {}
+    for index in indices:
+        group = flat.groups[index]
+        by_group.setdefault(id(group), (group, []))[1].append(index)
+    return by_group.values()
+
+
+def _pick(views: Sequence[Tensor], indices: Sequence[int]) -> list[Tensor]:
+    return [views[i] for i in indices]
+
+
+def _active_indices(active: Sequence[bool]) -> list[int]:
+    return [index for index, is_active in enumerate(active) if is_active]
+
+
+def _group_values(flat: FlatState, indices: Sequence[int], value_of) -> Tensor:
+    """A hyper-parameter of each listed parameter's group, as a device vector."""
+    return torch.tensor(
+        [float(value_of(flat.groups[i])) for i in indices], dtype=flat.dtype, device=flat.device
     )
+
+
+def _scale_each(tensors: list[Tensor], values: Tensor) -> None:
+    """``tensors[i] *= values[i]`` for a device vector ``values`` (no host sync)."""
+    if tensors:
+        torch._foreach_mul_(tensors, list(values.unbind()))
+
+
+def _moments_(m: list[Tensor], v: list[Tensor], g: list[Tensor], group: dict) -> None:
+    """``m = b1 m + (1 - b1) g``; ``v = b2 v + (1 - b2) g^2``."""
+    beta1, beta2 = group["betas"]
+    torch._foreach_mul_(m, beta1)
+    torch._foreach_add_(m, g, alpha=1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+
+
+def _adam_direction(
+    out: list[Tensor],
+    denom: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    p: list[Tensor],
+    group: dict,
+) -> None:
+    """``denom = sqrt(v) + eps``; ``out = m / denom + wd p`` (decoupled weight decay)."""
+    torch._foreach_copy_(denom, v)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, group["eps"])
+    torch._foreach_copy_(out, m)
+    torch._foreach_div_(out, denom)
+    if group["weight_decay"]:
+        torch._foreach_add_(out, p, alpha=group["weight_decay"])
+
+
+def _step_(flat: FlatState, indices: list[int], update: list[Tensor], steps: Tensor) -> None:
+    """``p += steps[i] * update`` for each listed parameter (``steps`` on the device)."""
+    weights = flat.views(flat.weights)
+    _scale_each(_pick(update, indices), steps)
+    torch._foreach_add_(_pick(weights, indices), _pick(update, indices))
+
+
+def _all_finite(tensors: Sequence[Tensor]) -> bool:
+    from onebit.optim._common import all_finite
+
+    return all_finite(tensors)
+
+
+# --------------------------------------------------------------------------- warm-up
+def lamb_step_(
+    flat: FlatState, active: Sequence[bool], *, check_finite: bool, backend: str
+) -> tuple[Tensor, Tensor] | None:
+    """One LAMB step on every active parameter, with ``flat.grad`` as the gradient.
+
+    ``m, v <- moments(g)``; ``u = m / (sqrt(v) + eps) + wd p``;
+    ``c = clamp(||p|| / ||u||, c_min, c_max)`` (1 where a norm is 0); ``p <- p - lr c u``.
+    Returns ``(c, defined)`` per parameter (vectors; ``c = 1`` and ``defined = False`` for
+    inactive parameters), or ``None``, with nothing changed, when ``check_finite`` and a
+    gradient holds NaN/Inf.
+    """
+    kernels = _numba(flat, backend)
+    if kernels is not None:
+        return kernels.lamb_step_(flat, active, check_finite)
+    indices = _active_indices(active)
+    grads = flat.views(flat.grad)
+    if check_finite and not _all_finite(_pick(grads, indices)):
+        return None
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
+    for group, idx in _by_group(flat, indices):
+        _moments_(_pick(m, idx), _pick(v, idx), _pick(grads, idx), group)
+        _adam_direction(
+            _pick(update, idx),
+            _pick(denom, idx),
+            _pick(m, idx),
+            _pick(v, idx),
+            _pick(p, idx),
+            group,
+        )
+    coeff, defined = trust_ratio(
+        _norms(_pick(p, indices), flat.weights),
+        _norms(_pick(update, indices), flat.weights),
+        _group_values(flat, indices, lambda g: g["min_coeff"]),
+        _group_values(flat, indices, lambda g: g["max_coeff"]),
+    )
+    _step_(flat, indices, update, -_group_values(flat, indices, lambda g: g["lr"]) * coeff)
+    full_coeff = torch.ones(len(active), dtype=flat.dtype, device=flat.device)
+    full_defined = torch.zeros(len(active), dtype=torch.bool, device=flat.device)
+    full_coeff[indices], full_defined[indices] = coeff, defined
+    return full_coeff, full_defined
+
+
+def adam_step_(
+    flat: FlatState, active: Sequence[bool], *, check_finite: bool, backend: str
+) -> bool:
+    """One Adam step (no bias correction) on every active parameter, ``flat.grad`` as the
+    gradient: ``m, v <- moments(g)``; ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
+    Returns False, with nothing changed, when ``check_finite`` and a gradient is not finite.
+    """
+    kernels = _numba(flat, backend)
+    if kernels is not None:
+        return kernels.adam_step_(flat, active, check_finite)
+    indices = _active_indices(active)
+    grads = flat.views(flat.grad)
+    if check_finite and not _all_finite(_pick(grads, indices)):
+        return False
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
+    for group, idx in _by_group(flat, indices):
+        _moments_(_pick(m, idx), _pick(v, idx), _pick(grads, idx), group)
+        _adam_direction(
+            _pick(update, idx),
+            _pick(denom, idx),
+            _pick(m, idx),
+            _pick(v, idx),
+            _pick(p, idx),
+            group,
+        )
+        torch._foreach_add_(_pick(p, idx), _pick(update, idx), alpha=-group["lr"])
+    return True
+
+
+# --------------------------------------------------------------------------- compression
+def scaled_momentum(
+    flat: FlatState, scaling: Tensor, out: Tensor, active: Sequence[bool], *, backend: str
+) -> Tensor:
+    """``out[p] = s_p (b1 m_p + (1 - b1) g_p)`` for every active parameter, ``g = flat.grad``
+    (the local gradient); zeros for the others and in the padded tail of ``out``."""
+    kernels = _numba(flat, backend)
+    if kernels is not None:
+        kernels.scaled_momentum(flat, scaling, out, active)
+    else:
+        m, g, target = flat.views(flat.exp_avg), flat.views(flat.grad), flat.views(out)
+        indices = _active_indices(active)
+        for group, idx in _by_group(flat, indices):
+            beta1 = group["betas"][0]
+            torch._foreach_copy_(_pick(target, idx), _pick(m, idx))
+            torch._foreach_mul_(_pick(target, idx), beta1)
+            torch._foreach_add_(_pick(target, idx), _pick(g, idx), alpha=1 - beta1)
+        _scale_each(_pick(target, indices), scaling[indices])
+        inactive = [view for view, is_active in zip(target, active, strict=True) if not is_active]
+        if inactive:
+            torch._foreach_zero_(inactive)
+    out[flat.numel :].zero_()
+    return out
+
+
+def _decode_momentum(
+    flat: FlatState, exchanged: Tensor, scaling: Tensor, mask: Tensor | None
+) -> list[Tensor]:
+    """``m_new = exchanged / s`` (times the mask), in place; each parameter's view."""
+    new = flat.views(exchanged)
+    torch._foreach_div_(new, list(scaling.unbind()))
+    if mask is not None:
+        exchanged[: flat.numel].mul_(mask)
+    return new
 
 
 def onebit_lamb_compressed_step_(
-    param: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    exp_avg_sq_fresh: Tensor,
+    flat: FlatState,
+    exchanged: Tensor,
+    scaling: Tensor,
+    mask: Tensor | None,
+    active: Sequence[bool],
+    lamb_coeff_freeze: Tensor,
+    last_factor: Tensor,
     *,
-    lr: float,
-    eps: float,
-    weight_decay: float,
-    lamb_coeff_freeze: float,
-    last_factor: float,
-    factor_min: float,
-    factor_max: float,
-    factor_threshold: float,
-    work: tuple[Tensor, Tensor, Tensor] | None = None,
-) -> float:
-    """A compression-stage 1-bit LAMB step with the exchanged momentum; returns the factor.
+    backend: str,
+) -> Tensor:
+    """A compression-stage 1-bit LAMB step with the exchanged buffer; returns ``f``.
 
-    ``d = sqrt(v) + eps``; ``u0 = m / d``; ``u = u0 + wd p``; ``f`` from
-    :func:`compression_factor`; ``p <- p - lr (c_frz f) u`` (no c_min/c_max clamp here).
-    ``work``: optional three scratch tensors of ``param``'s shape.
+    ``m_new = exchanged / s (* mask)``; ``g = (m_new - b1 m) / (1 - b1)``;
+    ``v_fresh = b2 v_fresh + (1 - b2) g^2``; ``m = m_new``; ``d = sqrt(v) + eps``;
+    ``u0 = m / d``; ``u = u0 + wd p``; ``f`` from :func:`compression_factor`
+    (``last_factor`` kept for inactive parameters); ``p <- p - lr (c_frz f) u`` (no
+    c_min/c_max clamp in this stage). ``exchanged`` is used as scratch.
     """
-    denom_out, update_out, factor_out = work if work is not None else (None, None, None)
-    denom = torch.sqrt(exp_avg_sq, out=denom_out).add_(eps)
-    update = torch.div(exp_avg, denom, out=update_out)
-    ratio = 1.0
-    if weight_decay:
-        base_norm = update.norm().item()
-        update.add_(param, alpha=weight_decay)
-        full_norm = update.norm().item()
-        ratio = min(1.0, base_norm / full_norm) if full_norm > 0 else 1.0
+    kernels = _numba(flat, backend)
+    if kernels is not None:
+        return kernels.onebit_lamb_compressed_step_(
+            flat, exchanged, scaling, mask, active, lamb_coeff_freeze, last_factor
+        )
+    indices = _active_indices(active)
+    new = _decode_momentum(flat, exchanged, scaling, mask)
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    fresh = flat.views(flat.exp_avg_sq_fresh)
+    update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
+    groups = _by_group(flat, indices)
+    for group, idx in groups:
+        beta1, beta2 = group["betas"]
+        grad = _pick(update, idx)  # g = (m_new - b1 m) / (1 - b1)
+        torch._foreach_copy_(grad, _pick(new, idx))
+        torch._foreach_add_(grad, _pick(m, idx), alpha=-beta1)
+        torch._foreach_div_(grad, 1 - beta1)
+        torch._foreach_mul_(_pick(fresh, idx), beta2)
+        torch._foreach_addcmul_(_pick(fresh, idx), grad, grad, value=1 - beta2)
+        torch._foreach_copy_(_pick(m, idx), _pick(new, idx))
+        without_decay = {**group, "weight_decay": 0.0}
+        _adam_direction(grad, _pick(denom, idx), _pick(m, idx), _pick(v, idx), [], without_decay)
+        ratio = _pick(new, idx)  # d / (sqrt(v_fresh) + eps), in the spent exchange buffer
+        torch._foreach_copy_(ratio, _pick(fresh, idx))
+        torch._foreach_sqrt_(ratio)
+        torch._foreach_add_(ratio, group["eps"])
+        torch._foreach_div_(_pick(denom, idx), ratio)
+    base_norm = _norms(_pick(update, indices), flat.weights)  # ||u0||
+    for group, idx in groups:
+        if group["weight_decay"]:
+            torch._foreach_add_(_pick(update, idx), _pick(p, idx), alpha=group["weight_decay"])
+    max_ratio = torch.segment_reduce(flat.scratch(1)[: flat.numel], "max", lengths=flat.counts)
     factor = compression_factor(
-        denom,
-        exp_avg_sq_fresh,
-        eps,
-        work=factor_out,
-        update_norm_ratio=ratio,
-        last_factor=last_factor,
-        factor_min=factor_min,
-        factor_max=factor_max,
-        factor_threshold=factor_threshold,
+        max_ratio[indices],
+        base_norm,
+        _norms(_pick(update, indices), flat.weights),
+        last_factor[indices],
+        _group_values(flat, indices, lambda g: g["factor_min"]),
+        _group_values(flat, indices, lambda g: g["factor_max"]),
+        _group_values(flat, indices, lambda g: g["factor_threshold"]),
     )
-    param.add_(update, alpha=-lr * lamb_coeff_freeze * factor)
-    return factor
+    steps = -_group_values(flat, indices, lambda g: g["lr"]) * lamb_coeff_freeze[indices] * factor
+    _step_(flat, indices, update, steps)
+    full = last_factor.clone()
+    full[indices] = factor
+    return full
+
+
+def onebit_adam_compressed_step_(
+    flat: FlatState,
+    exchanged: Tensor,
+    scaling: Tensor,
+    mask: Tensor | None,
+    active: Sequence[bool],
+    *,
+    backend: str,
+) -> None:
+    """A compression-stage 1-bit Adam step: ``m = exchanged / s (* mask)``;
+    ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v`` frozen."""
+    kernels = _numba(flat, backend)
+    if kernels is not None:
+        kernels.onebit_adam_compressed_step_(flat, exchanged, scaling, mask, active)
+        return
+    indices = _active_indices(active)
+    new = _decode_momentum(flat, exchanged, scaling, mask)
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    denom = flat.views(flat.scratch(1))
+    for group, idx in _by_group(flat, indices):
+        torch._foreach_copy_(_pick(m, idx), _pick(new, idx))
+        _adam_direction(
+            _pick(new, idx), _pick(denom, idx), _pick(m, idx), _pick(v, idx), _pick(p, idx), group
+        )
+        torch._foreach_add_(_pick(p, idx), _pick(new, idx), alpha=-group["lr"])

@@ -7,42 +7,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
-from onebit.optim import _common
-from onebit.optim.functional import lamb_step_
+from onebit.optim import _common, functional
+from onebit.optim._flat import FlatOptimizer
 
-__all__ = ["Lamb", "lamb_group_step_"]
-
-
-def lamb_group_step_(
-    group: dict[str, Any],
-    param: Tensor,
-    state: dict[str, Any],
-    grad: Tensor,
-    scratch: _common.ScratchPool,
-) -> float | None:
-    """:func:`~onebit.optim.functional.lamb_step_` with ``group``'s hyper-parameters, on the
-    parameter's master copy; returns the trust ratio (``None`` where it is undefined)."""
-    target = _common.master(param, state)
-    beta1, beta2 = group["betas"]
-    return lamb_step_(
-        target,
-        grad,
-        state["exp_avg"],
-        state["exp_avg_sq"],
-        lr=group["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        min_coeff=group["min_coeff"],
-        max_coeff=group["max_coeff"],
-        work=scratch.get(0, target),
-    )
+__all__ = ["Lamb"]
 
 
-class Lamb(Optimizer):
+class Lamb(FlatOptimizer):
     r"""LAMB (You et al., 2019) in the form 1-bit LAMB uses for its warm-up stage.
 
     For each parameter tensor ``p`` with gradient ``g``:
@@ -57,6 +29,8 @@ class Lamb(Optimizer):
     (``c = 1`` where ``||p||`` or ``||u||`` is 0; no bias correction.) It does no
     communication: use it in one process, or under ``DistributedDataParallel``, which hands
     it averaged gradients. Half-precision parameters get fp32 state and an fp32 master copy.
+    State is flat (see :mod:`onebit.optim._flat`): the step is a few whole-buffer passes
+    with no host synchronisation per tensor.
 
     Args:
         params: parameters or parameter groups; groups may override every hyper-parameter.
@@ -88,7 +62,8 @@ class Lamb(Optimizer):
             min_coeff=min_coeff,
         )
         super().__init__(params, defaults)
-        self._scratch = _common.ScratchPool()
+
+    _SCALARS = {"lamb_coeff": 1.0}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -96,27 +71,26 @@ class Lamb(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                state = self.state[param]
-                grad = _common.dense_grad(param, _common.state_dtype(param))
-                if grad is None:
-                    continue
-                _common.init_param_state(param, state)
-                coeff = lamb_group_step_(group, param, state, grad, self._scratch)
-                state["lamb_coeff"] = 1.0 if coeff is None else coeff
-                _common.sync_param_from_master(param, state)
+        flat = self._flat_state()
+        grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
+        present = [grad is not None for grad in grads]
+        if any(present):
+            flat.load_grads(grads)
+            self._expose_new_state(flat, present)
+            coeff, _ = functional.lamb_step_(
+                flat, present, check_finite=False, backend=self._backend
+            )
+            self._record_coefficients(coeff, present)
+            flat.refresh_half_params()
         return loss
 
     def get_lamb_coeffs(self) -> list[float]:
-        """The trust ratio each parameter got at its last step (a copy), in parameter order."""
-        return [
-            self.state[p]["lamb_coeff"]
-            for p in _common.params_in_order(self.param_groups)
-            if "lamb_coeff" in self.state[p]
-        ]
+        """The trust ratio each parameter got at its last step, in parameter order, for the
+        parameters that have state (one host read)."""
+        return self._coefficients()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _common.validate_checkpoint(self, state_dict)
         super().load_state_dict(state_dict)
         _common.restore_state_precision(self, state_dict)
+        self._forget_flat_state()

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.optim import _common
+from onebit.optim import _common, functional
+from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
-from onebit.optim.functional import adam_step_, update_moments_
 
 __all__ = ["OneBitAdam"]
 
@@ -51,26 +51,12 @@ class OneBitAdam(OneBitOptimizer):
             verify_every=verify_every,
         )
 
-    def _warmup_update(
-        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], grad: Tensor
-    ) -> None:
-        update_moments_(state["exp_avg"], state["exp_avg_sq"], grad, *group["betas"])
-        self._apply(group, param, state, self._scratch.get(0, state["exp_avg"]))
+    def _warmup_update(self, flat: FlatState, active: Sequence[bool]) -> bool:
+        return functional.adam_step_(flat, active, check_finite=True, backend=self._backend)
 
     def _compressed_update(
-        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], exp_avg: Tensor
+        self, flat: FlatState, exchanged: Tensor, mask: Tensor | None, active: Sequence[bool]
     ) -> None:
-        state["exp_avg"].copy_(exp_avg)
-        self._apply(group, param, state, exp_avg)  # the exchanged slice is free scratch now
-
-    @staticmethod
-    def _apply(group: dict[str, Any], param: Tensor, state: dict[str, Any], work: Tensor) -> None:
-        adam_step_(
-            _common.master(param, state),
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            lr=group["lr"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            work=work,
+        functional.onebit_adam_compressed_step_(
+            flat, exchanged, flat.scalars["scaling_coeff"], mask, active, backend=self._backend
         )

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.optim import _common
+from onebit.optim import _common, functional
+from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
-from onebit.optim.functional import (
-    onebit_lamb_compressed_step_,
-    reconstruct_gradient,
-    update_fresh_variance_,
-)
-from onebit.optim.lamb import lamb_group_step_
 
 __all__ = ["OneBitLamb"]
 
@@ -121,52 +117,50 @@ class OneBitLamb(OneBitOptimizer):
             verify_every=verify_every,
         )
 
-    def _init_state(self, state: dict[str, Any]) -> None:
-        state["lamb_coeff_freeze"] = 0.0
-        state["last_factor"] = 1.0
+    _SCALARS = {
+        "scaling_coeff": 1.0,
+        "lamb_coeff": 1.0,  # the last step's coefficient: c, or c_frz * f
+        "lamb_coeff_freeze": 0.0,  # c_frz
+        "last_factor": 1.0,  # f_last
+    }
 
-    def _warmup_update(
-        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], grad: Tensor
-    ) -> None:
-        coeff = lamb_group_step_(group, param, state, grad, self._scratch)
-        if coeff is None:  # ||p|| or ||u|| is 0: c = 1 was used, and c_frz is not updated
-            state["lamb_coeff"] = 1.0
-            return
-        beta_c = group["coeff_beta"]
-        state["lamb_coeff_freeze"] = beta_c * state["lamb_coeff_freeze"] + (1 - beta_c) * coeff
-        state["lamb_coeff"] = coeff
+    def get_lamb_coeffs(self) -> list[float]:
+        """Each parameter's last step coefficient (``c``, then ``c_frz * f``), in parameter
+        order, for the parameters that have state (one host read)."""
+        return self._coefficients()
 
-    def _start_compression(self, params: list[Tensor]) -> None:
-        super()._start_compression(params)
-        for param in params:
-            state = self.state[param]
-            state.setdefault("exp_avg_sq_fresh", state["exp_avg_sq"].clone())
+    def _warmup_update(self, flat: FlatState, active: Sequence[bool]) -> bool:
+        result = functional.lamb_step_(flat, active, check_finite=True, backend=self._backend)
+        if result is None:
+            return False
+        coeff, defined = result
+        # c_frz: an EMA of c where both norms were positive (c = 1 was used elsewhere).
+        beta_c = flat.segment_values(lambda group: group["coeff_beta"])
+        frozen = flat.scalars["lamb_coeff_freeze"]
+        frozen.copy_(torch.where(defined, beta_c * frozen + (1 - beta_c) * coeff, frozen))
+        self._record_coefficients(coeff, active)
+        return True
+
+    def _start_compression(self, flat: FlatState) -> None:
+        super()._start_compression(flat)
+        flat.enable_fresh_variance()
+        for index, has_state in enumerate(self._has_state):
+            if has_state:
+                flat.expose(self.state[flat.params[index]], index)
 
     def _compressed_update(
-        self, group: dict[str, Any], param: Tensor, state: dict[str, Any], exp_avg: Tensor
+        self, flat: FlatState, exchanged: Tensor, mask: Tensor | None, active: Sequence[bool]
     ) -> None:
-        beta1, beta2 = group["betas"]
-        grad = reconstruct_gradient(
-            exp_avg, state["exp_avg"], beta1, out=self._scratch.get(0, exp_avg)
+        scalars = flat.scalars
+        factor = functional.onebit_lamb_compressed_step_(
+            flat,
+            exchanged,
+            scalars["scaling_coeff"],
+            mask,
+            active,
+            scalars["lamb_coeff_freeze"],
+            scalars["last_factor"],
+            backend=self._backend,
         )
-        update_fresh_variance_(state["exp_avg_sq_fresh"], grad, beta2)
-        state["exp_avg"].copy_(exp_avg)
-        # The exchanged slice of the fused buffer is free now: it holds the update.
-        work = (self._scratch.get(0, exp_avg), exp_avg, self._scratch.get(1, exp_avg))
-        factor = onebit_lamb_compressed_step_(
-            _common.master(param, state),
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            state["exp_avg_sq_fresh"],
-            lr=group["lr"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            lamb_coeff_freeze=state["lamb_coeff_freeze"],
-            last_factor=state["last_factor"],
-            factor_min=group["factor_min"],
-            factor_max=group["factor_max"],
-            factor_threshold=group["factor_threshold"],
-            work=work,
-        )
-        state["last_factor"] = factor
-        state["lamb_coeff"] = state["lamb_coeff_freeze"] * factor
+        scalars["last_factor"].copy_(factor)
+        scalars["lamb_coeff"].copy_(scalars["lamb_coeff_freeze"] * factor)

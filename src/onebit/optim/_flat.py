@@ -1,0 +1,252 @@
+"""Flat optimizer state: each quantity of every parameter in one buffer, with per-parameter views.
+
+A :class:`FlatState` lays the parameters out one after another, group by group (a
+*segment* per parameter), and keeps ``exp_avg``, ``exp_avg_sq`` (and ``exp_avg_sq_fresh``)
+as flat buffers. The weights the update is applied to live in a flat buffer too: a
+parameter whose dtype is the state dtype is re-pointed at its view of that buffer
+(``param.data = view``, as ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)``
+does), and a half-precision parameter gets an fp32 master copy there and is refreshed from it
+after each step. The optimizer's per-parameter ``state`` holds views of these buffers, so
+``state_dict()`` stays per parameter while the maths runs in a few whole-buffer passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from onebit.optim._common import state_dtype
+
+FLAT_BUFFERS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+BLOCK = 1 << 14  # elements per block of the fused kernels; blocks never cross a segment
+
+
+class FlatState:
+    """Flat moments and weights of ``params`` (``(group, param)`` pairs, in group order)."""
+
+    def __init__(
+        self,
+        params: Sequence[tuple[dict[str, Any], Tensor]],
+        scalar_defaults: dict[str, float] | None = None,
+    ) -> None:
+        if not params:
+            raise ValueError("no trainable parameters")
+        devices = {p.device for _, p in params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"all parameters must be on one device, got {sorted(map(str, devices))}"
+            )
+        dtypes = {state_dtype(p) for _, p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                "float64 parameters cannot be mixed with parameters of other dtypes in one "
+                "onebit optimizer (their state would be float32); use one dtype or two optimizers"
+            )
+        self.groups = [group for group, _ in params]
+        self.params = [param for _, param in params]
+        self.dtype, self.device = dtypes.pop(), devices.pop()
+        sizes = [p.numel() for p in self.params]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.numel = int(self.offsets[-1])
+        self.counts = torch.tensor(sizes, dtype=torch.int64, device=self.device)
+        zeros = dict(dtype=self.dtype, device=self.device)
+        self.exp_avg = torch.zeros(self.numel, **zeros)
+        self.exp_avg_sq = torch.zeros(self.numel, **zeros)
+        self.exp_avg_sq_fresh: Tensor | None = None
+        # Gradients, then one flag per parameter (did this rank have a gradient for it).
+        self.grad_and_flags = torch.zeros(self.numel + len(self.params), **zeros)
+        self.grad = self.grad_and_flags[: self.numel]
+        self.grad_flags = self.grad_and_flags[self.numel :]
+        # Per-parameter scalars (trust ratios, factors...), one device vector each.
+        self.scalars = {
+            name: torch.full((len(self.params),), value, **zeros)
+            for name, value in (scalar_defaults or {}).items()
+        }
+        self.weights = torch.empty(self.numel, **zeros)
+        self.half_params: list[tuple[Tensor, Tensor]] = []  # (param, its fp32 master view)
+        for param, view in zip(self.params, self.views(self.weights), strict=True):
+            view.copy_(param.detach())
+            if param.dtype == self.dtype:
+                param.data = view
+            else:
+                self.half_params.append((param, view))
+        self.blocks = _block_table(self.offsets)
+        self._scratch: dict[int, Tensor] = {}
+
+    # ----------------------------------------------------------------- views
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Each parameter's view of a flat buffer of ``numel`` (or more) elements."""
+        return [
+            flat[int(start) : int(start) + p.numel()].view_as(p)
+            for start, p in zip(self.offsets, self.params, strict=False)
+        ]
+
+    def scratch(self, slot: int) -> Tensor:
+        """A reused flat scratch buffer (contents undefined), allocated on first use."""
+        if slot not in self._scratch:
+            self._scratch[slot] = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self._scratch[slot]
+
+    def masters(self) -> dict[int, Tensor]:
+        """``id(param) -> master view`` of the half-precision parameters."""
+        return {id(param): view for param, view in self.half_params}
+
+    def enable_fresh_variance(self) -> None:
+        """Create ``exp_avg_sq_fresh`` as a copy of ``exp_avg_sq`` (1-bit LAMB's switch)."""
+        if self.exp_avg_sq_fresh is None:
+            self.exp_avg_sq_fresh = self.exp_avg_sq.clone()
+
+    def nbytes(self) -> tuple[int, int]:
+        """Bytes of optimizer state (moments, masters, scalars) and of reused scratch
+        (gradients, scratch buffers)."""
+        size = self.exp_avg.element_size()
+        state = 2 + (self.exp_avg_sq_fresh is not None)
+        masters = sum(p.numel() for p, _ in self.half_params)
+        scalars = sum(v.numel() for v in self.scalars.values())
+        scratch = self.grad_and_flags.numel() + sum(t.numel() for t in self._scratch.values())
+        return size * (state * self.numel + masters + scalars), size * scratch
+
+    # ----------------------------------------------------------------- optimizer state
+    def view(self, flat: Tensor, index: int) -> Tensor:
+        """Parameter ``index``'s view of a flat buffer."""
+        start, param = int(self.offsets[index]), self.params[index]
+        return flat[start : start + param.numel()].view_as(param)
+
+    def expose(self, state: dict[str, Any], index: int) -> None:
+        """Point a parameter's optimizer state at its views of the flat buffers."""
+        for name in FLAT_BUFFERS:
+            flat = getattr(self, name)
+            if flat is not None:
+                state[name] = self.view(flat, index)
+        if self.params[index].dtype != self.dtype:
+            state["master_param"] = self.view(self.weights, index)
+        for name, values in self.scalars.items():
+            state[name] = values[index]
+
+    def adopt(self, states: Sequence[dict[str, Any]]) -> list[bool]:
+        """Take over per-parameter states (e.g. just loaded from a checkpoint): copy their
+        tensors and scalars into the flat buffers and re-point them at their views.
+        Returns, per parameter, whether it has state."""
+        has_state = []
+        for index, state in enumerate(states):
+            has_state.append("exp_avg" in state)
+            if not has_state[-1]:
+                continue
+            if "exp_avg_sq_fresh" in state:
+                self.enable_fresh_variance()
+            for name in (*FLAT_BUFFERS, "master_param"):
+                if name in state:
+                    target = self.weights if name == "master_param" else getattr(self, name)
+                    self.view(target, index).copy_(state[name])
+            for name, values in self.scalars.items():
+                if name in state:
+                    values[index] = float(state[name])
+            self.expose(state, index)
+        return has_state
+
+    # ----------------------------------------------------------------- per step
+    def load_grads(self, grads: Sequence[Tensor | None]) -> None:
+        """Copy each parameter's gradient into :attr:`grad` (zeros where ``None``) and set
+        :attr:`grad_flags` (1 where a gradient was given)."""
+        views = self.views(self.grad)
+        present = [(view, g) for view, g in zip(views, grads, strict=True) if g is not None]
+        missing = [view for view, g in zip(views, grads, strict=True) if g is None]
+        if present:
+            destinations, sources = zip(*present, strict=True)
+            torch._foreach_copy_(list(destinations), list(sources))
+        if missing:
+            torch._foreach_zero_(missing)
+        flags = [1.0 if g is not None else 0.0 for g in grads]
+        self.grad_flags.copy_(torch.tensor(flags, dtype=self.dtype))
+
+    def segment_values(self, value_of) -> Tensor:
+        """``value_of(group)`` for each parameter's group, as a device vector."""
+        values = [float(value_of(group)) for group in self.groups]
+        return torch.tensor(values, dtype=self.dtype, device=self.device)
+
+    def refresh_half_params(self) -> None:
+        """Copy the fp32 masters into their half-precision parameters."""
+        if self.half_params:
+            params, masters = zip(*self.half_params, strict=True)
+            torch._foreach_copy_([p.data for p in params], list(masters))
+
+
+def _block_table(offsets: np.ndarray) -> np.ndarray:
+    """``[B, 3]`` int64 rows ``(segment, start, end)``: blocks of at most :data:`BLOCK`
+    elements that never cross a segment boundary, in order."""
+    rows = []
+    for segment in range(len(offsets) - 1):
+        start, end = int(offsets[segment]), int(offsets[segment + 1])
+        rows.extend((segment, s, min(s + BLOCK, end)) for s in range(start, end, BLOCK))
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+
+
+class FlatOptimizer(Optimizer):
+    """An optimizer whose state is a :class:`FlatState` built at the first step.
+
+    ``self.state[p]`` holds views of the flat buffers for every parameter that has had a
+    gradient; ``_SCALARS`` names the per-parameter scalar state and its initial value. After
+    ``load_state_dict`` the flat state is rebuilt from the loaded per-parameter state.
+    """
+
+    _SCALARS: dict[str, float] = {}
+
+    def __init__(self, params, defaults: dict[str, Any]) -> None:
+        self._flat: FlatState | None = None
+        self._has_state: list[bool] = []
+        self._backend = "torch"
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_flat", None) is not None:
+            raise RuntimeError(
+                "cannot add a parameter group after the first step: the flat state (and a 1-bit "
+                "optimizer's fused momentum buffer and error-feedback state) is laid out then"
+            )
+        super().add_param_group(param_group)
+
+    def _flat_state(self) -> FlatState:
+        """The flat state of the trainable parameters, with whatever per-parameter state
+        they already have (e.g. loaded from a checkpoint)."""
+        if self._flat is None:
+            from onebit import kernels
+
+            pairs = [
+                (group, param)
+                for group in self.param_groups
+                for param in group["params"]
+                if param.requires_grad
+            ]
+            self._flat = FlatState(pairs, self._SCALARS)
+            self._has_state = self._flat.adopt([self.state[p] for _, p in pairs])
+            self._backend = kernels.select(self._flat.exp_avg).name
+        return self._flat
+
+    def _expose_new_state(self, flat: FlatState, present: Sequence[bool]) -> None:
+        """Give the parameters that got their first gradient their state views."""
+        for index, has_grad in enumerate(present):
+            if has_grad and not self._has_state[index]:
+                flat.expose(self.state[flat.params[index]], index)
+                self._has_state[index] = True
+
+    def _record_coefficients(self, coeff: Tensor, present: Sequence[bool]) -> None:
+        """Store the step's per-parameter coefficient for the parameters that took part."""
+        last = self._flat.scalars["lamb_coeff"]
+        taking_part = torch.tensor(list(present), device=coeff.device)
+        last.copy_(torch.where(taking_part, coeff, last))
+
+    def _coefficients(self) -> list[float]:
+        """The last step's per-parameter coefficients of the parameters that have state."""
+        if self._flat is None:
+            return []
+        values = self._flat.scalars["lamb_coeff"].tolist()
+        return [value for value, has in zip(values, self._has_state, strict=True) if has]
+
+    def _forget_flat_state(self) -> None:
+        """After a checkpoint load: rebuild the flat state from ``self.state`` next step."""
+        self._flat = None
