@@ -18,6 +18,8 @@ from onebit.cli import option
 
 
 class Method(NamedTuple):
+    """How one method of the comparison is named."""
+
     label: str
     """What it runs, as results and reports name it."""
     short: str
