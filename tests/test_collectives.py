@@ -52,18 +52,18 @@ def _exchange_against_simulation(rank: int, world_size: int, numel: int, backend
             server_error,
             workspace=workspace,
             traffic=traffic,
-            kernels_name=backend,
+            kernels=backend,
         )
         assert torch.equal(buffer, inputs[rank]), "the input buffer must not be modified"
         expected, sim_we, sim_se = simulate_compressed_allreduce(
-            inputs, sim_we, sim_se, kernels_name=backend
+            inputs, sim_we, sim_se, kernels=backend
         )
         assert torch.equal(result, expected), f"call {call}: result differs from the simulation"
         assert torch.equal(worker_error, sim_we[rank]), f"call {call}: worker_error differs"
         assert torch.equal(server_error, sim_se[rank]), f"call {call}: server_error differs"
         results.append(result)
     in_place = onebit.compressed_allreduce(
-        buffer, worker_error, server_error, out=buffer, traffic=traffic, kernels_name=backend
+        buffer, worker_error, server_error, out=buffer, traffic=traffic, kernels=backend
     )
     assert in_place.data_ptr() == buffer.data_ptr()
     return torch.stack(results), traffic.bytes_sent.get("compressed_allreduce", 0)
@@ -100,7 +100,7 @@ def _mixed_backends(rank: int, world_size: int):
             torch.randn(64),
             worker_error,
             server_error,
-            kernels_name=CPU_BACKENDS[rank % len(CPU_BACKENDS)],
+            kernels=CPU_BACKENDS[rank % len(CPU_BACKENDS)],
         )
     except KernelMismatchError as error:
         untouched = bool((worker_error == 0.5).all() and (server_error == 0.25).all())

@@ -158,7 +158,7 @@ def test_triton_stages_match_the_reference_bit_for_bit_on_large_cuda_buffers(dty
 
 def _exchange(buffers, state, name):
     result, worker_errors, server_errors = simulate_compressed_allreduce(
-        buffers, *state, kernels_name=name
+        buffers, *state, kernels=name
     )
     return result, (worker_errors, server_errors)
 
@@ -231,7 +231,7 @@ def test_compressed_allreduce_picks_triton_on_cuda_and_tracks_the_reference(monk
     for _ in range(calls):
         buffer = torch.randn(numel, generator=gen).to(device)
         fused = onebit.compressed_allreduce(buffer, *state["triton"], workspace=workspace)
-        ref = onebit.compressed_allreduce(buffer, *state["torch"], kernels_name="torch")
+        ref = onebit.compressed_allreduce(buffer, *state["torch"], kernels="torch")
         expected, simulated = _exchange(buffer[None], simulated, "triton")
         assert torch.equal(_bits(fused), _bits(expected))
         assert torch.equal(_bits(state["triton"][0]), _bits(simulated[0][0]))

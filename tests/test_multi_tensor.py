@@ -136,3 +136,18 @@ def test_wrong_size_error_buffers_in_a_checkpoint_are_rejected_by_name():
     with pytest.raises(ValueError, match="worker_error has 7 elements.*need 48"):
         fresh.load_state_dict(saved)
     assert fresh.state_dict()["state"] == {}  # nothing was loaded
+
+
+def test_an_unknown_backend_is_rejected_at_construction():
+    with pytest.raises(ValueError, match="Invalid kernels='fast'"):
+        onebit.OneBitLamb([torch.nn.Parameter(torch.zeros(3))], kernels="fast")
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="needs the numba backend")
+def test_the_kernels_argument_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("ONEBIT_KERNELS", "numba")
+    params, _ = _make("lamb", 1)
+    optimizer = onebit.Lamb(params, kernels="torch")
+    params[0].grad = torch.ones_like(params[0])
+    optimizer.step()
+    assert optimizer._backend == "torch"

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit import kernels
+from onebit import kernels as backends
 from onebit.compression import scale_dtype
 
 __all__ = [
@@ -183,7 +183,7 @@ def _check_worker_scales(gathered: Tensor, backend_name: str) -> None:
     codes = [int(code) if code == code else 0 for _, code in rows]
     if len(set(codes)) > 1:
         names = [
-            kernels.BACKENDS[code - 1] if 0 < code <= len(kernels.BACKENDS) else "?"
+            backends.BACKENDS[code - 1] if 0 < code <= len(backends.BACKENDS) else "?"
             for code in codes
         ]
         raise KernelMismatchError(
@@ -243,7 +243,7 @@ def compressed_allreduce(
     out: Tensor | None = None,
     workspace: CompressionWorkspace | None = None,
     traffic: TrafficCounter | None = None,
-    kernels_name: str | None = None,
+    kernels: str | None = None,
 ) -> Tensor:
     """Average ``buffer`` over the ranks of ``group`` at 1 bit per element, with error feedback.
 
@@ -262,7 +262,7 @@ def compressed_allreduce(
         out: where to write the result (may be ``buffer`` itself); allocated if ``None``.
         workspace: scratch reused across calls (allocated for this call if ``None``).
         traffic: where to count the bytes this rank sends (nowhere if ``None``).
-        kernels_name: the backend of the local work (:mod:`onebit.kernels`); default
+        kernels: the backend of the local work (:mod:`onebit.kernels`); default
             ``$ONEBIT_KERNELS`` or ``"auto"``. Every rank must use the same one.
 
     Returns:
@@ -286,7 +286,7 @@ def compressed_allreduce(
         raise ValueError(f"out must be a contiguous {buffer.dtype} tensor of {numel} elements")
     elif out.data_ptr() in (worker_error.data_ptr(), server_error.data_ptr()):
         raise ValueError("out must not be worker_error or server_error")
-    backend = kernels.select(buffer, kernels_name)
+    backend = backends.select(buffer, kernels)
     ws = (workspace or CompressionWorkspace()).prepare(
         numel, n, buffer.dtype, buffer.device, backend
     )
@@ -300,7 +300,7 @@ def compressed_allreduce(
     # backend before any state changes; then send chunk j of the signs to rank j.
     worker_scale = backend.worker_compress(buffer, worker_error, ws.worker_packed, out, scratch)
     ws.local_scale[0] = worker_scale
-    ws.local_scale[1] = kernels.code(backend)
+    ws.local_scale[1] = backends.code(backend)
     _all_gather(ws.worker_scales, ws.local_scale, group, n)
     _check_worker_scales(ws.worker_scales, backend.name)
     backend.worker_error_update(buffer, worker_error, ws.worker_packed, worker_scale, out, scratch)

@@ -179,7 +179,7 @@ def simulate_compressed_allreduce(
     worker_errors: Tensor,
     server_errors: Tensor,
     *,
-    kernels_name: str | None = None,
+    kernels: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Single-process model of :func:`onebit.compressed_allreduce` over ``n`` workers.
 
@@ -187,7 +187,7 @@ def simulate_compressed_allreduce(
         buffers: ``[n, N]``, row ``i`` is worker ``i``'s buffer; ``N`` a multiple of ``8 * n``.
         worker_errors: ``[n, N]``, each worker's error-feedback state.
         server_errors: ``[n, N // n]``, row ``j`` is the server error of chunk ``j``.
-        kernels_name: the backend of the local work (:func:`onebit.kernels.select`); the
+        kernels: the backend of the local work (:func:`onebit.kernels.select`); the
             distributed exchange with the same backend gives the same bits.
 
     Returns:
@@ -199,7 +199,7 @@ def simulate_compressed_allreduce(
     ``y_j = (1/n) sum_i a_i sign(x_i)[chunk j] + s_j``, ``b_j = ||y_j|| / sqrt(N / n)``,
     ``s_j <- y_j - b_j sign(y_j)``. The result is ``concat_j b_j sign(y_j)``.
     """
-    from onebit import kernels
+    from onebit import kernels as backends
 
     if buffers.dim() != 2 or worker_errors.shape != buffers.shape:
         raise ValueError(
@@ -214,7 +214,7 @@ def simulate_compressed_allreduce(
         raise ValueError(
             f"server_errors must be [n, N // n] = [{n}, {chunk}], got {tuple(server_errors.shape)}"
         )
-    backend = kernels.select(buffers, kernels_name)
+    backend = backends.select(buffers, kernels)
     device, dtype = buffers.device, buffers.dtype
     scratch = backend.scratch(numel, n, dtype, device)
     new_worker_errors = worker_errors.clone()

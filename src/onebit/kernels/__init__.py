@@ -66,7 +66,8 @@ def select(tensor: Tensor, name: str | None = None) -> ReferenceKernels:
 
     A named backend that is not installed or cannot handle the tensor is an error.
     """
-    name = name or os.environ.get("ONEBIT_KERNELS") or "auto"
+    if name in (None, "auto"):
+        name = os.environ.get("ONEBIT_KERNELS") or "auto"
     if name == "auto":
         fused = _AUTO_FOR_DEVICE.get(tensor.device.type)
         backend = _load(fused) if fused else None

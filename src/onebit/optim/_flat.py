@@ -196,7 +196,12 @@ class FlatOptimizer(Optimizer):
 
     _SCALARS: dict[str, float] = {}
 
-    def __init__(self, params, defaults: dict[str, Any]) -> None:
+    def __init__(self, params, defaults: dict[str, Any], kernels: str | None) -> None:
+        from onebit.kernels import BACKENDS
+
+        if kernels not in (None, "auto", *BACKENDS):
+            raise ValueError(f"Invalid kernels={kernels!r}: use None, 'auto' or one of {BACKENDS}")
+        self.kernels = kernels
         self._flat: FlatState | None = None
         self._has_state: list[bool] = []
         self._backend = "torch"
@@ -224,7 +229,7 @@ class FlatOptimizer(Optimizer):
             ]
             self._flat = FlatState(pairs, self._SCALARS)
             self._has_state = self._flat.adopt([self.state[p] for _, p in pairs])
-            self._backend = kernels.select(self._flat.exp_avg).name
+            self._backend = kernels.select(self._flat.exp_avg, self.kernels).name
         return self._flat
 
     def _expose_new_state(self, flat: FlatState, present: Sequence[bool]) -> None:

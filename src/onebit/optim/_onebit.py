@@ -65,6 +65,7 @@ class OneBitOptimizer(FlatOptimizer):
         process_group: dist.ProcessGroup | None,
         on_nonfinite: str,
         verify_every: int,
+        kernels: str | None,
     ) -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(
@@ -92,7 +93,7 @@ class OneBitOptimizer(FlatOptimizer):
         self._replicas_verified = False
         self._workspace = CompressionWorkspace()
         self._traffic = TrafficCounter()
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, kernels)
 
     # ----------------------------------------------------------------- what users see
     @property
@@ -262,7 +263,7 @@ class OneBitOptimizer(FlatOptimizer):
                     out=buffer,
                     workspace=self._workspace,
                     traffic=self._traffic,
-                    kernels_name=self._backend,
+                    kernels=self._backend,
                 )
         except NonFiniteError:
             return self._skip("a rank's local momentum")

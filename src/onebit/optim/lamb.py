@@ -39,6 +39,7 @@ class Lamb(FlatOptimizer):
         eps: added to ``sqrt(v)``.
         weight_decay: decoupled weight decay ``lambda``, added to the update.
         max_coeff, min_coeff: bounds of the trust ratio.
+        kernels: the backend of the update, as in :class:`onebit.OneBitLamb`.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class Lamb(FlatOptimizer):
         weight_decay: float = 0.0,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
+        kernels: str | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
@@ -61,7 +63,7 @@ class Lamb(FlatOptimizer):
             max_coeff=max_coeff,
             min_coeff=min_coeff,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, kernels)
 
     _SCALARS = {"lamb_coeff": 1.0}
 

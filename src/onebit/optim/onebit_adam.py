@@ -24,8 +24,9 @@ class OneBitAdam(OneBitOptimizer):
     :func:`onebit.compressed_allreduce` (scaled per tensor as in :class:`OneBitLamb`), then
     the same update with ``v`` frozen. No bias correction.
 
-    Arguments as DeepSpeed's ``OnebitAdam``; ``process_group``, ``on_nonfinite`` and the
-    ``exp_avg_mask`` group option as in :class:`onebit.OneBitLamb`.
+    Arguments as DeepSpeed's ``OnebitAdam``; ``process_group``, ``on_nonfinite``,
+    ``verify_every``, ``kernels`` and the ``exp_avg_mask`` group option as in
+    :class:`onebit.OneBitLamb`.
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class OneBitAdam(OneBitOptimizer):
         process_group: dist.ProcessGroup | None = None,
         on_nonfinite: str = "skip",
         verify_every: int = 0,
+        kernels: str | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -49,6 +51,7 @@ class OneBitAdam(OneBitOptimizer):
             process_group=process_group,
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,
+            kernels=kernels,
         )
 
     def _warmup_update(self, flat: FlatState, active: Sequence[bool]) -> bool:

@@ -61,6 +61,10 @@ class OneBitLamb(OneBitOptimizer):
             parameters (a checksum each, one small all-gather) and raise
             :class:`onebit.ReplicaMismatchError` naming the step and tensor if not; 0 checks
             only at the first step.
+        kernels: the backend of the update and the exchange (:mod:`onebit.kernels`):
+            ``None`` or ``"auto"`` (``$ONEBIT_KERNELS``, else the fused backend of the
+            parameters' device where installed), ``"torch"``, ``"numba"`` or ``"triton"``.
+            Every rank must use the same one.
 
     Works with ``torch.amp.GradScaler`` (``scaler.step(optimizer)``): the step unscales the
     gradients itself and skips on every rank when any rank overflowed. A failed collective
@@ -85,6 +89,7 @@ class OneBitLamb(OneBitOptimizer):
         process_group: dist.ProcessGroup | None = None,
         on_nonfinite: str = "skip",
         verify_every: int = 0,
+        kernels: str | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
@@ -115,6 +120,7 @@ class OneBitLamb(OneBitOptimizer):
             process_group=process_group,
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,
+            kernels=kernels,
         )
 
     _SCALARS = {
