@@ -246,7 +246,7 @@ class _Workers:
         return [self.cluster.interface_bytes(i) for i in range(self.settings.workers)]
 
     def run(self) -> None:
-        totals_before = self._counters()
+        before = self._counters()
         processes = self._start()
         done = False
         try:
@@ -255,16 +255,10 @@ class _Workers:
                 for process in processes:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         process.wait(timeout=60)
-            sent, received = zip(
-                *[
-                    (tx - tx0, rx - rx0)
-                    for (tx, rx), (tx0, rx0) in zip(self._counters(), totals_before, strict=True)
-                ],
-                strict=True,
-            )
+            after = self._counters()
             self.raw["interface_totals"] = {
-                "tx_bytes_by_host": list(sent),
-                "rx_bytes_by_host": list(received),
+                "tx_bytes_by_host": [a[0] - b[0] for a, b in zip(after, before, strict=True)],
+                "rx_bytes_by_host": [a[1] - b[1] for a, b in zip(after, before, strict=True)],
             }
         finally:
             for process in processes:
