@@ -6,7 +6,8 @@
 #   3. the other kernel tests of the triton backend, on the GPU;
 #   4. timings of compressed_allreduce (world size 1) at 2^24 and 2^26 float32 elements,
 #      torch and triton backends, in device-to-device copies of the same buffer;
-#   5. a 2-process NCCL optimizer check (a placeholder: see nccl_optimizer_check below).
+#   5. the optimizers on the GPU against the same run on CPU, and on 2 NCCL ranks against 2
+#      gloo ranks where two GPUs are visible (scripts/gpu_optimizer_check.py).
 # Every step runs under its own timeout; a failure is recorded, never fatal. One summary is
 # printed at the end; each step's full output is in LOG_DIR.
 #
@@ -185,7 +186,7 @@ for log2 in (24, 26):
         def allreduce():
             onebit.compressed_allreduce(
                 buffer, worker_error, server_error, out=out, workspace=workspace,
-                kernels_name=name,
+                kernels=name,
             )
 
         scratch = backend.scratch(numel, 1, buffer.dtype, device)
@@ -211,12 +212,10 @@ EOF
 }
 
 # -- 5. PLACEHOLDER: 2-process NCCL optimizer check --------------------------------------
-# To be written: run the optimizer on 2 NCCL ranks and check it. It runs with "$PY" and the
-# PYTHONPATH above, under run_step's timeout; exit 0 on success, non-zero on failure,
-# $SKIPPED (77) when it cannot apply. Its output goes to nccl-optimizer.log.
+# The optimizers on CUDA against CPU (and 2 NCCL ranks against 2 gloo ranks where two GPUs
+# are visible); exit 77 when nothing could run.
 nccl_optimizer_check() {
-    echo "not written yet"
-    return "$SKIPPED"
+    "$PY" scripts/gpu_optimizer_check.py
 }
 
 # -- run ---------------------------------------------------------------------------------

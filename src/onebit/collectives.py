@@ -34,6 +34,8 @@ __all__ = [
     "world_size",
     "allreduce_mean_",
     "compressed_allreduce",
+    "compressed_allreduce_packed",
+    "PackedResult",
 ]
 
 
@@ -158,9 +160,10 @@ class CompressionWorkspace:
 
     def nbytes(self) -> int:
         """Bytes of scratch held now."""
+        scratch = vars(self.backend_scratch) if self.backend_scratch is not None else {}
         return sum(
             value.numel() * value.element_size()
-            for value in [*vars(self).values(), *vars(self.backend_scratch or object()).values()]
+            for value in [*vars(self).values(), *scratch.values()]
             if isinstance(value, Tensor)
         )
 
@@ -234,6 +237,27 @@ def _validate(buffer: Tensor, worker_error: Tensor, server_error: Tensor, n: int
         raise ValueError("buffer must be contiguous")
 
 
+@dataclass
+class PackedResult:
+    """The result of a compressed allreduce before decoding: row ``j`` of ``signs`` holds
+    server ``j``'s packed signs of chunk ``j``, ``scales[j]`` its scale; element ``e`` of the
+    result is ``+-scales[e // chunk]`` (``+`` where its bit is set). Views of the workspace,
+    valid until its next use."""
+
+    signs: Tensor
+    scales: Tensor
+    backend: str
+
+    @property
+    def chunk(self) -> int:
+        return 8 * self.signs.shape[1]
+
+    def decode(self, out: Tensor) -> Tensor:
+        """Write the decompressed result into ``out`` (``N`` elements) and return it."""
+        backends.select(out, self.backend).decode(self.signs, self.scales, out.view(-1))
+        return out
+
+
 def compressed_allreduce(
     buffer: Tensor,
     worker_error: Tensor,
@@ -277,33 +301,63 @@ def compressed_allreduce(
 
     Each rank sends :func:`compressed_allreduce_bytes`: about ``2 (n-1)/n * numel / 8``.
     """
+    if out is None:
+        out = torch.empty_like(buffer)
+    packed = compressed_allreduce_packed(
+        buffer,
+        worker_error,
+        server_error,
+        group,
+        scratch=out,
+        workspace=workspace,
+        traffic=traffic,
+        kernels=kernels,
+    )
+    return packed.decode(out)
+
+
+def compressed_allreduce_packed(
+    buffer: Tensor,
+    worker_error: Tensor,
+    server_error: Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    scratch: Tensor,
+    workspace: CompressionWorkspace | None = None,
+    traffic: TrafficCounter | None = None,
+    kernels: str | None = None,
+) -> PackedResult:
+    """:func:`compressed_allreduce` without the final decoding: for a consumer that decodes
+    on the fly (the optimizers' fused updates). ``scratch`` (the buffer's size; may be the
+    buffer itself) holds intermediate values."""
     n = world_size(group)
     _validate(buffer, worker_error, server_error, n)
     numel = buffer.numel()
-    if out is None:
-        out = torch.empty_like(buffer)
-    elif out.numel() != numel or out.dtype != buffer.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {buffer.dtype} tensor of {numel} elements")
-    elif out.data_ptr() in (worker_error.data_ptr(), server_error.data_ptr()):
-        raise ValueError("out must not be worker_error or server_error")
+    if scratch.numel() != numel or scratch.dtype != buffer.dtype or not scratch.is_contiguous():
+        raise ValueError(
+            f"the output buffer must be a contiguous {buffer.dtype} tensor of {numel} elements"
+        )
+    if scratch.data_ptr() in (worker_error.data_ptr(), server_error.data_ptr()):
+        raise ValueError("the output buffer must not be worker_error or server_error")
     backend = backends.select(buffer, kernels)
     ws = (workspace or CompressionWorkspace()).prepare(
         numel, n, buffer.dtype, buffer.device, backend
     )
-    scratch = ws.backend_scratch
-    result = out
-    buffer, worker_error, server_error, out = (
-        t.view(-1) for t in (buffer, worker_error, server_error, out)
+    stage_scratch = ws.backend_scratch
+    buffer, worker_error, server_error, x = (
+        t.view(-1) for t in (buffer, worker_error, server_error, scratch)
     )
 
     # Phase 1, worker side: compress x = buffer + worker_error; check every rank's scale and
     # backend before any state changes; then send chunk j of the signs to rank j.
-    worker_scale = backend.worker_compress(buffer, worker_error, ws.worker_packed, out, scratch)
+    worker_scale = backend.worker_compress(buffer, worker_error, ws.worker_packed, x, stage_scratch)
     ws.local_scale[0] = worker_scale
     ws.local_scale[1] = backends.code(backend)
     _all_gather(ws.worker_scales, ws.local_scale, group, n)
     _check_worker_scales(ws.worker_scales, backend.name)
-    backend.worker_error_update(buffer, worker_error, ws.worker_packed, worker_scale, out, scratch)
+    backend.worker_error_update(
+        buffer, worker_error, ws.worker_packed, worker_scale, x, stage_scratch
+    )
     if n == 1:
         ws.received.view(-1).copy_(ws.worker_packed)
     else:
@@ -313,18 +367,16 @@ def compressed_allreduce(
     # error, compressed again.
     worker_scales = ws.worker_scales[:, 0]
     server_scale = backend.server_compress(
-        ws.received, worker_scales, server_error, ws.server_packed, scratch
+        ws.received, worker_scales, server_error, ws.server_packed, stage_scratch
     )
 
-    # Phase 2: every rank gathers every server's compressed chunk and scale, and decodes.
+    # Phase 2: every rank gathers every server's compressed chunk and scale.
     _all_gather(ws.server_scales, server_scale, group, n)
     _check_finite(ws.server_scales.tolist(), "server scale")
     backend.server_error_update(
-        ws.received, worker_scales, server_error, ws.server_packed, server_scale, scratch
+        ws.received, worker_scales, server_error, ws.server_packed, server_scale, stage_scratch
     )
     _all_gather(ws.gathered, ws.server_packed, group, n)
-    backend.decode(ws.gathered, ws.server_scales, out)
-
     if traffic is not None and n > 1:
         traffic.record("compressed_allreduce", compressed_allreduce_bytes(numel, n, buffer.dtype))
-    return result
+    return PackedResult(ws.gathered, ws.server_scales, backend.name)

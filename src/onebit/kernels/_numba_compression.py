@@ -35,21 +35,6 @@ def _sumsq_pack_sum(a, b, packed):
     return acc
 
 
-@njit(fastmath=_SUM_FLAGS, cache=True)
-def _sumsq_pack(x, packed):
-    """Signs of ``x`` into ``packed`` (MSB first); returns ``sum(x^2)``."""
-    acc = 0.0
-    for k in range(packed.size):
-        byte = np.uint8(0)
-        for j in range(8):
-            v = x[8 * k + j]
-            w = np.float64(v)
-            acc += w * w
-            byte |= np.uint8(v >= 0) << np.uint8(7 - j)
-        packed[k] = byte
-    return acc
-
-
 @njit(cache=True)
 def _error_feedback_sum(a, error, scale):
     """``error = (a + error) - scale * sign(a + error)``."""
@@ -59,36 +44,72 @@ def _error_feedback_sum(a, error, scale):
 
 
 @njit(cache=True)
-def _error_feedback(x, error, scale):
-    """``error = x - scale * sign(x)``."""
-    for i in range(x.size):
-        v = x[i]
-        error[i] = v - (scale if v >= 0 else -scale)
-
-
-@njit(cache=True)
 def _add_signs(y, weight, packed):
     """``y += weight * sign`` from packed bits; ``+-weight`` is exact, one rounding per add."""
     for k in range(packed.size):
-        byte = packed[k]
+        byte = np.int32(packed[k])
         for j in range(8):
             y[8 * k + j] += weight if (byte >> (7 - j)) & 1 else -weight
 
 
 @njit(cache=True)
 def _server_sum(server_error, received, weights, y):
-    """``y = server_error + sum_i weights[i] * sign_i``, added in rank order ``i``."""
+    """``y = server_error + sum_i weights[i] * sign_i`` over all ranks but the last, added in
+    rank order; returns ``y``, or ``server_error`` itself when there is one rank."""
+    last = received.shape[0] - 1
+    if last == 0:
+        return server_error
     for e in range(y.size):
         y[e] = server_error[e]
-    for i in range(received.shape[0]):
+    for i in range(last):
         _add_signs(y, weights[i], received[i])
+    return y
+
+
+@njit(fastmath=_SUM_FLAGS, cache=True)
+def _last_sumsq_pack(partial_sum, weight, received, packed):
+    """With the last rank's signs: ``y = partial_sum + weight * sign``; packs ``sign(y)``
+    and returns ``sum(y^2)``. (The only rounding in ``y`` is its one addition.)"""
+    acc = 0.0
+    for k in range(packed.size):
+        signs = np.int32(received[k])
+        byte = np.uint8(0)
+        for j in range(8):
+            v = partial_sum[8 * k + j] + (weight if (signs >> (7 - j)) & 1 else -weight)
+            w = np.float64(v)
+            acc += w * w
+            byte |= np.uint8(v >= 0) << np.uint8(7 - j)
+        packed[k] = byte
+    return acc
+
+
+@njit(cache=True)
+def _last_error_feedback(partial_sum, weight, received, scale, error):
+    """With the last rank's signs: ``y = partial_sum + weight * sign``;
+    ``error = y - scale * sign(y)``."""
+    for k in range(received.size):
+        signs = np.int32(received[k])
+        for j in range(8):
+            v = partial_sum[8 * k + j] + (weight if (signs >> (7 - j)) & 1 else -weight)
+            error[8 * k + j] = v - (scale if v >= 0 else -scale)
+
+
+@njit(cache=True)
+def _only_error_feedback(weight, received, scale, error):
+    """:func:`_last_error_feedback` for a world of one rank, where ``partial_sum`` is
+    ``error`` itself (one array, so the loop vectorises)."""
+    for k in range(received.size):
+        signs = np.int32(received[k])
+        for j in range(8):
+            v = error[8 * k + j] + (weight if (signs >> (7 - j)) & 1 else -weight)
+            error[8 * k + j] = v - (scale if v >= 0 else -scale)
 
 
 @njit(cache=True)
 def _decode(packed, scale, out):
     """``out = scale * sign`` from packed bits (``+scale`` where a bit is set)."""
     for k in range(packed.size):
-        byte = packed[k]
+        byte = np.int32(packed[k])
         for j in range(8):
             out[8 * k + j] = scale if (byte >> (7 - j)) & 1 else -scale
 
@@ -125,8 +146,9 @@ def server_compress(received, weights, server_error, packed):
         y = np.empty(CHUNK, server_error.dtype)
         for c in range(s, e, CHUNK):
             d = min(c + CHUNK, e)
-            _server_sum(server_error[c:d], received[:, c // 8 : d // 8], weights, y[: d - c])
-            partial[block] += _sumsq_pack(y[: d - c], packed[c // 8 : d // 8])
+            rows = received[:, c // 8 : d // 8]
+            head = _server_sum(server_error[c:d], rows, weights, y[: d - c])
+            partial[block] += _last_sumsq_pack(head, weights[-1], rows[-1], packed[c // 8 : d // 8])
     return partial.sum()
 
 
@@ -138,8 +160,12 @@ def server_error_update(received, weights, server_error, scale):
         y = np.empty(CHUNK, server_error.dtype)
         for c in range(s, e, CHUNK):
             d = min(c + CHUNK, e)
-            _server_sum(server_error[c:d], received[:, c // 8 : d // 8], weights, y[: d - c])
-            _error_feedback(y[: d - c], server_error[c:d], scale)
+            rows = received[:, c // 8 : d // 8]
+            if rows.shape[0] == 1:
+                _only_error_feedback(weights[0], rows[0], scale, server_error[c:d])
+            else:
+                head = _server_sum(server_error[c:d], rows, weights, y[: d - c])
+                _last_error_feedback(head, weights[-1], rows[-1], scale, server_error[c:d])
 
 
 def decode(gathered, scales, out):

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, typed
 from torch import Tensor
 
+from onebit.collectives import PackedResult
 from onebit.kernels._numba import Compiled
 from onebit.optim._flat import FlatState
 from onebit.optim.functional import compression_factor, trust_ratio
@@ -41,11 +42,23 @@ def _direction(m, v, p, eps, wd):
     return base, base + wd * p, denom
 
 
+@njit(error_model="numpy", cache=True)
+def _decode_chunk(signs, first, count, value, wide):
+    """Decode elements ``first .. first + count - 1`` of the exchanged momentum, ``+-value``
+    by their bits in ``signs`` (``value = b_j / s``), into ``wide`` from whole bytes;
+    returns the offset of element ``first`` in ``wide``."""
+    start_byte = first >> 3
+    for k in range(((first + count + 7) >> 3) - start_byte):
+        byte = np.int32(signs[start_byte + k])
+        for j in range(8):
+            wide[8 * k + j] = value if (byte >> (7 - j)) & 1 else -value
+    return first & 7
+
+
 @njit(inline="always", error_model="numpy", cache=True)
-def _decode_momentum(exchanged, scale, mask, i):
-    """``m = exchanged / s``, times the mask where one is given (``mask.size > 0``)."""
-    new = exchanged / scale
-    return new * mask[i] if mask.size else new
+def _masked(decoded, mask, i):
+    """The decoded momentum of element ``i``, times the mask where one is given."""
+    return decoded[i] * mask[i] if mask.size else decoded[i]
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -87,22 +100,20 @@ def _momentum_block(m, g, b1, omb1, scale, out):
 
 
 @njit(inline="always", error_model="numpy", cache=True)
-def _fresh_variance(new, m, fresh, b1, omb1, b2, omb2):
+def _fresh_variance(new, m, fresh, b1, inv_omb1, b2, omb2):
     """``g = (m_new - b1 m) / (1 - b1)``; returns ``b2 v_fresh + (1 - b2) g^2``."""
-    grad = (new - b1 * m) / omb1
+    grad = (new - b1 * m) * inv_omb1
     return b2 * fresh + omb2 * (grad * grad)
 
 
 @njit(fastmath=_SUM_FLAGS, error_model="numpy", cache=True)
-def _onebit_lamb_chunk_a(
-    exchanged, mask, m, v, fresh, p, scale, b1, omb1, b2, omb2, eps, wd, ratio
-):
+def _onebit_lamb_chunk_a(decoded, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, ratio):
     """Decode the momentum and refresh ``v_fresh``; returns the sums of ``u0^2`` and ``u^2``
     and writes ``d / (sqrt(v_fresh) + eps)`` into ``ratio``."""
     sum_base, sum_full = 0.0, 0.0
     for i in range(m.size):
-        new = _decode_momentum(exchanged[i], scale, mask, i)
-        f = _fresh_variance(new, m[i], fresh[i], b1, omb1, b2, omb2)
+        new = _masked(decoded, mask, i)
+        f = _fresh_variance(new, m[i], fresh[i], b1, inv_omb1, b2, omb2)
         fresh[i] = f
         m[i] = new
         base, full, denom = _direction(new, v[i], p[i], eps, wd)
@@ -125,25 +136,26 @@ def _max_bits(bits):
 
 @njit(error_model="numpy", cache=True)
 def _onebit_lamb_block_a(
-    exchanged, mask, m, v, fresh, p, scale, b1, omb1, b2, omb2, eps, wd, bits_like
+    signs, start, value, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
 ):
     """:func:`_onebit_lamb_chunk_a` chunk by chunk; returns the two sums and the maximum
     ratio (non-negative, so its maximum is taken on its bit pattern)."""
     ratio = np.empty(min(CHUNK, m.size), m.dtype)
     bits = ratio.view(bits_like.dtype)
+    wide = np.empty(CHUNK + 16, m.dtype)
     sum_base, sum_full, best = 0.0, 0.0, bits_like.dtype.type(0)
     for c in range(0, m.size, CHUNK):
         e = min(c + CHUNK, m.size)
+        offset = _decode_chunk(signs, start + c, e - c, value, wide)
         base, full = _onebit_lamb_chunk_a(
-            exchanged[c:e],
+            wide[offset : offset + e - c],
             mask[c:e] if mask.size else mask,
             m[c:e],
             v[c:e],
             fresh[c:e],
             p[c:e],
-            scale,
             b1,
-            omb1,
+            inv_omb1,
             b2,
             omb2,
             eps,
@@ -167,22 +179,41 @@ def _step_block(m, v, p, eps, wd, step):
 
 
 @njit(error_model="numpy", cache=True)
-def _onebit_adam_block(exchanged, mask, m, v, p, scale, eps, wd, step):
+def _onebit_adam_chunk(decoded, mask, m, v, p, eps, wd, step):
     for i in range(m.size):
-        new = _decode_momentum(exchanged[i], scale, mask, i)
+        new = _masked(decoded, mask, i)
         m[i] = new
         _, u, _ = _direction(new, v[i], p[i], eps, wd)
         p[i] += step * u
 
 
+@njit(error_model="numpy", cache=True)
+def _onebit_adam_block(signs, start, value, mask, m, v, p, eps, wd, step):
+    """``m = decoded (* mask)``; ``p += step * (m / (sqrt(v) + eps) + wd p)``, by chunks."""
+    wide = np.empty(CHUNK + 16, m.dtype)
+    for c in range(0, m.size, CHUNK):
+        e = min(c + CHUNK, m.size)
+        offset = _decode_chunk(signs, start + c, e - c, value, wide)
+        _onebit_adam_chunk(
+            wide[offset : offset + e - c],
+            mask[c:e] if mask.size else mask,
+            m[c:e],
+            v[c:e],
+            p[c:e],
+            eps,
+            wd,
+            step,
+        )
+
+
 # ----------------------------------------------------------------------------- drivers
-def lamb_sums(blocks, active, g, m, v, p, b1, omb1, b2, omb2, eps, wd):
+def lamb_sums(blocks, active, grads, offsets, m, v, p, b1, omb1, b2, omb2, eps, wd):
     out = np.zeros((blocks.shape[0], 3), np.float64)
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         if active[seg]:
             out[b, 0], out[b, 1], out[b, 2] = _lamb_block_sums(
-                g[s:e],
+                grads[seg][s - offsets[seg] : e - offsets[seg]],
                 m[s:e],
                 v[s:e],
                 p[s:e],
@@ -196,12 +227,12 @@ def lamb_sums(blocks, active, g, m, v, p, b1, omb1, b2, omb2, eps, wd):
     return out
 
 
-def adam_apply(blocks, active, g, m, v, p, b1, omb1, b2, omb2, eps, wd, step):
+def adam_apply(blocks, active, grads, offsets, m, v, p, b1, omb1, b2, omb2, eps, wd, step):
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         if active[seg]:
             _adam_block_apply(
-                g[s:e],
+                grads[seg][s - offsets[seg] : e - offsets[seg]],
                 m[s:e],
                 v[s:e],
                 p[s:e],
@@ -215,41 +246,45 @@ def adam_apply(blocks, active, g, m, v, p, b1, omb1, b2, omb2, eps, wd, step):
             )
 
 
-def grad_sums(blocks, active, g):
+def grad_sums(blocks, active, grads, offsets):
     out = np.zeros(blocks.shape[0], np.float64)
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         if active[seg]:
-            out[b] = _block_sum(g[s:e])
+            out[b] = _block_sum(grads[seg][s - offsets[seg] : e - offsets[seg]])
     return out
 
 
-def momentum(blocks, active, m, g, b1, omb1, scale, out):
+def momentum(blocks, active, m, grads, offsets, b1, omb1, scale, out):
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         if active[seg]:
-            _momentum_block(m[s:e], g[s:e], b1[seg], omb1[seg], scale[seg], out[s:e])
+            g = grads[seg][s - offsets[seg] : e - offsets[seg]]
+            _momentum_block(m[s:e], g, b1[seg], omb1[seg], scale[seg], out[s:e])
         else:
             out[s:e] = 0
 
 
 def onebit_lamb_a(
-    blocks, active, exchanged, mask, m, v, fresh, p, scale, b1, omb1, b2, omb2, eps, wd, bits_like
+    blocks, active, signs, values, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
 ):
+    """Pass A over the exchange's blocks ``(segment, start, end, server)``; ``values[b]`` is
+    ``scales[server] / s[segment]`` of block ``b``."""
     out = np.zeros((blocks.shape[0], 3), np.float64)
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         if active[seg]:
             out[b, 0], out[b, 1], out[b, 2] = _onebit_lamb_block_a(
-                exchanged[s:e],
+                signs,
+                s,
+                values[b],
                 mask[s:e] if mask.size else mask,
                 m[s:e],
                 v[s:e],
                 fresh[s:e],
                 p[s:e],
-                scale[seg],
                 b1[seg],
-                omb1[seg],
+                inv_omb1[seg],
                 b2[seg],
                 omb2[seg],
                 eps[seg],
@@ -266,17 +301,18 @@ def apply_step(blocks, active, m, v, p, eps, wd, step):
             _step_block(m[s:e], v[s:e], p[s:e], eps[seg], wd[seg], step[seg])
 
 
-def onebit_adam(blocks, active, exchanged, mask, m, v, p, scale, eps, wd, step):
+def onebit_adam(blocks, active, signs, values, mask, m, v, p, eps, wd, step):
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         if active[seg]:
             _onebit_adam_block(
-                exchanged[s:e],
+                signs,
+                s,
+                values[b],
                 mask[s:e] if mask.size else mask,
                 m[s:e],
                 v[s:e],
                 p[s:e],
-                scale[seg],
                 eps[seg],
                 wd[seg],
                 step[seg],
@@ -344,10 +380,24 @@ def _segment_max(flat: FlatState, partials: np.ndarray) -> np.ndarray:
     return maxima
 
 
-def lamb_step_(flat: FlatState, active: Sequence[bool], check_finite: bool):
+def _grad_list(flat: FlatState, grads: Sequence[Tensor | None]) -> typed.List:
+    """Each parameter's gradient as a flat numpy array (empty where there is none)."""
+    empty = np.zeros(0, dtype=_Hyper(flat).dtype)
+    return typed.List([empty if g is None else _np(g.reshape(-1)) for g in grads])
+
+
+def lamb_step_(
+    flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
+):
     hyper, mask = _Hyper(flat), _active(active)
     b1, omb1, b2, omb2 = hyper.betas()
-    args = (_np(flat.grad), _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights))
+    args = (
+        _grad_list(flat, grads),
+        flat.offsets,
+        _np(flat.exp_avg),
+        _np(flat.exp_avg_sq),
+        _np(flat.weights),
+    )
     consts = (b1, omb1, b2, omb2, hyper.key("eps"), hyper.key("weight_decay"))
     sums = _per_segment(flat, _KERNELS("lamb_sums")(flat.blocks, mask, *args, *consts))
     if check_finite and not np.isfinite(sums[mask, 2].sum()):
@@ -363,26 +413,32 @@ def lamb_step_(flat: FlatState, active: Sequence[bool], check_finite: bool):
     return coeff, defined
 
 
-def adam_step_(flat: FlatState, active: Sequence[bool], check_finite: bool) -> bool:
+def adam_step_(
+    flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
+) -> bool:
     hyper, mask = _Hyper(flat), _active(active)
+    grad_list = _grad_list(flat, grads)
     if check_finite:
-        sums = _KERNELS("grad_sums")(flat.blocks, mask, _np(flat.grad))
+        sums = _KERNELS("grad_sums")(flat.blocks, mask, grad_list, flat.offsets)
         if not np.isfinite(sums.sum()):
             return False
-    args = (_np(flat.grad), _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights))
+    args = (grad_list, flat.offsets, _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights))
     consts = (*hyper.betas(), hyper.key("eps"), hyper.key("weight_decay"))
     _KERNELS("adam_apply")(flat.blocks, mask, *args, *consts, -hyper.key("lr"))
     return True
 
 
-def scaled_momentum(flat: FlatState, scaling: Tensor, out: Tensor, active: Sequence[bool]) -> None:
+def scaled_momentum(
+    flat: FlatState, grads: Sequence[Tensor], scaling: Tensor, out: Tensor, active: Sequence[bool]
+) -> None:
     hyper = _Hyper(flat)
     b1, omb1, _, _ = hyper.betas()
     _KERNELS("momentum")(
         flat.blocks,
         _active(active),
         _np(flat.exp_avg),
-        _np(flat.grad),
+        _grad_list(flat, grads),
+        flat.offsets,
         b1,
         omb1,
         _np(scaling.to(flat.dtype)),
@@ -394,9 +450,19 @@ def _mask_array(flat: FlatState, mask: Tensor | None) -> np.ndarray:
     return np.zeros(0, dtype=_Hyper(flat).dtype) if mask is None else _np(mask)
 
 
+def _block_values(flat: FlatState, packed: PackedResult, scaling: Tensor):
+    """The exchange's block table and each block's ``scales[server] * (1 / s[segment])``,
+    rounded once as the reference's ``+-b_j * (1 / s)``."""
+    blocks = flat.exchange_blocks(packed.chunk)
+    inverse = _np(scaling.reciprocal())
+    scales = _np(packed.scales.to(flat.dtype))
+    values = (scales[blocks[:, 3]] * inverse[blocks[:, 0]]).astype(inverse.dtype)
+    return blocks, values
+
+
 def onebit_lamb_compressed_step_(
     flat: FlatState,
-    exchanged: Tensor,
+    packed: PackedResult,
     scaling: Tensor,
     mask: Tensor | None,
     active: Sequence[bool],
@@ -407,27 +473,32 @@ def onebit_lamb_compressed_step_(
     b1, omb1, b2, omb2 = hyper.betas()
     eps, wd = hyper.key("eps"), hyper.key("weight_decay")
     m, v, p = _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights)
+    blocks, values = _block_values(flat, packed, scaling)
     partials = _KERNELS("onebit_lamb_a")(
-        flat.blocks,
+        blocks,
         on,
-        _np(exchanged),
+        _np(packed.signs.view(-1)),
+        values,
         _mask_array(flat, mask),
         m,
         v,
         _np(flat.exp_avg_sq_fresh),
         p,
-        _np(scaling.to(flat.dtype)),
         b1,
-        omb1,
+        hyper(lambda group: flat.reciprocal(1 - group["betas"][0])),
         b2,
         omb2,
         eps,
         wd,
         np.zeros(0, np.int64 if flat.dtype == torch.float64 else np.int32),
     )
-    sums = _per_segment(flat, partials[:, :2])
+    segments = blocks[:, 0]
+    sums = np.zeros((len(flat.params), 2))
+    np.add.at(sums, segments, partials[:, :2])
+    maxima = np.full(len(flat.params), -np.inf)
+    np.maximum.at(maxima, segments, partials[:, 2])
     factor = compression_factor(
-        _tensor(flat, _segment_max(flat, partials[:, 2])),
+        _tensor(flat, maxima),
         _tensor(flat, np.sqrt(sums[:, 0])),
         _tensor(flat, np.sqrt(sums[:, 1])),
         last_factor,
@@ -443,21 +514,22 @@ def onebit_lamb_compressed_step_(
 
 def onebit_adam_compressed_step_(
     flat: FlatState,
-    exchanged: Tensor,
+    packed: PackedResult,
     scaling: Tensor,
     mask: Tensor | None,
     active: Sequence[bool],
 ) -> None:
     hyper = _Hyper(flat)
+    blocks, values = _block_values(flat, packed, scaling)
     _KERNELS("onebit_adam")(
-        flat.blocks,
+        blocks,
         _active(active),
-        _np(exchanged),
+        _np(packed.signs.view(-1)),
+        values,
         _mask_array(flat, mask),
         _np(flat.exp_avg),
         _np(flat.exp_avg_sq),
         _np(flat.weights),
-        _np(scaling.to(flat.dtype)),
         hyper.key("eps"),
         hyper.key("weight_decay"),
         -hyper.key("lr"),

@@ -77,6 +77,7 @@ class FlatState:
                 self.half_params.append((param, view))
         self.blocks = _block_table(self.offsets)
         self._scratch: dict[int, Tensor] = {}
+        self._exchange_blocks: tuple[int, np.ndarray] | None = None
 
     # ----------------------------------------------------------------- views
     def views(self, flat: Tensor) -> list[Tensor]:
@@ -163,6 +164,27 @@ class FlatState:
             torch._foreach_zero_(missing)
         flags = [1.0 if g is not None else 0.0 for g in grads]
         self.grad_flags.copy_(torch.tensor(flags, dtype=self.dtype))
+
+    def exchange_blocks(self, chunk: int) -> np.ndarray:
+        """``[B, 4]`` rows ``(segment, start, end, server)``: :attr:`blocks` split further at
+        the borders of the exchange's chunks of ``chunk`` elements (server ``j`` holds
+        elements ``[j chunk, (j + 1) chunk)``)."""
+        if self._exchange_blocks is None or self._exchange_blocks[0] != chunk:
+            rows = []
+            for segment, start, end in self.blocks:
+                cut = start
+                while cut < end:
+                    stop = min(end, (cut // chunk + 1) * chunk)
+                    rows.append((segment, cut, stop, cut // chunk))
+                    cut = stop
+            table = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+            self._exchange_blocks = (chunk, table)
+        return self._exchange_blocks[1]
+
+    def reciprocal(self, value: float) -> float:
+        """``1 / value`` rounded to the state dtype (what the update multiplies by)."""
+        real = np.float64 if self.dtype == torch.float64 else np.float32
+        return float(real(1) / real(value))
 
     def segment_values(self, value_of) -> Tensor:
         """``value_of(group)`` for each parameter's group, as a device vector."""

@@ -16,9 +16,10 @@ from torch import Tensor
 from onebit.collectives import (
     CompressionWorkspace,
     NonFiniteError,
+    PackedResult,
     TrafficCounter,
     allreduce_mean_,
-    compressed_allreduce,
+    compressed_allreduce_packed,
     padded_size,
     world_size,
 )
@@ -237,37 +238,48 @@ class OneBitOptimizer(FlatOptimizer):
         In the plain loop one dense allreduce carries every gradient and one flag per
         parameter that says whether a rank had a gradient for it; a parameter no rank has a
         gradient for is left alone, and a gradient missing on some ranks counts as zero."""
-        flat.load_grads(grads)
         if not self.gradients_averaged_by_ddp and self.world_size > 1:
+            flat.load_grads(grads)
             with self._collective():
                 allreduce_mean_(flat.grad_and_flags, self.process_group, traffic=self._traffic)
-        present = (flat.grad_flags > 0).tolist()
+            present = (flat.grad_flags > 0).tolist()
+            grads = flat.views(flat.grad)
+        else:
+            present = [grad is not None for grad in grads]
         self._expose_new_state(flat, present)
-        if not self._warmup_update(flat, present):
+        if not self._warmup_update(flat, grads, present):
             return self._skip("warm-up gradients")
         return True
 
     def _compression_step(self, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
         buffer = self._exchange_buffer_for(flat)
-        flat.load_grads(grads)
+        local = [  # a parameter without a gradient on this rank contributes zeros
+            torch.zeros(p.shape, dtype=flat.dtype, device=flat.device) if g is None else g
+            for p, g in zip(flat.params, grads, strict=True)
+        ]
         functional.scaled_momentum(
-            flat, flat.scalars["scaling_coeff"], buffer, self._has_state, backend=self._backend
+            flat,
+            local,
+            flat.scalars["scaling_coeff"],
+            buffer,
+            self._has_state,
+            backend=self._backend,
         )
         try:
             with self._collective():
-                compressed_allreduce(
+                packed = compressed_allreduce_packed(
                     buffer,
                     self._worker_error,
                     self._server_error,
                     self.process_group,
-                    out=buffer,
+                    scratch=buffer,
                     workspace=self._workspace,
                     traffic=self._traffic,
                     kernels=self._backend,
                 )
         except NonFiniteError:
             return self._skip("a rank's local momentum")
-        self._compressed_update(flat, buffer, self._mask, self._has_state)
+        self._compressed_update(flat, packed, buffer, self._mask, self._has_state)
         return True
 
     # ----------------------------------------------------------------- the switch
@@ -401,14 +413,21 @@ class OneBitOptimizer(FlatOptimizer):
                 )
 
     # ----------------------------------------------------------------- subclass hooks
-    def _warmup_update(self, flat: FlatState, active: Sequence[bool]) -> bool:
-        """The uncompressed update with the averaged gradients in ``flat.grad``; False (and
+    def _warmup_update(
+        self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
+    ) -> bool:
+        """The uncompressed update with the averaged gradients ``grads``; False (and
         nothing changed) if a gradient is not finite."""
         raise NotImplementedError
 
     def _compressed_update(
-        self, flat: FlatState, exchanged: Tensor, mask: Tensor | None, active: Sequence[bool]
+        self,
+        flat: FlatState,
+        packed: PackedResult,
+        scratch: Tensor,
+        mask: Tensor | None,
+        active: Sequence[bool],
     ) -> None:
-        """The update with the exchanged (scaled) momentum ``exchanged``; ``flat.exp_avg`` still
-        holds the previous momentum."""
+        """The update with the exchanged (scaled) momentum ``packed`` (``scratch``: the
+        exchange buffer, free now); ``flat.exp_avg`` still holds the previous momentum."""
         raise NotImplementedError

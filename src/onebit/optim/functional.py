@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from onebit.collectives import PackedResult
 from onebit.optim._flat import FlatState
 
 __all__ = [
@@ -155,9 +156,14 @@ def _all_finite(tensors: Sequence[Tensor]) -> bool:
 
 # --------------------------------------------------------------------------- warm-up
 def lamb_step_(
-    flat: FlatState, active: Sequence[bool], *, check_finite: bool, backend: str
+    flat: FlatState,
+    grads: Sequence[Tensor | None],
+    active: Sequence[bool],
+    *,
+    check_finite: bool,
+    backend: str,
 ) -> tuple[Tensor, Tensor] | None:
-    """One LAMB step on every active parameter, with ``flat.grad`` as the gradient.
+    """One LAMB step on every active parameter with its gradient in ``grads``.
 
     ``m, v <- moments(g)``; ``u = m / (sqrt(v) + eps) + wd p``;
     ``c = clamp(||p|| / ||u||, c_min, c_max)`` (1 where a norm is 0); ``p <- p - lr c u``.
@@ -167,9 +173,8 @@ def lamb_step_(
     """
     kernels = _numba(flat, backend)
     if kernels is not None:
-        return kernels.lamb_step_(flat, active, check_finite)
+        return kernels.lamb_step_(flat, grads, active, check_finite)
     indices = _active_indices(active)
-    grads = flat.views(flat.grad)
     if check_finite and not _all_finite(_pick(grads, indices)):
         return None
     m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
@@ -198,17 +203,21 @@ def lamb_step_(
 
 
 def adam_step_(
-    flat: FlatState, active: Sequence[bool], *, check_finite: bool, backend: str
+    flat: FlatState,
+    grads: Sequence[Tensor | None],
+    active: Sequence[bool],
+    *,
+    check_finite: bool,
+    backend: str,
 ) -> bool:
-    """One Adam step (no bias correction) on every active parameter, ``flat.grad`` as the
-    gradient: ``m, v <- moments(g)``; ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
+    """One Adam step (no bias correction) on every active parameter with its gradient in
+    ``grads``: ``m, v <- moments(g)``; ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
     Returns False, with nothing changed, when ``check_finite`` and a gradient is not finite.
     """
     kernels = _numba(flat, backend)
     if kernels is not None:
-        return kernels.adam_step_(flat, active, check_finite)
+        return kernels.adam_step_(flat, grads, active, check_finite)
     indices = _active_indices(active)
-    grads = flat.views(flat.grad)
     if check_finite and not _all_finite(_pick(grads, indices)):
         return False
     m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
@@ -229,15 +238,21 @@ def adam_step_(
 
 # --------------------------------------------------------------------------- compression
 def scaled_momentum(
-    flat: FlatState, scaling: Tensor, out: Tensor, active: Sequence[bool], *, backend: str
+    flat: FlatState,
+    grads: Sequence[Tensor],
+    scaling: Tensor,
+    out: Tensor,
+    active: Sequence[bool],
+    *,
+    backend: str,
 ) -> Tensor:
-    """``out[p] = s_p (b1 m_p + (1 - b1) g_p)`` for every active parameter, ``g = flat.grad``
-    (the local gradient); zeros for the others and in the padded tail of ``out``."""
+    """``out[p] = s_p (b1 m_p + (1 - b1) g_p)`` for every active parameter with its local
+    gradient ``g_p`` in ``grads``; zeros for the others and in the padded tail of ``out``."""
     kernels = _numba(flat, backend)
     if kernels is not None:
-        kernels.scaled_momentum(flat, scaling, out, active)
+        kernels.scaled_momentum(flat, grads, scaling, out, active)
     else:
-        m, g, target = flat.views(flat.exp_avg), flat.views(flat.grad), flat.views(out)
+        m, g, target = flat.views(flat.exp_avg), grads, flat.views(out)
         indices = _active_indices(active)
         for group, idx in _by_group(flat, indices):
             beta1 = group["betas"][0]
@@ -253,19 +268,22 @@ def scaled_momentum(
 
 
 def _decode_momentum(
-    flat: FlatState, exchanged: Tensor, scaling: Tensor, mask: Tensor | None
+    flat: FlatState, packed: PackedResult, scaling: Tensor, mask: Tensor | None, out: Tensor
 ) -> list[Tensor]:
-    """``m_new = exchanged / s`` (times the mask), in place; each parameter's view."""
-    new = flat.views(exchanged)
-    torch._foreach_div_(new, list(scaling.unbind()))
+    """``m_new = decoded * (1 / s)`` (times the mask) into ``out``; each parameter's view.
+    (The decoded value is ``+-b_j``, so the product rounds once.)"""
+    packed.decode(out)
+    new = flat.views(out)
+    torch._foreach_mul_(new, list(scaling.reciprocal().unbind()))
     if mask is not None:
-        exchanged[: flat.numel].mul_(mask)
+        out[: flat.numel].mul_(mask)
     return new
 
 
 def onebit_lamb_compressed_step_(
     flat: FlatState,
-    exchanged: Tensor,
+    packed: PackedResult,
+    scratch: Tensor,
     scaling: Tensor,
     mask: Tensor | None,
     active: Sequence[bool],
@@ -274,21 +292,23 @@ def onebit_lamb_compressed_step_(
     *,
     backend: str,
 ) -> Tensor:
-    """A compression-stage 1-bit LAMB step with the exchanged buffer; returns ``f``.
+    """A compression-stage 1-bit LAMB step with the exchanged momentum; returns ``f``.
 
-    ``m_new = exchanged / s (* mask)``; ``g = (m_new - b1 m) / (1 - b1)``;
+    ``m_new = decoded / s (* mask)``; ``g = (m_new - b1 m) / (1 - b1)``;
     ``v_fresh = b2 v_fresh + (1 - b2) g^2``; ``m = m_new``; ``d = sqrt(v) + eps``;
     ``u0 = m / d``; ``u = u0 + wd p``; ``f`` from :func:`compression_factor`
     (``last_factor`` kept for inactive parameters); ``p <- p - lr (c_frz f) u`` (no
-    c_min/c_max clamp in this stage). ``exchanged`` is used as scratch.
+    c_min/c_max clamp in this stage). ``packed`` is the exchange's result, decoded on the fly
+    or into ``scratch`` (the exchange buffer). Divisions by ``s`` and ``1 - b1`` are
+    multiplications by their reciprocals.
     """
     kernels = _numba(flat, backend)
     if kernels is not None:
         return kernels.onebit_lamb_compressed_step_(
-            flat, exchanged, scaling, mask, active, lamb_coeff_freeze, last_factor
+            flat, packed, scaling, mask, active, lamb_coeff_freeze, last_factor
         )
     indices = _active_indices(active)
-    new = _decode_momentum(flat, exchanged, scaling, mask)
+    new = _decode_momentum(flat, packed, scaling, mask, scratch)
     m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
     fresh = flat.views(flat.exp_avg_sq_fresh)
     update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
@@ -298,7 +318,7 @@ def onebit_lamb_compressed_step_(
         grad = _pick(update, idx)  # g = (m_new - b1 m) / (1 - b1)
         torch._foreach_copy_(grad, _pick(new, idx))
         torch._foreach_add_(grad, _pick(m, idx), alpha=-beta1)
-        torch._foreach_div_(grad, 1 - beta1)
+        torch._foreach_mul_(grad, flat.reciprocal(1 - beta1))
         torch._foreach_mul_(_pick(fresh, idx), beta2)
         torch._foreach_addcmul_(_pick(fresh, idx), grad, grad, value=1 - beta2)
         torch._foreach_copy_(_pick(m, idx), _pick(new, idx))
@@ -332,21 +352,22 @@ def onebit_lamb_compressed_step_(
 
 def onebit_adam_compressed_step_(
     flat: FlatState,
-    exchanged: Tensor,
+    packed: PackedResult,
+    scratch: Tensor,
     scaling: Tensor,
     mask: Tensor | None,
     active: Sequence[bool],
     *,
     backend: str,
 ) -> None:
-    """A compression-stage 1-bit Adam step: ``m = exchanged / s (* mask)``;
+    """A compression-stage 1-bit Adam step: ``m = decoded / s (* mask)``;
     ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v`` frozen."""
     kernels = _numba(flat, backend)
     if kernels is not None:
-        kernels.onebit_adam_compressed_step_(flat, exchanged, scaling, mask, active)
+        kernels.onebit_adam_compressed_step_(flat, packed, scaling, mask, active)
         return
     indices = _active_indices(active)
-    new = _decode_momentum(flat, exchanged, scaling, mask)
+    new = _decode_momentum(flat, packed, scaling, mask, scratch)
     m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
     denom = flat.views(flat.scratch(1))
     for group, idx in _by_group(flat, indices):

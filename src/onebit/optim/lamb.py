@@ -77,10 +77,9 @@ class Lamb(FlatOptimizer):
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
         present = [grad is not None for grad in grads]
         if any(present):
-            flat.load_grads(grads)
             self._expose_new_state(flat, present)
             coeff, _ = functional.lamb_step_(
-                flat, present, check_finite=False, backend=self._backend
+                flat, grads, present, check_finite=False, backend=self._backend
             )
             self._record_coefficients(coeff, present)
             flat.refresh_half_params()

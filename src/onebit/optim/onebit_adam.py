@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
+from onebit.collectives import PackedResult
 from onebit.optim import _common, functional
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
@@ -54,12 +55,25 @@ class OneBitAdam(OneBitOptimizer):
             kernels=kernels,
         )
 
-    def _warmup_update(self, flat: FlatState, active: Sequence[bool]) -> bool:
-        return functional.adam_step_(flat, active, check_finite=True, backend=self._backend)
+    def _warmup_update(
+        self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
+    ) -> bool:
+        return functional.adam_step_(flat, grads, active, check_finite=True, backend=self._backend)
 
     def _compressed_update(
-        self, flat: FlatState, exchanged: Tensor, mask: Tensor | None, active: Sequence[bool]
+        self,
+        flat: FlatState,
+        packed: PackedResult,
+        scratch: Tensor,
+        mask: Tensor | None,
+        active: Sequence[bool],
     ) -> None:
         functional.onebit_adam_compressed_step_(
-            flat, exchanged, flat.scalars["scaling_coeff"], mask, active, backend=self._backend
+            flat,
+            packed,
+            scratch,
+            flat.scalars["scaling_coeff"],
+            mask,
+            active,
+            backend=self._backend,
         )

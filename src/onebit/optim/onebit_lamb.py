@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from onebit.collectives import PackedResult
 from onebit.optim import _common, functional
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
@@ -135,8 +136,12 @@ class OneBitLamb(OneBitOptimizer):
         order, for the parameters that have state (one host read)."""
         return self._coefficients()
 
-    def _warmup_update(self, flat: FlatState, active: Sequence[bool]) -> bool:
-        result = functional.lamb_step_(flat, active, check_finite=True, backend=self._backend)
+    def _warmup_update(
+        self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
+    ) -> bool:
+        result = functional.lamb_step_(
+            flat, grads, active, check_finite=True, backend=self._backend
+        )
         if result is None:
             return False
         coeff, defined = result
@@ -155,12 +160,18 @@ class OneBitLamb(OneBitOptimizer):
                 flat.expose(self.state[flat.params[index]], index)
 
     def _compressed_update(
-        self, flat: FlatState, exchanged: Tensor, mask: Tensor | None, active: Sequence[bool]
+        self,
+        flat: FlatState,
+        packed: PackedResult,
+        scratch: Tensor,
+        mask: Tensor | None,
+        active: Sequence[bool],
     ) -> None:
         scalars = flat.scalars
         factor = functional.onebit_lamb_compressed_step_(
             flat,
-            exchanged,
+            packed,
+            scratch,
             scalars["scaling_coeff"],
             mask,
             active,

@@ -1,0 +1,91 @@
+"""The optimizers on CUDA against the same run on CPU (part of scripts/gpu_check.sh).
+
+1. World size 1: Lamb, OneBitLamb and OneBitAdam on float64 CUDA parameters (triton for the
+   exchange, the torch reference for the update) against float64 CPU parameters (numba where
+   installed): same gradients, 12 steps across the switch to compression. float64 leaves only
+   summation-order differences (~1e-15), so 1e-9 catches any error in the maths.
+2. Two NCCL ranks (one GPU each) against two gloo ranks on CPU, OneBitLamb: ranks
+   bit-identical on each backend, and the two trajectories within 1e-9 (float64). Skipped with
+   exit status 77 when fewer than two GPUs are visible.
+
+Exit status: 0 when every part that ran passed, 1 on a failure, 77 when nothing could run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import onebit
+from onebit.testing import spawn_workers
+
+SHAPES = [(64, 48), (48,), (33, 7), (5,)]
+STEPS, FREEZE = 12, 5
+
+
+def trajectory(kind: str, device: str, rank: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(device))
+        for s in SHAPES
+    ]
+    build = {
+        "lamb": lambda: onebit.Lamb(params, lr=0.01, weight_decay=0.01, max_coeff=0.3),
+        "onebit-lamb": lambda: onebit.OneBitLamb(
+            params, lr=0.01, freeze_step=FREEZE, weight_decay=0.01, max_coeff=0.3
+        ),
+        "onebit-adam": lambda: onebit.OneBitAdam(params, lr=0.01, freeze_step=FREEZE),
+    }
+    optimizer = build[kind]()
+    grads = torch.Generator().manual_seed(100 + rank)
+    history = []
+    for _ in range(STEPS):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=grads, dtype=torch.float64).to(device)
+        optimizer.step()
+        history.append(torch.cat([p.detach().reshape(-1).cpu() for p in params]))
+    return history
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def _rank(rank: int, world: int, device: str) -> list[torch.Tensor]:
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    return trajectory("onebit-lamb", device, rank)
+
+
+def main() -> int:
+    failed = False
+    for kind in ("lamb", "onebit-lamb", "onebit-adam"):
+        difference = max_difference(trajectory(kind, "cuda"), trajectory(kind, "cpu"))
+        ok = difference < 1e-9
+        failed |= not ok
+        print(
+            f"{kind:12} world size 1, CUDA vs CPU: max relative difference {difference:.2e} "
+            f"({'PASS' if ok else 'FAIL'})"
+        )
+    if torch.cuda.device_count() < 2:
+        print("2 NCCL ranks: SKIP (needs 2 GPUs; NCCL does not run two ranks on one GPU)")
+        return 1 if failed else 0
+    nccl = spawn_workers(_rank, 2, args=("cuda",), backend="nccl", timeout_s=300)
+    gloo = spawn_workers(_rank, 2, args=("cpu",), backend="gloo", timeout_s=300)
+    identical = all(
+        torch.equal(a, b) for runs in (nccl, gloo) for a, b in zip(runs[0], runs[1], strict=True)
+    )
+    difference = max_difference(nccl[0], gloo[0])
+    ok = identical and difference < 1e-9
+    failed |= not ok
+    print(
+        f"onebit-lamb  2 NCCL ranks vs 2 gloo ranks: ranks identical {identical}, max "
+        f"relative difference {difference:.2e} ({'PASS' if ok else 'FAIL'})"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
