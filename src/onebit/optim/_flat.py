@@ -237,6 +237,14 @@ class FlatOptimizer(Optimizer):
             )
         super().add_param_group(param_group)
 
+    @staticmethod
+    def _evaluate(closure) -> Any:
+        """The loss from ``closure`` (with gradients enabled), or ``None``."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def _flat_state(self) -> FlatState:
         """The flat state of the trainable parameters, with whatever per-parameter state
         they already have (e.g. loaded from a checkpoint)."""

@@ -156,10 +156,7 @@ class OneBitOptimizer(FlatOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One optimizer step; in the compression stage, one compressed exchange."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         flat = self._flat_state()
         self._unscale_for_grad_scaler(flat.params)
         stage = self.stage

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from onebit.collectives import PackedResult
+from onebit.optim._common import all_finite
 from onebit.optim._flat import FlatState
 
 __all__ = [
@@ -141,17 +142,31 @@ def _adam_direction(
         torch._foreach_add_(out, p, alpha=group["weight_decay"])
 
 
+def _moments_and_directions(
+    flat: FlatState, grads: Sequence[Tensor | None], indices: list[int]
+) -> list[Tensor]:
+    """For the listed parameters: ``m, v <- moments(g)``; returns every parameter's view of
+    a scratch buffer holding ``u = m / (sqrt(v) + eps) + wd p`` for the listed ones."""
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
+    for group, idx in _by_group(flat, indices):
+        _moments_(_pick(m, idx), _pick(v, idx), _pick(grads, idx), group)
+        _adam_direction(
+            _pick(update, idx),
+            _pick(denom, idx),
+            _pick(m, idx),
+            _pick(v, idx),
+            _pick(p, idx),
+            group,
+        )
+    return update
+
+
 def _step_(flat: FlatState, indices: list[int], update: list[Tensor], steps: Tensor) -> None:
     """``p += steps[i] * update`` for each listed parameter (``steps`` on the device)."""
     weights = flat.views(flat.weights)
     _scale_each(_pick(update, indices), steps)
     torch._foreach_add_(_pick(weights, indices), _pick(update, indices))
-
-
-def _all_finite(tensors: Sequence[Tensor]) -> bool:
-    from onebit.optim._common import all_finite
-
-    return all_finite(tensors)
 
 
 # --------------------------------------------------------------------------- warm-up
@@ -175,20 +190,10 @@ def lamb_step_(
     if kernels is not None:
         return kernels.lamb_step_(flat, grads, active, check_finite)
     indices = _active_indices(active)
-    if check_finite and not _all_finite(_pick(grads, indices)):
+    if check_finite and not all_finite(_pick(grads, indices)):
         return None
-    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
-    update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
-    for group, idx in _by_group(flat, indices):
-        _moments_(_pick(m, idx), _pick(v, idx), _pick(grads, idx), group)
-        _adam_direction(
-            _pick(update, idx),
-            _pick(denom, idx),
-            _pick(m, idx),
-            _pick(v, idx),
-            _pick(p, idx),
-            group,
-        )
+    update = _moments_and_directions(flat, grads, indices)
+    p = flat.views(flat.weights)
     coeff, defined = trust_ratio(
         _norms(_pick(p, indices), flat.weights),
         _norms(_pick(update, indices), flat.weights),
@@ -218,21 +223,10 @@ def adam_step_(
     if kernels is not None:
         return kernels.adam_step_(flat, grads, active, check_finite)
     indices = _active_indices(active)
-    if check_finite and not _all_finite(_pick(grads, indices)):
+    if check_finite and not all_finite(_pick(grads, indices)):
         return False
-    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
-    update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
-    for group, idx in _by_group(flat, indices):
-        _moments_(_pick(m, idx), _pick(v, idx), _pick(grads, idx), group)
-        _adam_direction(
-            _pick(update, idx),
-            _pick(denom, idx),
-            _pick(m, idx),
-            _pick(v, idx),
-            _pick(p, idx),
-            group,
-        )
-        torch._foreach_add_(_pick(p, idx), _pick(update, idx), alpha=-group["lr"])
+    update = _moments_and_directions(flat, grads, indices)
+    _step_(flat, indices, update, -_group_values(flat, indices, lambda g: g["lr"]))
     return True
 
 

@@ -69,10 +69,7 @@ class Lamb(FlatOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         flat = self._flat_state()
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
         present = [grad is not None for grad in grads]
