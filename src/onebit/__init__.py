@@ -7,6 +7,8 @@ Public API:
 * :class:`Lamb`: the uncompressed LAMB baseline (the warm-up stage of 1-bit LAMB).
 * :func:`compressed_allreduce`, :func:`padded_size`: the compressed collective itself, with
   :class:`CompressionWorkspace` (reused scratch) and :class:`TrafficCounter` (bytes sent).
+* :func:`hierarchical_compressed_allreduce`, :func:`node_groups`: the exchange for nodes of
+  several ranks (dense inside a node, 1 bit between nodes).
 """
 
 from onebit import ddp
@@ -20,6 +22,11 @@ from onebit.collectives import (
     padded_size,
 )
 from onebit.consistency import ReplicaMismatchError, broadcast_parameters, verify_replicas
+from onebit.hierarchical import (
+    HierarchicalWorkspace,
+    hierarchical_compressed_allreduce,
+    node_groups,
+)
 from onebit.optim import CommunicationError, Lamb, OneBitAdam, OneBitLamb, OneBitOptimizer
 
 __all__ = [
@@ -33,6 +40,9 @@ __all__ = [
     "broadcast_parameters",
     "verify_replicas",
     "CompressionWorkspace",
+    "HierarchicalWorkspace",
+    "hierarchical_compressed_allreduce",
+    "node_groups",
     "KernelMismatchError",
     "NonFiniteError",
     "TrafficCounter",

@@ -172,16 +172,17 @@ class CompressionWorkspace:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _all_gather(output: Tensor, local: Tensor, group: dist.ProcessGroup | None, n: int) -> None:
+def all_gather_into(output: Tensor, local: Tensor, group: dist.ProcessGroup | None, n: int) -> None:
+    """``output`` (``n`` times ``local``'s size) = every rank's ``local``, in rank order."""
     if n == 1:
         output.copy_(local.reshape(output.shape))
     else:
         _all_gather_single(output.view(-1), local.reshape(-1), group=group)
 
 
-def _check_worker_scales(gathered: Tensor, backend_name: str) -> None:
-    """Raise the same error on every rank if ranks run different backends or a scale is
-    not finite (one host read of the gathered ``[scale, backend code]`` rows)."""
+def _worker_scales_problem(gathered: Tensor, backend_name: str) -> Exception | None:
+    """The error every rank raises if ranks run different backends or a worker scale is not
+    finite (one host read of the gathered ``[scale, backend code]`` rows)."""
     rows = gathered.tolist()
     codes = [int(code) if code == code else 0 for _, code in rows]
     if len(set(codes)) > 1:
@@ -189,22 +190,45 @@ def _check_worker_scales(gathered: Tensor, backend_name: str) -> None:
             backends.BACKENDS[code - 1] if 0 < code <= len(backends.BACKENDS) else "?"
             for code in codes
         ]
-        raise KernelMismatchError(
+        return KernelMismatchError(
             f"compressed_allreduce: ranks use different compression backends {names} (by "
             f"rank; this rank: {backend_name!r}). Install the same packages on every rank, or "
             "set ONEBIT_KERNELS to the same backend everywhere."
         )
-    _check_finite([scale for scale, _ in rows], "worker scale")
+    return _finite_problem([scale for scale, _ in rows], "worker scale")
 
 
-def _check_finite(scales: list[float], what: str) -> None:
-    """Raise the same :class:`NonFiniteError` on every rank if a gathered scale is not finite."""
+def _finite_problem(scales: list[float], what: str) -> NonFiniteError | None:
+    """The :class:`NonFiniteError` every rank raises if a gathered scale is not finite."""
     bad = [rank for rank, value in enumerate(scales) if not math.isfinite(value)]
     if bad:
-        raise NonFiniteError(
+        return NonFiniteError(
             f"compressed_allreduce: non-finite {what} on rank(s) {bad} "
             f"(NaN or Inf in the buffer); the error-feedback state was left unchanged"
         )
+    return None
+
+
+_PROBLEMS = (NonFiniteError, KernelMismatchError)  # codes 1, 2; 0 is none
+
+
+def _raise_agreed(
+    problem: Exception | None, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Raise ``problem``, or the worst problem any rank of ``group`` found, on every rank of
+    ``group`` (one all-reduce of a small integer; nothing when ``group`` is ``None``)."""
+    if group is not None and world_size(group) > 1:
+        code = 0 if problem is None else _PROBLEMS.index(type(problem)) + 1
+        flag = torch.tensor([code], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        agreed = int(flag)
+        if agreed and (problem is None or _PROBLEMS.index(type(problem)) + 1 != agreed):
+            problem = _PROBLEMS[agreed - 1](
+                "compressed_allreduce: another rank of the agreeing group found a "
+                f"{_PROBLEMS[agreed - 1].__name__}; the error-feedback state was left unchanged"
+            )
+    if problem is not None:
+        raise problem
 
 
 def _validate(buffer: Tensor, worker_error: Tensor, server_error: Tensor, n: int) -> None:
@@ -326,10 +350,13 @@ def compressed_allreduce_packed(
     workspace: CompressionWorkspace | None = None,
     traffic: TrafficCounter | None = None,
     kernels: str | None = None,
+    agree_on: dist.ProcessGroup | None = None,
 ) -> PackedResult:
     """:func:`compressed_allreduce` without the final decoding: for a consumer that decodes
     on the fly (the optimizers' fused updates). ``scratch`` (the buffer's size; may be the
-    buffer itself) holds intermediate values."""
+    buffer itself) holds intermediate values. With ``agree_on``, a second group whose ranks
+    must all raise when any of them does (the hierarchical exchange's node), every check is
+    agreed on over it too, before any error state changes."""
     n = world_size(group)
     _validate(buffer, worker_error, server_error, n)
     numel = buffer.numel()
@@ -353,8 +380,8 @@ def compressed_allreduce_packed(
     worker_scale = backend.worker_compress(buffer, worker_error, ws.worker_packed, x, stage_scratch)
     ws.local_scale[0] = worker_scale
     ws.local_scale[1] = backends.code(backend)
-    _all_gather(ws.worker_scales, ws.local_scale, group, n)
-    _check_worker_scales(ws.worker_scales, backend.name)
+    all_gather_into(ws.worker_scales, ws.local_scale, group, n)
+    _raise_agreed(_worker_scales_problem(ws.worker_scales, backend.name), agree_on, x.device)
     backend.worker_error_update(
         buffer, worker_error, ws.worker_packed, worker_scale, x, stage_scratch
     )
@@ -371,12 +398,12 @@ def compressed_allreduce_packed(
     )
 
     # Phase 2: every rank gathers every server's compressed chunk and scale.
-    _all_gather(ws.server_scales, server_scale, group, n)
-    _check_finite(ws.server_scales.tolist(), "server scale")
+    all_gather_into(ws.server_scales, server_scale, group, n)
+    _raise_agreed(_finite_problem(ws.server_scales.tolist(), "server scale"), agree_on, x.device)
     backend.server_error_update(
         ws.received, worker_scales, server_error, ws.server_packed, server_scale, stage_scratch
     )
-    _all_gather(ws.gathered, ws.server_packed, group, n)
+    all_gather_into(ws.gathered, ws.server_packed, group, n)
     if traffic is not None and n > 1:
         traffic.record("compressed_allreduce", compressed_allreduce_bytes(numel, n, buffer.dtype))
     return PackedResult(ws.gathered, ws.server_scales, backend.name)

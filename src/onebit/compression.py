@@ -33,6 +33,7 @@ __all__ = [
     "update_error",
     "server_average",
     "simulate_compressed_allreduce",
+    "simulate_hierarchical_compressed_allreduce",
 ]
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -240,4 +241,55 @@ def simulate_compressed_allreduce(
         )
     result = torch.empty(numel, dtype=dtype, device=device)
     backend.decode(server_packed, server_scales, result)
+    return result, new_worker_errors, new_server_errors
+
+
+def simulate_hierarchical_compressed_allreduce(
+    buffers: Tensor,
+    worker_errors: Tensor,
+    server_errors: Tensor,
+    ranks_per_node: int,
+    *,
+    kernels: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Single-process model of :func:`onebit.hierarchical_compressed_allreduce`.
+
+    Args:
+        buffers: ``[W, N]``, row ``r`` is rank ``r``'s buffer; ``W = M * L`` ranks, rank
+            ``node * L + l``; ``N`` a multiple of ``8 * W``.
+        worker_errors: ``[W, N / L]``; server_errors: ``[W, N / W]``.
+        ranks_per_node: ``L``.
+
+    Returns ``(result, new_worker_errors, new_server_errors)`` as
+    :func:`simulate_compressed_allreduce` does: per node the mean of each shard, summed in
+    rank order and divided by ``L``; per local index ``l`` the flat exchange of shard ``l``
+    among the ``M`` nodes; the result, the concatenation of the ``L`` shards' results.
+    """
+    local = ranks_per_node
+    ranks, numel = buffers.shape
+    if local < 1 or ranks % local or numel % (8 * ranks):
+        raise ValueError(
+            f"need W = {ranks} ranks in nodes of L = {local} and N = {numel} a multiple of 8 W"
+        )
+    nodes, shard = ranks // local, numel // local
+    if worker_errors.shape != (ranks, shard) or server_errors.shape != (ranks, shard // nodes):
+        raise ValueError(
+            f"worker_errors must be [{ranks}, {shard}] and server_errors [{ranks}, "
+            f"{shard // nodes}]; got {tuple(worker_errors.shape)} and {tuple(server_errors.shape)}"
+        )
+    by_node = buffers.view(nodes, local, local, shard)  # [node, rank in node, shard, ...]
+    means = by_node[:, 0].clone()  # [node, shard l, shard elements]
+    for rank in range(1, local):
+        means.add_(by_node[:, rank])
+    means.div_(local)
+    result = torch.empty(numel, dtype=buffers.dtype, device=buffers.device)
+    new_worker_errors = torch.empty_like(worker_errors)
+    new_server_errors = torch.empty_like(server_errors)
+    for index in range(local):
+        members = [node * local + index for node in range(nodes)]
+        shard_result, errors, server = simulate_compressed_allreduce(
+            means[:, index], worker_errors[members], server_errors[members], kernels=kernels
+        )
+        result[index * shard : (index + 1) * shard] = shard_result
+        new_worker_errors[members], new_server_errors[members] = errors, server
     return result, new_worker_errors, new_server_errors

@@ -1,0 +1,245 @@
+"""The hierarchical 1-bit exchange for nodes of several ranks (ALGORITHM.md).
+
+A data-parallel group of ``W = M * L`` ranks, ``M`` nodes of ``L`` ranks: each node first
+averages the buffer densely over its fast local link (every rank ends with one shard of the
+node's mean), then the ranks holding the same shard on every node run the flat
+:func:`~onebit.compressed_allreduce` among themselves, and each node gathers the compressed
+results of its ranks. Only compressed bytes cross the slow network between nodes, about
+``L`` times fewer than with the flat exchange, and each rank compresses ``N / L`` elements.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from onebit.collectives import (
+    CompressionWorkspace,
+    PackedResult,
+    TrafficCounter,
+    all_gather_into,
+    compressed_allreduce_bytes,
+    compressed_allreduce_packed,
+    padded_size,
+    world_size,
+)
+from onebit.compression import scale_dtype
+
+__all__ = [
+    "HierarchicalWorkspace",
+    "hierarchical_compressed_allreduce",
+    "hierarchical_compressed_allreduce_packed",
+    "node_groups",
+    "node_topology",
+]
+
+NodeGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
+
+
+def node_groups(
+    node_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    mesh=None,
+) -> NodeGroups:
+    """The intra-node and inter-node groups of a data-parallel group: ``(intra, inter)``.
+
+    Either from a 2-D ``torch.distributed.device_mesh.DeviceMesh`` whose dimension 0 runs
+    across nodes and dimension 1 within a node (``mesh``), or by splitting ``group`` (default:
+    the world) into nodes of ``node_size`` consecutive ranks (default: torchrun's
+    ``LOCAL_WORLD_SIZE``). The intra-node group of a node holds its ranks; the inter-node
+    group of local index ``l`` holds the rank with that index on every node. Every rank of
+    ``group`` must call this (it creates process groups).
+    """
+    if mesh is not None:
+        if mesh.ndim != 2:
+            raise ValueError(f"mesh must be 2-D (nodes x ranks per node), got {mesh.ndim}-D")
+        return mesh.get_group(1), mesh.get_group(0)
+    if node_size is None:
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            raise ValueError("node_size not given and LOCAL_WORLD_SIZE is not set (torchrun)")
+        node_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    ranks = ranks or list(range(dist.get_world_size()))
+    if isinstance(node_size, bool) or node_size < 1 or len(ranks) % node_size:
+        raise ValueError(
+            f"node_size={node_size} must be a positive divisor of the group's {len(ranks)} ranks"
+        )
+    nodes = len(ranks) // node_size
+    position = ranks.index(dist.get_rank())
+    intra = inter = None
+    for node in range(nodes):  # every rank creates every group, in the same order
+        created = dist.new_group(ranks[node * node_size : (node + 1) * node_size])
+        if position // node_size == node:
+            intra = created
+    for local in range(node_size):
+        created = dist.new_group([ranks[node * node_size + local] for node in range(nodes)])
+        if position % node_size == local:
+            inter = created
+    return intra, inter
+
+
+def node_topology(groups: NodeGroups) -> tuple[int, int]:
+    """``(L, M)``: ranks per node and nodes."""
+    return world_size(groups[0]), world_size(groups[1])
+
+
+class HierarchicalWorkspace:
+    """Scratch of :func:`hierarchical_compressed_allreduce`, allocated once and reused: the
+    received shards (``N`` elements) and their mean (``N / L``), the gathered compressed
+    results of the node, and the workspace of the inter-node exchange."""
+
+    def __init__(self) -> None:
+        self.inner = CompressionWorkspace()
+        self._key: tuple | None = None
+
+    def prepare(self, numel: int, local: int, nodes: int, dtype, device) -> HierarchicalWorkspace:
+        key = (numel, local, nodes, dtype, device)
+        if key != self._key:
+            shard = numel // local
+            self.shards = torch.empty(local, shard, dtype=dtype, device=device)
+            self.mean = torch.empty(shard, dtype=dtype, device=device)
+            self.signs = torch.empty(
+                local, nodes, shard // nodes // 8, dtype=torch.uint8, device=device
+            )
+            self.scales = torch.empty(local, nodes, dtype=scale_dtype(dtype), device=device)
+            self._key = key
+        return self
+
+    def nbytes(self) -> int:
+        """Bytes of scratch held now."""
+        own = [getattr(self, name, None) for name in ("shards", "mean", "signs", "scales")]
+        return self.inner.nbytes() + sum(t.numel() * t.element_size() for t in own if t is not None)
+
+
+def hierarchical_bytes(numel: int, local: int, nodes: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes one rank sends per exchange of ``numel`` elements: ``"intra_node"`` (the dense
+    all-to-all of shards and the all-gather of the compressed results, over the fast link)
+    and ``"inter_node"`` (its flat 1-bit exchange of ``numel / L`` elements over ``M``)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    shard = numel // local
+    gathered = (local - 1) * (
+        shard // 8 + nodes * torch.empty((), dtype=scale_dtype(dtype)).element_size()
+    )
+    return {
+        "intra_node": (local - 1) * shard * element + gathered,
+        "inter_node": compressed_allreduce_bytes(shard, nodes, dtype),
+    }
+
+
+def hierarchical_compressed_allreduce_packed(
+    buffer: Tensor,
+    worker_error: Tensor,
+    server_error: Tensor,
+    intra_group: dist.ProcessGroup | None,
+    inter_group: dist.ProcessGroup | None,
+    *,
+    workspace: HierarchicalWorkspace | None = None,
+    traffic: TrafficCounter | None = None,
+    kernels: str | None = None,
+) -> PackedResult:
+    """:func:`hierarchical_compressed_allreduce` without the final decoding: the result in
+    the form of a flat exchange over ``L * M`` chunks (chunk ``l * M + j`` is server ``j``'s
+    chunk of shard ``l``)."""
+    local, nodes = world_size(intra_group), world_size(inter_group)
+    numel = buffer.numel()
+    if numel == 0 or numel % (8 * local * nodes):
+        raise ValueError(
+            f"buffer has {numel} elements; it must be a positive multiple of 8 * L * M = "
+            f"{8 * local * nodes} (pad it to onebit.padded_size({numel}, {local * nodes}) = "
+            f"{padded_size(numel, local * nodes)})"
+        )
+    if worker_error.numel() != numel // local:
+        raise ValueError(
+            f"worker_error has {worker_error.numel()} elements; the hierarchical exchange needs "
+            f"buffer.numel() // L = {numel // local}"
+        )
+    ws = (workspace or HierarchicalWorkspace()).prepare(
+        numel, local, nodes, buffer.dtype, buffer.device
+    )
+    flat = buffer.view(-1)
+
+    # 1. Intra-node reduce-scatter: rank l receives shard l of every rank of its node and
+    #    averages them, summed in rank order (reproducible on any backend).
+    if local == 1:
+        mean = flat
+    else:
+        dist.all_to_all_single(ws.shards.view(-1), flat, group=intra_group)
+        mean = ws.mean
+        mean.copy_(ws.shards[0])
+        for rank in range(1, local):
+            mean.add_(ws.shards[rank])
+        mean.div_(local)
+
+    # 2. The flat 1-bit exchange among the ranks holding this shard on every node; every
+    #    check is agreed on within the node, so all ranks raise together.
+    inner = compressed_allreduce_packed(
+        mean,
+        worker_error,
+        server_error,
+        inter_group,
+        scratch=mean if local > 1 else ws.mean,
+        workspace=ws.inner,
+        traffic=None,
+        kernels=kernels,
+        agree_on=intra_group,
+    )
+    if traffic is not None:
+        for kind, nbytes in hierarchical_bytes(numel, local, nodes, buffer.dtype).items():
+            if nbytes:
+                traffic.record(kind, nbytes)
+    if local == 1:
+        return inner
+
+    # 3. Intra-node all-gather of the compressed results (32x fewer bytes than of r itself).
+    all_gather_into(ws.signs, inner.signs, intra_group, local)
+    all_gather_into(ws.scales, inner.scales, intra_group, local)
+    return PackedResult(ws.signs.view(local * nodes, -1), ws.scales.view(-1), inner.backend)
+
+
+def hierarchical_compressed_allreduce(
+    buffer: Tensor,
+    worker_error: Tensor,
+    server_error: Tensor,
+    intra_group: dist.ProcessGroup | None,
+    inter_group: dist.ProcessGroup | None,
+    *,
+    out: Tensor | None = None,
+    workspace: HierarchicalWorkspace | None = None,
+    traffic: TrafficCounter | None = None,
+    kernels: str | None = None,
+) -> Tensor:
+    """Average ``buffer`` over ``M`` nodes of ``L`` ranks at 1 bit per element between nodes.
+
+    1. intra-node reduce-scatter (dense): rank ``l`` of a node gets shard ``l`` of the node's
+       mean, ``z = (1/L) sum_i x_i[shard l]``;
+    2. ``r = compressed_allreduce(z, worker_error, server_error, inter_group)``;
+    3. intra-node all-gather of the ``L`` results (in compressed form): the average,
+       identical on all ``L * M`` ranks.
+
+    Args:
+        buffer: flat floating-point tensor, ``numel`` a multiple of ``8 L M``; not modified.
+        worker_error: ``numel / L`` elements; server_error: ``numel / (L M)`` elements.
+        intra_group, inter_group: from :func:`node_groups`.
+        out, workspace, traffic, kernels: as in :func:`onebit.compressed_allreduce`
+            (traffic kinds ``"intra_node"`` and ``"inter_node"``).
+
+    With ``L = 1`` this is :func:`onebit.compressed_allreduce` over the inter-node group, bit
+    for bit. Raises like it, on every rank of the ``L * M``, before any error state changes.
+    """
+    if out is None:
+        out = torch.empty_like(buffer)
+    packed = hierarchical_compressed_allreduce_packed(
+        buffer,
+        worker_error,
+        server_error,
+        intra_group,
+        inter_group,
+        workspace=workspace,
+        traffic=traffic,
+        kernels=kernels,
+    )
+    return packed.decode(out)
