@@ -188,9 +188,7 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
         + " (every size)"
     )
     if args.json:
-        args.json.write_text(
-            json.dumps({"local": local_rows, "loopback": loopback_rows}, indent=1)
-        )
+        args.json.write_text(json.dumps({"local": local_rows, "loopback": loopback_rows}, indent=1))
     return 0
 
 
