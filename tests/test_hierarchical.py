@@ -88,3 +88,83 @@ def _non_finite(rank: int, world: int):
 
 def test_non_finite_input_anywhere_raises_on_every_rank_without_touching_state():
     assert spawn_workers(_non_finite, 4, timeout_s=60) == [True] * 4
+
+
+# ------------------------------------------------------------------ the optimizers on 2 x 2
+def _optimizer_run(rank: int, world: int, directory: str, use_ddp: bool, stop: int, resume: bool):
+    """OneBitLamb with node groups of 2 on 4 ranks: parameters after every step, and a
+    checkpoint saved after step 6 (or resumed from it)."""
+    import os
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = onebit.OneBitLamb(
+        model.parameters(), lr=0.01, freeze_step=3, weight_decay=0.01, node_groups=node_groups(2)
+    )
+    forward = model
+    if use_ddp:
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+        onebit.ddp.register_comm_hook(forward, opt)
+    path = os.path.join(directory, f"rank{rank}.pt")
+    start = 0
+    if resume:
+        saved = torch.load(path, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        start = opt.step_count
+    gen = torch.Generator().manual_seed(100 + rank)
+    history = []
+    for step in range(stop):
+        x = torch.randn(8, 6, generator=gen)  # the data of every step, also when resuming
+        if step < start:
+            continue
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(forward(x), x.sum(1, keepdim=True)).backward()
+        opt.step()
+        history.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+        if step + 1 == 6 and not (resume or use_ddp):
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    return history, opt.bytes_sent
+
+
+def test_optimizer_on_two_nodes_of_two_ranks_plain_ddp_and_resume_agree(tmp_path):
+    directory = str(tmp_path)
+    plain = spawn_workers(_optimizer_run, 4, args=(directory, False, 10, False), timeout_s=180)
+    for step in range(10):
+        for rank in range(1, 4):
+            assert torch.equal(plain[rank][0][step], plain[0][0][step]), (rank, step + 1)
+    ddp = spawn_workers(_optimizer_run, 4, args=(directory, True, 10, False), timeout_s=180)
+    resumed = spawn_workers(_optimizer_run, 4, args=(directory, False, 10, True), timeout_s=180)
+    for rank in range(4):
+        resumed_steps = zip(plain[rank][0][6:], resumed[rank][0], strict=True)
+        assert all(torch.equal(a, b) for a, b in resumed_steps), f"rank {rank}: resume differs"
+        # gloo may sum 4 ranks' warm-up gradients in another order in DDP's buckets than in
+        # the optimizer's flat buffer, so the two paths agree to rounding, not to the bit.
+        for step, (a, b) in enumerate(zip(plain[rank][0], ddp[rank][0], strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step + 1}")
+        assert ddp[rank][1]["compression"] == plain[rank][1]["compression"] > 0
+
+
+def _two_data_parallel_groups(rank: int, world: int):
+    """4 ranks as 2 data-parallel x 2 model-parallel: ranks {0, 2} and {1, 3} each train
+    their own replica (another model per model-parallel rank) at the same time."""
+    groups = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
+    group = groups[rank % 2]
+    torch.manual_seed(rank % 2)  # the two model-parallel ranks hold different parameters
+    model = torch.nn.Linear(5, 3)
+    opt = onebit.OneBitLamb(model.parameters(), lr=0.01, freeze_step=2, process_group=group)
+    forward = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    onebit.ddp.register_comm_hook(forward, opt)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x = torch.randn(4, 5, generator=gen)
+        opt.zero_grad()
+        forward(x).square().mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_optimizers_run_inside_data_parallel_subgroups_at_the_same_time():
+    results = spawn_workers(_two_data_parallel_groups, 4, timeout_s=120)
+    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
+    assert not torch.equal(results[0], results[1])

@@ -24,6 +24,12 @@ from onebit.collectives import (
     world_size,
 )
 from onebit.consistency import ReplicaMismatchError, verify_replicas
+from onebit.hierarchical import (
+    HierarchicalWorkspace,
+    NodeGroups,
+    hierarchical_compressed_allreduce_packed,
+    node_topology,
+)
 from onebit.optim import _common, functional
 from onebit.optim._flat import FlatOptimizer, FlatState
 
@@ -67,6 +73,7 @@ class OneBitOptimizer(FlatOptimizer):
         on_nonfinite: str,
         verify_every: int,
         kernels: str | None,
+        node_groups: NodeGroups | None = None,
     ) -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(
@@ -92,7 +99,9 @@ class OneBitOptimizer(FlatOptimizer):
         self._exchange_buffer: Tensor | None = None
         self._mask: Tensor | None = None
         self._replicas_verified = False
-        self._workspace = CompressionWorkspace()
+        self.node_groups = node_groups
+        self._check_node_groups()
+        self._workspace = HierarchicalWorkspace() if node_groups else CompressionWorkspace()
         self._traffic = TrafficCounter()
         super().__init__(params, defaults, kernels)
 
@@ -125,6 +134,23 @@ class OneBitOptimizer(FlatOptimizer):
     @property
     def world_size(self) -> int:
         return world_size(self.process_group)
+
+    @property
+    def topology(self) -> tuple[int, int]:
+        """``(ranks per node, nodes)`` of the exchange: ``(1, world_size)`` when flat."""
+        return node_topology(self.node_groups) if self.node_groups else (1, self.world_size)
+
+    def _check_node_groups(self) -> None:
+        if self.node_groups is None:
+            return
+        if len(self.node_groups) != 2:
+            raise ValueError("node_groups must be the pair (intra_group, inter_group)")
+        local, nodes = node_topology(self.node_groups)
+        if local * nodes != self.world_size:
+            raise ValueError(
+                f"node_groups describe {nodes} nodes of {local} ranks = {local * nodes} ranks, "
+                f"but the data-parallel group has {self.world_size}"
+            )
 
     # ----------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -264,20 +290,19 @@ class OneBitOptimizer(FlatOptimizer):
         )
         try:
             with self._collective():
-                packed = compressed_allreduce_packed(
-                    buffer,
-                    self._worker_error,
-                    self._server_error,
-                    self.process_group,
-                    scratch=buffer,
-                    workspace=self._workspace,
-                    traffic=self._traffic,
-                    kernels=self._backend,
-                )
+                packed = self._exchange(buffer)
         except NonFiniteError:
             return self._skip("a rank's local momentum")
         self._compressed_update(flat, packed, buffer, self._mask, self._has_state)
         return True
+
+    def _exchange(self, buffer: Tensor) -> PackedResult:
+        """The 1-bit exchange of the scaled momenta: flat, or hierarchical by node."""
+        errors = (buffer, self._worker_error, self._server_error)
+        options = dict(workspace=self._workspace, traffic=self._traffic, kernels=self._backend)
+        if self.node_groups:
+            return hierarchical_compressed_allreduce_packed(*errors, *self.node_groups, **options)
+        return compressed_allreduce_packed(*errors, self.process_group, scratch=buffer, **options)
 
     # ----------------------------------------------------------------- the switch
     def _exchange_buffer_for(self, flat: FlatState) -> Tensor:
@@ -297,11 +322,11 @@ class OneBitOptimizer(FlatOptimizer):
                 "left out of the compression stage and no longer updated",
                 skipped,
             )
-        n = self.world_size
-        size = padded_size(flat.numel, n)
-        if self._worker_error is None or self._worker_error.numel() != size:
-            self._worker_error = torch.zeros(size, dtype=flat.dtype, device=flat.device)
-            self._server_error = torch.zeros(size // n, dtype=flat.dtype, device=flat.device)
+        size = padded_size(flat.numel, self.world_size)
+        worker_size, server_size = self._error_sizes(flat.numel)
+        if self._worker_error is None or self._worker_error.numel() != worker_size:
+            self._worker_error = torch.zeros(worker_size, dtype=flat.dtype, device=flat.device)
+            self._server_error = torch.zeros(server_size, dtype=flat.dtype, device=flat.device)
         self._mask = self._flat_mask(flat)
         if self.step_count == self.freeze_step:  # not when resuming later in the stage
             self._start_compression(flat)
@@ -355,6 +380,7 @@ class OneBitOptimizer(FlatOptimizer):
             "skipped_steps": self._counters["skipped_steps"],
             "bytes_sent": dict(self._counters["bytes_sent"]),
             "world_size": self.world_size,
+            "ranks_per_node": self.topology[0],
             "worker_error": self._worker_error,
             "server_error": self._server_error,
         }
@@ -371,7 +397,8 @@ class OneBitOptimizer(FlatOptimizer):
             raise ValueError(f"checkpoint was saved by {found}, not by {type(self).__name__}")
         _common.validate_checkpoint(self, state_dict)
         worker_error, server_error = extra["worker_error"], extra["server_error"]
-        same_world = extra["world_size"] == self.world_size
+        saved_topology = (extra.get("ranks_per_node", 1), extra["world_size"])
+        same_world = saved_topology == (self.topology[0], self.world_size)
         if worker_error is not None and same_world:
             self._validate_error_sizes(worker_error, server_error)
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
@@ -386,8 +413,9 @@ class OneBitOptimizer(FlatOptimizer):
         self._replicas_verified = False
         if worker_error is not None and not same_world:
             warnings.warn(
-                f"checkpoint was saved with world size {extra['world_size']}, now "
-                f"{self.world_size}: the error-feedback buffers are reset to zero",
+                f"checkpoint was saved with world size {extra['world_size']} in nodes of "
+                f"{saved_topology[0]} ranks, now {self.world_size} in nodes of "
+                f"{self.topology[0]}: the error-feedback buffers are reset to zero",
                 UserWarning,
                 stacklevel=2,
             )
@@ -396,17 +424,25 @@ class OneBitOptimizer(FlatOptimizer):
         self._worker_error = None if worker_error is None else worker_error.to(device, copy=True)
         self._server_error = None if server_error is None else server_error.to(device, copy=True)
 
+    def _error_sizes(self, numel: int) -> tuple[int, int]:
+        """Elements of ``worker_error`` and ``server_error`` for ``numel`` parameters:
+        ``N_pad / L`` and ``N_pad / (L M)`` (``L = 1`` when flat)."""
+        local, nodes = self.topology
+        size = padded_size(numel, local * nodes)
+        return size // local, size // (local * nodes)
+
     def _validate_error_sizes(self, worker_error: Tensor, server_error: Tensor) -> None:
-        n = self.world_size
         numel = sum(p.numel() for p in _common.trainable_params(self))
-        size = padded_size(numel, n)
-        expected = {"worker_error": size, "server_error": size // n}
+        expected = dict(
+            zip(("worker_error", "server_error"), self._error_sizes(numel), strict=True)
+        )
         for name, tensor in (("worker_error", worker_error), ("server_error", server_error)):
             if tensor is None or tensor.numel() != expected[name]:
                 size = None if tensor is None else tensor.numel()
                 raise ValueError(
                     f"checkpoint's {name} has {size} elements; this optimizer's parameters "
-                    f"({numel} elements, world size {n}) need {expected[name]}"
+                    f"({numel} elements, world size {self.world_size}, nodes of "
+                    f"{self.topology[0]}) need {expected[name]}"
                 )
 
     # ----------------------------------------------------------------- subclass hooks

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.collectives import PackedResult
+from onebit.hierarchical import NodeGroups
 from onebit.optim import _common, functional
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
@@ -26,7 +27,7 @@ class OneBitAdam(OneBitOptimizer):
     the same update with ``v`` frozen. No bias correction.
 
     Arguments as DeepSpeed's ``OnebitAdam``; ``process_group``, ``on_nonfinite``,
-    ``verify_every``, ``kernels`` and the ``exp_avg_mask`` group option as in
+    ``verify_every``, ``kernels``, ``node_groups`` and the ``exp_avg_mask`` group option as in
     :class:`onebit.OneBitLamb`.
     """
 
@@ -42,6 +43,7 @@ class OneBitAdam(OneBitOptimizer):
         on_nonfinite: str = "skip",
         verify_every: int = 0,
         kernels: str | None = None,
+        node_groups: NodeGroups | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -53,6 +55,7 @@ class OneBitAdam(OneBitOptimizer):
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,
             kernels=kernels,
+            node_groups=node_groups,
         )
 
     def _warmup_update(

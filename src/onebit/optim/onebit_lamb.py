@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.collectives import PackedResult
+from onebit.hierarchical import NodeGroups
 from onebit.optim import _common, functional
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
@@ -66,6 +67,9 @@ class OneBitLamb(OneBitOptimizer):
             ``None`` or ``"auto"`` (``$ONEBIT_KERNELS``, else the fused backend of the
             parameters' device where installed), ``"torch"``, ``"numba"`` or ``"triton"``.
             Every rank must use the same one.
+        node_groups: ``(intra_group, inter_group)`` from :func:`onebit.node_groups` to
+            exchange hierarchically: dense within a node, 1 bit between nodes (about ``L``
+            times fewer bytes between nodes of ``L`` ranks); ``None`` for the flat exchange.
 
     Works with ``torch.amp.GradScaler`` (``scaler.step(optimizer)``): the step unscales the
     gradients itself and skips on every rank when any rank overflowed. A failed collective
@@ -91,6 +95,7 @@ class OneBitLamb(OneBitOptimizer):
         on_nonfinite: str = "skip",
         verify_every: int = 0,
         kernels: str | None = None,
+        node_groups: NodeGroups | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
@@ -122,6 +127,7 @@ class OneBitLamb(OneBitOptimizer):
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,
             kernels=kernels,
+            node_groups=node_groups,
         )
 
     _SCALARS = {
