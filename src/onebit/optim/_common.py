@@ -43,6 +43,21 @@ def check_adam_hyperparameters(
     check_non_negative("weight_decay", weight_decay)
 
 
+def check_unit_interval(name: str, value: float) -> None:
+    """``value`` in ``[0, 1)`` (an EMA factor)."""
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"Invalid {name}={value}: it must be in [0, 1)")
+
+
+def check_factor_bounds(factor_min: float, factor_max: float) -> None:
+    """1-bit LAMB's factor bounds: ``0 < factor_min <= factor_max``."""
+    check_positive("factor_min", factor_min)
+    if not factor_min <= factor_max:
+        raise ValueError(
+            f"Invalid factor bounds: factor_min={factor_min} > factor_max={factor_max}"
+        )
+
+
 def check_coeff_bounds(min_coeff: float, max_coeff: float) -> None:
     check_positive("min_coeff", min_coeff)
     if not min_coeff <= max_coeff:

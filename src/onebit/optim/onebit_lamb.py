@@ -99,13 +99,8 @@ class OneBitLamb(OneBitOptimizer):
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
-        if not 0.0 <= coeff_beta < 1.0:
-            raise ValueError(f"Invalid coeff_beta={coeff_beta}: it must be in [0, 1)")
-        _common.check_positive("factor_min", factor_min)
-        if not factor_min <= factor_max:
-            raise ValueError(
-                f"Invalid factor bounds: factor_min={factor_min} > factor_max={factor_max}"
-            )
+        _common.check_unit_interval("coeff_beta", coeff_beta)
+        _common.check_factor_bounds(factor_min, factor_max)
         _common.check_non_negative("factor_threshold", factor_threshold)
         defaults = dict(
             lr=lr,
