@@ -102,6 +102,17 @@ def _active_indices(active: Sequence[bool]) -> list[int]:
     return [index for index, is_active in enumerate(active) if is_active]
 
 
+def _active_if_finite(
+    grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
+) -> list[int] | None:
+    """The indices of the active parameters; ``None`` when ``check_finite`` and one of their
+    gradients is not finite."""
+    indices = _active_indices(active)
+    if check_finite and not all_finite(_pick(grads, indices)):
+        return None
+    return indices
+
+
 def _group_values(flat: FlatState, indices: Sequence[int], value_of) -> Tensor:
     """A hyper-parameter of each listed parameter's group, as a device vector."""
     return torch.tensor(
@@ -189,8 +200,8 @@ def lamb_step_(
     kernels = _numba(flat, backend)
     if kernels is not None:
         return kernels.lamb_step_(flat, grads, active, check_finite)
-    indices = _active_indices(active)
-    if check_finite and not all_finite(_pick(grads, indices)):
+    indices = _active_if_finite(grads, active, check_finite)
+    if indices is None:
         return None
     update = _moments_and_directions(flat, grads, indices)
     p = flat.views(flat.weights)
@@ -222,8 +233,8 @@ def adam_step_(
     kernels = _numba(flat, backend)
     if kernels is not None:
         return kernels.adam_step_(flat, grads, active, check_finite)
-    indices = _active_indices(active)
-    if check_finite and not all_finite(_pick(grads, indices)):
+    indices = _active_if_finite(grads, active, check_finite)
+    if indices is None:
         return False
     update = _moments_and_directions(flat, grads, indices)
     _step_(flat, indices, update, -_group_values(flat, indices, lambda g: g["lr"]))
