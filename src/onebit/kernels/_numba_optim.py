@@ -366,18 +366,11 @@ def _active(active: Sequence[bool]) -> np.ndarray:
     return np.asarray(active, dtype=np.bool_)
 
 
-def _per_segment(flat: FlatState, partials: np.ndarray) -> np.ndarray:
+def _per_segment(flat: FlatState, blocks: np.ndarray, partials: np.ndarray) -> np.ndarray:
     """Per-block partial sums added per parameter, in block order."""
     totals = np.zeros((len(flat.params),) + partials.shape[1:], np.float64)
-    np.add.at(totals, flat.blocks[:, 0], partials)
+    np.add.at(totals, blocks[:, 0], partials)
     return totals
-
-
-def _segment_max(flat: FlatState, partials: np.ndarray) -> np.ndarray:
-    """Per-block maxima reduced per parameter."""
-    maxima = np.full(len(flat.params), -np.inf)
-    np.maximum.at(maxima, flat.blocks[:, 0], partials)
-    return maxima
 
 
 def _grad_list(flat: FlatState, grads: Sequence[Tensor | None]) -> typed.List:
@@ -399,7 +392,7 @@ def lamb_step_(
         _np(flat.weights),
     )
     consts = (b1, omb1, b2, omb2, hyper.key("eps"), hyper.key("weight_decay"))
-    sums = _per_segment(flat, _KERNELS("lamb_sums")(flat.blocks, mask, *args, *consts))
+    sums = _per_segment(flat, flat.blocks, _KERNELS("lamb_sums")(flat.blocks, mask, *args, *consts))
     if check_finite and not np.isfinite(sums[mask, 2].sum()):
         return None
     coeff, defined = trust_ratio(
@@ -492,11 +485,9 @@ def onebit_lamb_compressed_step_(
         wd,
         np.zeros(0, np.int64 if flat.dtype == torch.float64 else np.int32),
     )
-    segments = blocks[:, 0]
-    sums = np.zeros((len(flat.params), 2))
-    np.add.at(sums, segments, partials[:, :2])
+    sums = _per_segment(flat, blocks, partials[:, :2])
     maxima = np.full(len(flat.params), -np.inf)
-    np.maximum.at(maxima, segments, partials[:, 2])
+    np.maximum.at(maxima, blocks[:, 0], partials[:, 2])
     factor = compression_factor(
         _tensor(flat, maxima),
         _tensor(flat, np.sqrt(sums[:, 0])),

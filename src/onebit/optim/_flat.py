@@ -93,10 +93,6 @@ class FlatState:
             self._scratch[slot] = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         return self._scratch[slot]
 
-    def masters(self) -> dict[int, Tensor]:
-        """``id(param) -> master view`` of the half-precision parameters."""
-        return {id(param): view for param, view in self.half_params}
-
     def enable_fresh_variance(self) -> None:
         """Create ``exp_avg_sq_fresh`` as a copy of ``exp_avg_sq`` (1-bit LAMB's switch)."""
         if self.exp_avg_sq_fresh is None:
