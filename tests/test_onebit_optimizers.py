@@ -181,15 +181,17 @@ def _plain_or_ddp(rank, world_size, use_ddp):
         model = torch.nn.parallel.DistributedDataParallel(model)
         onebit.ddp.register_comm_hook(model, opt)
     gen = torch.Generator().manual_seed(100 + rank)
-    history = []
+    history, synced = [], []
     for _ in range(12):
         x = torch.randn(16, 6, generator=gen)
         y = x.sum(1, keepdim=True)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        synced.append(getattr(model, "require_backward_grad_sync", None))
+        loss.backward()
         opt.step()
         history.append([p.detach().clone() for p in model.parameters()])
-    return history, opt.bytes_sent
+    return history, opt.bytes_sent, synced
 
 
 def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
@@ -198,6 +200,8 @@ def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
     for rank in range(2):
         for step, (a, b) in enumerate(zip(plain[rank][0], ddp[rank][0], strict=True)):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step + 1}"
+        # DDP synchronises gradients in the warm-up only: no bucket copies afterwards.
+        assert ddp[rank][2] == [True] * 4 + [False] * 8
         # The DDP path sends no flags (DDP knows which gradients exist) and the same
         # compressed bytes.
         assert ddp[rank][1]["compression"] == plain[rank][1]["compression"]

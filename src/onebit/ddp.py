@@ -7,9 +7,12 @@ Usage::
     onebit.ddp.register_comm_hook(model, optimizer)
 
 In the warm-up stage the hook is a mean allreduce of each gradient bucket (what DDP does by
-default). In the compression stage it sends nothing: each rank's local gradients pass
-through untouched and the optimizer exchanges the 1-bit compressed momentum instead. The
-optimizer is told that DDP averages its warm-up gradients, so nothing is averaged twice.
+default). In the compression stage DDP's gradient synchronisation is switched off for the
+backward passes (``require_backward_grad_sync = False``, what ``model.no_sync()`` does), so
+each rank's local gradients stay where autograd put them, without DDP's copies into and out
+of its buckets, and the optimizer exchanges the 1-bit compressed momentum instead; should
+DDP still call the hook then, it passes the bucket through untouched. The optimizer is told
+that DDP averages its warm-up gradients, so nothing is averaged twice.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
@@ -67,4 +70,24 @@ def register_comm_hook(model: DistributedDataParallel, optimizer: OneBitOptimize
     elif optimizer.process_group != group:
         raise ValueError("the optimizer's process_group differs from the DDP model's")
     model.register_comm_hook(OneBitHookState(optimizer, group), onebit_hook)
+    model.register_forward_pre_hook(_SyncFollowsStage(optimizer))
     optimizer.gradients_averaged_by_ddp = True
+
+
+class _SyncFollowsStage:
+    """A forward pre-hook of the DDP model: in the compression stage, no gradient
+    synchronisation in the coming backward pass; back to DDP's default if the optimizer
+    returns to the warm-up (a checkpoint of that stage loaded). A user's own ``no_sync()``
+    works as before in either stage."""
+
+    def __init__(self, optimizer: OneBitOptimizer) -> None:
+        self.optimizer = optimizer
+        self.switched_off = False
+
+    def __call__(self, model: DistributedDataParallel, inputs: object) -> None:
+        if self.optimizer.stage == COMPRESSION:
+            model.require_backward_grad_sync = False
+            self.switched_off = True
+        elif self.switched_off:
+            model.require_backward_grad_sync = True
+            self.switched_off = False
