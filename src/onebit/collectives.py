@@ -271,7 +271,6 @@ class PackedResult:
     signs: Tensor
     scales: Tensor
     backend: str
-    decoded_chunk: int | None = None  # a chunk already written into the output, if any
 
     @property
     def chunk(self) -> int:
@@ -279,12 +278,7 @@ class PackedResult:
 
     def decode(self, out: Tensor) -> Tensor:
         """Write the decompressed result into ``out`` (``N`` elements) and return it."""
-        backend, flat = backends.select(out, self.backend), out.view(-1)
-        done = self.signs.shape[0] if self.decoded_chunk is None else self.decoded_chunk
-        for rows in (slice(0, done), slice(done + 1, self.signs.shape[0])):
-            if rows.stop > rows.start:
-                chunks = flat[rows.start * self.chunk : rows.stop * self.chunk]
-                backend.decode(self.signs[rows], self.scales[rows], chunks)
+        backends.select(out, self.backend).decode(self.signs, self.scales, out.view(-1))
         return out
 
 
@@ -342,7 +336,6 @@ def compressed_allreduce(
         workspace=workspace,
         traffic=traffic,
         kernels=kernels,
-        decode_own_chunk=True,
     )
     return packed.decode(out)
 
@@ -358,15 +351,12 @@ def compressed_allreduce_packed(
     traffic: TrafficCounter | None = None,
     kernels: str | None = None,
     agree_on: dist.ProcessGroup | None = None,
-    decode_own_chunk: bool = False,
 ) -> PackedResult:
     """:func:`compressed_allreduce` without the final decoding: for a consumer that decodes
     on the fly (the optimizers' fused updates). ``scratch`` (the buffer's size; may be the
     buffer itself) holds intermediate values. With ``agree_on``, a second group whose ranks
     must all raise when any of them does (the hierarchical exchange's node), every check is
-    agreed on over it too, before any error state changes. With ``decode_own_chunk``, this
-    rank's chunk of the result is decoded into ``scratch`` by the server's error update (one
-    pass fewer over it) and marked as such in the result."""
+    agreed on over it too, before any error state changes."""
     n = world_size(group)
     _validate(buffer, worker_error, server_error, n)
     numel = buffer.numel()
@@ -410,21 +400,10 @@ def compressed_allreduce_packed(
     # Phase 2: every rank gathers every server's compressed chunk and scale.
     all_gather_into(ws.server_scales, server_scale, group, n)
     _raise_agreed(_finite_problem(ws.server_scales.tolist(), "server scale"), agree_on, x.device)
-    rank = dist.get_rank(group) if n > 1 else 0
-    chunk = numel // n
-    own_out = x[rank * chunk : (rank + 1) * chunk] if decode_own_chunk else None
     backend.server_error_update(
-        ws.received,
-        worker_scales,
-        server_error,
-        ws.server_packed,
-        server_scale,
-        stage_scratch,
-        own_out=own_out,
+        ws.received, worker_scales, server_error, ws.server_packed, server_scale, stage_scratch
     )
     all_gather_into(ws.gathered, ws.server_packed, group, n)
     if traffic is not None and n > 1:
         traffic.record("compressed_allreduce", compressed_allreduce_bytes(numel, n, buffer.dtype))
-    return PackedResult(
-        ws.gathered, ws.server_scales, backend.name, rank if decode_own_chunk else None
-    )
+    return PackedResult(ws.gathered, ws.server_scales, backend.name)

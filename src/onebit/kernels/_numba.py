@@ -107,13 +107,10 @@ class NumbaKernels(ReferenceKernels):
         )
         return _scale(sumsq, server_error.numel(), self.scale_dtype(server_error.dtype))
 
-    def server_error_update(
-        self, received, scales, server_error, packed, y_scale, scratch, own_out=None
-    ):
+    def server_error_update(self, received, scales, server_error, packed, y_scale, scratch):
         weights = _np((scales / received.shape[0]).to(server_error.dtype))
-        decoded = _np(own_out) if own_out is not None else np.zeros(0, _np(server_error).dtype)
         _COMPRESSION("server_error_update")(
-            _np(received), weights, _np(server_error), _scalar(y_scale, server_error), decoded
+            _np(received), weights, _np(server_error), _scalar(y_scale, server_error)
         )
 
     def decode(self, gathered, scales, out):

@@ -84,32 +84,25 @@ def _last_sumsq_pack(partial_sum, weight, received, packed):
 
 
 @njit(cache=True)
-def _last_error_feedback(partial_sum, weight, received, scale, error, out):
+def _last_error_feedback(partial_sum, weight, received, scale, error):
     """With the last rank's signs: ``y = partial_sum + weight * sign``;
-    ``error = y - scale * sign(y)``, and ``out = scale * sign(y)`` where ``out`` is not
-    empty (the decoded own chunk)."""
+    ``error = y - scale * sign(y)``."""
     for k in range(received.size):
         signs = np.int32(received[k])
         for j in range(8):
             v = partial_sum[8 * k + j] + (weight if (signs >> (7 - j)) & 1 else -weight)
-            decoded = scale if v >= 0 else -scale
-            error[8 * k + j] = v - decoded
-            if out.size:
-                out[8 * k + j] = decoded
+            error[8 * k + j] = v - (scale if v >= 0 else -scale)
 
 
 @njit(cache=True)
-def _only_error_feedback(weight, received, scale, error, out):
+def _only_error_feedback(weight, received, scale, error):
     """:func:`_last_error_feedback` for a world of one rank, where ``partial_sum`` is
     ``error`` itself (one array, so the loop vectorises)."""
     for k in range(received.size):
         signs = np.int32(received[k])
         for j in range(8):
             v = error[8 * k + j] + (weight if (signs >> (7 - j)) & 1 else -weight)
-            decoded = scale if v >= 0 else -scale
-            error[8 * k + j] = v - decoded
-            if out.size:
-                out[8 * k + j] = decoded
+            error[8 * k + j] = v - (scale if v >= 0 else -scale)
 
 
 @njit(cache=True)
@@ -159,9 +152,8 @@ def server_compress(received, weights, server_error, packed):
     return partial.sum()
 
 
-def server_error_update(received, weights, server_error, scale, out):
-    """``server_error = y - scale * sign(y)`` with ``y`` as in :func:`server_compress`, and
-    ``out = scale * sign(y)`` where ``out`` is not empty."""
+def server_error_update(received, weights, server_error, scale):
+    """``server_error = y - scale * sign(y)`` with ``y`` as in :func:`server_compress`."""
     n = server_error.size
     for block in prange(_blocks(n)):
         s, e = block * BLOCK, min((block + 1) * BLOCK, n)
@@ -169,12 +161,11 @@ def server_error_update(received, weights, server_error, scale, out):
         for c in range(s, e, CHUNK):
             d = min(c + CHUNK, e)
             rows = received[:, c // 8 : d // 8]
-            decoded = out[c:d] if out.size else out
             if rows.shape[0] == 1:
-                _only_error_feedback(weights[0], rows[0], scale, server_error[c:d], decoded)
+                _only_error_feedback(weights[0], rows[0], scale, server_error[c:d])
             else:
                 head = _server_sum(server_error[c:d], rows, weights, y[: d - c])
-                _last_error_feedback(head, weights[-1], rows[-1], scale, server_error[c:d], decoded)
+                _last_error_feedback(head, weights[-1], rows[-1], scale, server_error[c:d])
 
 
 def decode(gathered, scales, out):

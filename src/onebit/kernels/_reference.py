@@ -38,8 +38,7 @@ class ReferenceKernels:
     2. ``worker_error_update``: ``error = x - a sign(x)``.
     3. ``server_compress``: ``y = server_error + sum_i w_i sign_i`` (rank order); packed
        ``sign(y)``; ``b = ||y||/sqrt(C)``.
-    4. ``server_error_update``: ``server_error = y - b sign(y)``; with ``own_out``, also the
-       decoded own chunk ``b sign(y)`` (the one pass over it that decoding would make again).
+    4. ``server_error_update``: ``server_error = y - b sign(y)``.
     5. ``decode``: ``out[chunk j] = b_j sign_j``.
     """
 
@@ -100,11 +99,8 @@ class ReferenceKernels:
         packed: Tensor,
         y_scale: Tensor,
         scratch: ReferenceScratch,
-        own_out: Tensor | None = None,
     ) -> None:
         update_error(server_error, scratch.y, packed, y_scale)
-        if own_out is not None:
-            unpack_signs(packed, own_out.numel(), out=own_out, scale=y_scale)
 
     def decode(self, gathered: Tensor, scales: Tensor, out: Tensor) -> None:
         chunk = out.numel() // gathered.shape[0]

@@ -215,16 +215,12 @@ class TritonKernels(ReferenceKernels):
         _launch(_server_compress_kernel, sumsq.shape, *args)
         return _scale(sumsq, server_error.numel(), self.scale_dtype(server_error.dtype))
 
-    def server_error_update(
-        self, received, scales, server_error, packed, y_scale, scratch, own_out=None
-    ):
+    def server_error_update(self, received, scales, server_error, packed, y_scale, scratch):
         n, nbytes = received.shape
         weights = _weights(scales, n, server_error.dtype)
         scale = y_scale.to(server_error.dtype)
         args = (received, received.stride(0), weights, n, server_error, scale, nbytes)
         _launch(_server_error_update_kernel, (_blocks(nbytes),), *args)
-        if own_out is not None:
-            self.decode(packed.view(1, -1), y_scale.view(1), own_out)
 
     def decode(self, gathered, scales, out):
         n, nbytes = gathered.shape
