@@ -9,6 +9,8 @@ Public API:
   :class:`CompressionWorkspace` (reused scratch) and :class:`TrafficCounter` (bytes sent).
 * :func:`hierarchical_compressed_allreduce`, :func:`node_groups`: the exchange for nodes of
   several ranks (dense inside a node, 1 bit between nodes).
+* :func:`from_deepspeed_config`: the optimizer a DeepSpeed JSON config describes.
+* :mod:`onebit.integrations`: HF Trainer, Accelerate and Lightning (optional extras).
 """
 
 from onebit import ddp
@@ -22,6 +24,7 @@ from onebit.collectives import (
     padded_size,
 )
 from onebit.consistency import ReplicaMismatchError, broadcast_parameters, verify_replicas
+from onebit.deepspeed import from_deepspeed_config
 from onebit.hierarchical import (
     HierarchicalWorkspace,
     hierarchical_compressed_allreduce,
@@ -33,6 +36,7 @@ __all__ = [
     "CommunicationError",
     "Lamb",
     "ddp",
+    "from_deepspeed_config",
     "OneBitAdam",
     "OneBitLamb",
     "OneBitOptimizer",
