@@ -99,6 +99,7 @@ class OneBitOptimizer(FlatOptimizer):
         self._exchange_buffer: Tensor | None = None
         self._mask: Tensor | None = None
         self._replicas_verified = False
+        self._gradients_checked = False
         self.node_groups = node_groups
         self._check_node_groups()
         self._workspace = HierarchicalWorkspace() if node_groups else CompressionWorkspace()
@@ -123,8 +124,14 @@ class OneBitOptimizer(FlatOptimizer):
 
     @property
     def bytes_sent(self) -> dict[str, int]:
-        """Bytes this rank has sent in each stage for this optimizer (a copy): its own
-        collectives, and the warm-up allreduces of :func:`onebit.ddp.register_comm_hook`."""
+        """Bytes this rank has sent for this optimizer in each stage (a copy), as a
+        bandwidth-optimal implementation sends them (:mod:`onebit.collectives`): the dense
+        allreduce of warm-up gradients and the 1-bit exchange of ``step()``, the warm-up
+        allreduces of :func:`onebit.ddp.register_comm_hook`, and the one-time gradient check
+        of the first compression step. Not counted: the replica checks (a few bytes per
+        tensor, at the first step and every ``verify_every``) and traffic the optimizer does
+        not make, such as the dense allreduce of a ``DistributedDataParallel`` model without
+        onebit's hook (``step()`` warns when it finds the gradients averaged already)."""
         return dict(self._counters["bytes_sent"])
 
     def count_bytes_sent(self, stage: str, nbytes: int) -> None:
@@ -288,6 +295,9 @@ class OneBitOptimizer(FlatOptimizer):
             self._has_state,
             backend=self._backend,
         )
+        if not self._gradients_checked:
+            with self._collective():
+                self._check_gradients_are_local(buffer)
         try:
             with self._collective():
                 packed = self._exchange(buffer)
@@ -303,6 +313,40 @@ class OneBitOptimizer(FlatOptimizer):
         if self.node_groups:
             return hierarchical_compressed_allreduce_packed(*errors, *self.node_groups, **options)
         return compressed_allreduce_packed(*errors, self.process_group, scratch=buffer, **options)
+
+    def _check_gradients_are_local(self, momentum: Tensor) -> None:
+        """Once, at the first compression step: warn (rank 0) if every rank passed the same
+        gradients, i.e. something averaged them before ``step()``, most likely
+        ``DistributedDataParallel`` without onebit's hook, which keeps sending every gradient
+        densely. The ranks' momenta agree up to this step, so the new ones (the exchange
+        buffer ``momentum``) agree exactly when the gradients do: each rank contributes a
+        checksum (the wrapping int64 sum of the bits) to one all-gather, counted in
+        ``bytes_sent``. No cost at later steps."""
+        self._gradients_checked = True
+        n = self.world_size
+        if n == 1:
+            return
+        bits = momentum.view(torch.int64 if momentum.dtype == torch.float64 else torch.int32)
+        checksum = bits.sum(dtype=torch.int64).reshape(1)
+        gathered = torch.empty(n, dtype=torch.int64, device=checksum.device)
+        dist.all_gather_into_tensor(gathered, checksum, group=self.process_group)
+        self._traffic.record("gradient_check", (n - 1) * checksum.element_size())
+        if len(set(gathered.tolist())) == 1 and self._is_logging_rank():
+            warnings.warn(
+                f"{type(self).__name__}: at the first compression step (step "
+                f"{self.step_count + 1}) every rank passed bit-identical gradients to step(): "
+                "something averaged them over the ranks already, most likely "
+                "DistributedDataParallel without onebit's communication hook. DDP then still "
+                "sends every gradient at full precision on every step, which "
+                "optimizer.bytes_sent does not count, and the 1-bit exchange saves nothing. "
+                "Register the hook once, before training: "
+                "onebit.ddp.register_comm_hook(model, optimizer) (HF Trainer, Accelerate, "
+                "Lightning: see onebit.integrations), or drop DDP and call step() on each "
+                "rank's own gradients. If every rank trains on the same data on purpose, "
+                "ignore this warning.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     # ----------------------------------------------------------------- the switch
     def _exchange_buffer_for(self, flat: FlatState) -> Tensor:
