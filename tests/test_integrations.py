@@ -1,0 +1,294 @@
+"""onebit under HF Trainer, Accelerate and Lightning, each on 2 gloo processes.
+
+One spawn runs every installed framework in turn; the tests check, per framework, that
+onebit's hook is on the DDP model, that the traffic handed to ``torch.distributed`` in the
+compression stage is 1/32 of the warm-up's dense traffic, that ranks end bit-identical, and
+(Trainer) that the run follows the plain DDP loop on the same batches bit for bit.
+
+Traffic is counted below onebit: every collective issued from Python goes through a method
+of ``torch.distributed.ProcessGroup``, patched here to record what each call is handed;
+DDP's reducer issues none itself once a comm hook is registered (the hook does). A call's
+bytes are those this rank sends in a bandwidth-optimal implementation: an allreduce of S
+bytes sends 2 (n-1)/n S, an all-gather of S local bytes (n-1) S, an all-to-all of S bytes
+(n-1)/n S.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import onebit
+from onebit.collectives import allreduce_bytes, compressed_allreduce_bytes, padded_size
+from onebit.testing import spawn_workers
+
+FREEZE, STEPS, BATCH, WORLD = 3, 8, 8, 2
+OPTIMIZER = dict(lr=1e-2, freeze_step=FREEZE, weight_decay=0.01, max_coeff=0.3)
+_HF = all(importlib.util.find_spec(m) for m in ("transformers", "accelerate"))  # onebit[hf]
+INSTALLED = {
+    "trainer": _HF,
+    "accelerate": _HF,
+    "lightning": importlib.util.find_spec("lightning") is not None,
+}
+# Bytes one rank sends for a collective, from the tensors it hands over (n ranks).
+_SENT = {
+    "allreduce": lambda n, payload: 2 * (n - 1) * payload // n,
+    "all_gather_single": lambda n, payload: (n - 1) * payload,
+    "allgather": lambda n, payload: (n - 1) * payload,
+    "all_to_all_single": lambda n, payload: (n - 1) * payload // n,
+    "broadcast": lambda n, payload: payload,
+}
+_PAYLOAD_ARG = {"allreduce": 0, "broadcast": 0}  # the others: argument 1 is the input
+
+
+class Net(torch.nn.Module):
+    """A small classifier (9610 parameters) with a Hugging Face style forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():  # the same initial weights on every rank and run
+            torch.manual_seed(0)
+            self.body = torch.nn.Sequential(
+                torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10)
+            )
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x, labels):
+        self.seen.append((x.clone(), labels.clone()))
+        logits = self.body(x)
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+NUMEL = 64 * 128 + 128 + 128 * 10 + 10
+
+
+class Samples(torch.utils.data.Dataset):
+    """Synthetic, learnable: labels are the argmax of a fixed projection of x."""
+
+    def __init__(self, n: int = WORLD * BATCH * STEPS) -> None:
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 64, generator=gen)
+        self.labels = (self.x @ torch.randn(64, 10, generator=gen)).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.labels[i]}
+
+
+class TrafficProbe:
+    """Records ``(optimizer steps so far, collective, bytes sent)`` for every collective."""
+
+    def __init__(self) -> None:
+        self.optimizer: onebit.OneBitOptimizer | None = None
+        self.records: list[tuple[int, str, int]] = []
+
+    def __enter__(self) -> TrafficProbe:
+        self._originals = {name: getattr(dist.ProcessGroup, name) for name in _SENT}
+        for name, original in self._originals.items():
+            setattr(dist.ProcessGroup, name, self._counting(name, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(dist.ProcessGroup, name, original)
+
+    def _counting(self, name, original):
+        def counted(group, *args, **kwargs):
+            tensors = args[_PAYLOAD_ARG.get(name, 1)]
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+            payload = sum(t.numel() * t.element_size() for t in tensors)
+            step = -1 if self.optimizer is None else self.optimizer.step_count
+            self.records.append((step, name, _SENT[name](group.size(), payload)))
+            return original(group, *args, **kwargs)
+
+        return counted
+
+
+def _hooked(model: DistributedDataParallel) -> bool:
+    return any(hook is onebit.ddp.onebit_hook for hook, _ in model._comm_hooks)
+
+
+def _params(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def _result(probe, optimizer, module, hooked, **extra):
+    return dict(
+        records=probe.records,
+        bytes_sent=optimizer.bytes_sent,
+        params=_params(module),
+        hooked=hooked,
+        **extra,
+    )
+
+
+def _run_trainer(rank):
+    from transformers import Trainer, TrainingArguments
+
+    from onebit.integrations.hf import OneBitCallback
+
+    with TrafficProbe() as probe, tempfile.TemporaryDirectory() as out:
+        net = Net()
+        optimizer = probe.optimizer = onebit.OneBitLamb(net.parameters(), **OPTIMIZER)
+        args = TrainingArguments(
+            output_dir=out,
+            max_steps=STEPS,
+            per_device_train_batch_size=BATCH,
+            lr_scheduler_type="constant",
+            max_grad_norm=1.0,
+            logging_strategy="no",
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(net, args, train_dataset=Samples(), optimizers=(optimizer, None))
+        trainer.add_callback(OneBitCallback(trainer))
+        trainer.train()
+        hooked = _hooked(trainer.model_wrapped)
+    # The plain DDP path (README) on the batches this rank saw, clipped as the Trainer does.
+    replay = Net()
+    model = DistributedDataParallel(replay)
+    replay_optimizer = onebit.OneBitLamb(replay.parameters(), **OPTIMIZER)
+    onebit.ddp.register_comm_hook(model, replay_optimizer)
+    for x, labels in net.seen:
+        replay_optimizer.zero_grad()
+        model(x, labels)["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        replay_optimizer.step()
+    same = torch.equal(_params(net), _params(replay))
+    return _result(probe, optimizer, net, hooked, same_as_plain_ddp=same)
+
+
+def _run_accelerate(rank):
+    from accelerate import Accelerator
+
+    from onebit.integrations.hf import register_comm_hook
+
+    with TrafficProbe() as probe:
+        accelerator = Accelerator(cpu=True)
+        net = Net()
+        optimizer = probe.optimizer = onebit.OneBitAdam(net.parameters(), lr=1e-3, freeze_step=3)
+        loader = torch.utils.data.DataLoader(Samples(), batch_size=BATCH)
+        model, prepared, loader = accelerator.prepare(net, optimizer, loader)
+        register_comm_hook(model, prepared)
+        for _, batch in zip(range(STEPS), loader, strict=False):
+            prepared.zero_grad()
+            accelerator.backward(model(**batch)["loss"])
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            prepared.step()
+        return _result(probe, optimizer, net, _hooked(model))
+
+
+def _run_lightning(rank):
+    import lightning.pytorch as pl
+
+    from onebit.integrations.lightning import OneBitDDPStrategy
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch, batch_index):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            probe.optimizer = onebit.OneBitLamb(self.parameters(), **OPTIMIZER)
+            return probe.optimizer
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(Samples(), batch_size=BATCH)
+
+        def on_train_start(self) -> None:
+            self.hooked = _hooked(self.trainer.strategy.model)
+
+    with TrafficProbe() as probe:
+        module = Classifier()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            strategy=OneBitDDPStrategy(),
+            max_steps=STEPS,
+            gradient_clip_val=1.0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+        return _result(probe, probe.optimizer, module, module.hooked)
+
+
+def _frameworks_worker(rank, world_size, frameworks):
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    runs = {"trainer": _run_trainer, "accelerate": _run_accelerate, "lightning": _run_lightning}
+    return {name: runs[name](rank) for name in frameworks}
+
+
+@pytest.fixture(scope="module")
+def results():
+    frameworks = [name for name, installed in INSTALLED.items() if installed]
+    if not frameworks:
+        pytest.skip("none of transformers+accelerate, lightning is installed")
+    ranks = spawn_workers(_frameworks_worker, WORLD, (frameworks,), timeout_s=180)
+    return {name: [rank[name] for rank in ranks] for name in frameworks}
+
+
+def _check(results, framework):
+    if framework not in results:
+        pytest.skip(f"{framework} is not installed")
+    ranks = results[framework]
+    dense = allreduce_bytes(torch.empty(NUMEL), WORLD)  # the warm-up's fp32 gradients
+    compressed = compressed_allreduce_bytes(padded_size(NUMEL, WORLD), WORLD, torch.float32)
+    for rank in ranks:
+        assert rank["hooked"], "onebit's hook is not on the DDP model"
+        per_step: dict[int, int] = defaultdict(int)
+        kinds: dict[int, set[str]] = defaultdict(set)
+        for step, kind, sent in rank["records"]:
+            per_step[step] += sent
+            kinds[step].add(kind)
+        # Warm-up after the first step (which also checks the replicas): DDP's averaging,
+        # through onebit's hook, is the only traffic.
+        assert all(per_step[k] == dense and kinds[k] == {"allreduce"} for k in range(1, FREEZE))
+        # Compression: only the 1-bit exchange (plus, once, the 8-byte gradient check).
+        for k in range(FREEZE, STEPS):
+            assert kinds[k] <= {"all_to_all_single", "all_gather_single"}, kinds[k]
+            assert per_step[k] == compressed + (8 if k == FREEZE else 0)
+        measured = sum(per_step[k] for k in range(FREEZE, STEPS))
+        assert measured == rank["bytes_sent"]["compression"]
+        assert 31.5 < dense / compressed <= 32
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+    print(
+        f"{framework}: warm-up {dense} B/step, compression {compressed} B/step handed to "
+        f"torch.distributed: 1/{dense / compressed:.1f} of dense"
+    )
+
+
+def test_trainer(results):
+    _check(results, "trainer")
+    assert all(rank["same_as_plain_ddp"] for rank in results["trainer"])
+
+
+def test_accelerate(results):
+    _check(results, "accelerate")
+
+
+def test_lightning(results):
+    _check(results, "lightning")
