@@ -164,6 +164,28 @@ def test_dense_optimizer_without_ddp(workspace: Path) -> None:
     assert metrics.validation[-1]["loss"] < metrics.validation[0]["loss"]
 
 
+def test_hierarchical_exchange_on_two_nodes_of_two(
+    workspace: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """4 workers as 2 nodes of 2: it trains, and reports intra- and inter-node bytes apart."""
+    out = workspace / "nodes"
+    assert train(*tiny(workspace, out, "--workers", "4", "--node-size", "2")) == 0
+    assert "inter-node" in capfd.readouterr().out  # rank 0's summary
+    metrics = report.read_metrics(out)
+    assert metrics.validation[-1]["loss"] < metrics.validation[0]["loss"]
+    for row in metrics.train:
+        compressed = row["stage"] == "compression"
+        assert (row["bytes_inter_node"] > 0) == compressed, row
+        assert (row["bytes_intra_node"] > row["bytes_inter_node"]) == compressed, row  # fp32
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["workers"], summary["node_size"]) == (4, 2)
+    links = summary["bytes_sent"]["by_link"]
+    assert links["inter_node"] > 0
+    compression = summary["bytes_sent"]["by_stage"]["compression"]["bytes"]
+    # The rest of the compression stage's bytes: a few scalars agreed on over the world.
+    assert 0 < compression - links["intra_node"] - links["inter_node"] < 0.001 * compression
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -178,6 +200,8 @@ def test_dense_optimizer_without_ddp(workspace: Path) -> None:
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--batch-size", "10", "--workers", "4"], "--batch-size 10 (global) is not divisible"),
         (["--workers", "0"], "--workers must be at least 1"),
+        (["--workers", "4", "--node-size", "3"], "--node-size 3 does not divide --workers 4"),
+        (["--node-size", "0"], "--node-size must be a positive integer"),
         (["--no-launch"], "needs torchrun's environment variables; ['RANK'"),
         (
             ["--steps", "50", "--lr-warmup-steps", "50"],

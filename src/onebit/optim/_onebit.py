@@ -134,6 +134,13 @@ class OneBitOptimizer(FlatOptimizer):
         onebit's hook (``step()`` warns when it finds the gradients averaged already)."""
         return dict(self._counters["bytes_sent"])
 
+    @property
+    def traffic_by_kind(self) -> dict[str, int]:
+        """Bytes this rank has sent in ``step()`` per kind of collective (a copy):
+        ``"allreduce"``, ``"compressed_allreduce"``, or ``"intra_node"`` and ``"inter_node"``
+        with ``node_groups``."""
+        return dict(self._traffic.bytes_sent)
+
     def count_bytes_sent(self, stage: str, nbytes: int) -> None:
         """Add traffic sent on this optimizer's behalf outside ``step()`` (the DDP hook)."""
         self._counters["bytes_sent"][stage] += nbytes

@@ -145,6 +145,13 @@ class TrainConfig:
         "comm hook); --no-ddp: the job averages the gradients of uncompressed steps itself, "
         "with one dense allreduce",
     )
+    node_size: int = option(
+        1,
+        group=_SYSTEM,
+        help="workers per node (consecutive ranks) for the hierarchical 1-bit exchange: "
+        "dense averaging inside a node, 1-bit only between nodes; must divide the number of "
+        "workers; 1 = the flat exchange (the dense optimizers ignore it)",
+    )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
     eval_every: int | None = option(
@@ -197,6 +204,7 @@ class TrainConfig:
             raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
         for name in ("steps", "batch_size", "layers", "hidden", "heads", "keep_checkpoints"):
             _positive_int(name, getattr(self, name))
+        _positive_int("node_size", self.node_size)
         if self.eval_seqs < 0:
             raise ValueError(f"--eval-seqs must be >= 0 (0: all), got {self.eval_seqs}")
         if self.seq_len < 8:
@@ -248,6 +256,23 @@ class TrainConfig:
     @property
     def uses_onebit(self) -> bool:
         return self.optimizer in ONEBIT_OPTIMIZERS
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the 1-bit exchange runs between nodes of ``node_size`` workers."""
+        return self.uses_onebit and self.node_size > 1
+
+    def check_world_size(self, workers: int) -> None:
+        """Raise ``ValueError`` if ``workers`` does not suit the batch and the node size."""
+        if self.batch_size % workers:
+            raise ValueError(
+                f"--batch-size {self.batch_size} (global) is not divisible by --workers {workers}"
+            )
+        if workers % self.node_size:
+            raise ValueError(
+                f"--node-size {self.node_size} does not divide --workers {workers}: nodes "
+                "must hold the same number of workers"
+            )
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

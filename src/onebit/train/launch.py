@@ -46,10 +46,7 @@ def launch_job(
         raise ValueError(f"--workers must be at least 1, got {workers}")
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
-    if config.batch_size % workers:
-        raise ValueError(
-            f"--batch-size {config.batch_size} (global) is not divisible by --workers {workers}"
-        )
+    config.check_world_size(workers)
     continuing = prepare_run_dir(run_dir, config, {"world_size": workers})
     summary_path = run_dir / SUMMARY_FILE
     if continuing and summary_path.is_file():

@@ -1,8 +1,10 @@
 """Summaries, plots and the comparison report of training runs, computed from ``metrics.jsonl``.
 
 ``metrics.jsonl`` has one ``{"kind": "train", ...}`` row per step (step, stage, global MLM loss,
-lr, samples seen, bytes this worker sent in the step and so far, step time) and a
-``{"kind": "validation", ...}`` row (step, samples, loss) at every evaluation.
+lr, samples seen, bytes this worker sent in the step and so far, step time; with
+``--node-size`` above 1 also ``bytes_intra_node`` and ``bytes_inter_node``, what the 1-bit
+exchange sent inside the node and between nodes) and a ``{"kind": "validation", ...}`` row
+(step, samples, loss) at every evaluation.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 from onebit.train.atomic import write_json_atomic
 from onebit.train.config import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, TrainConfig
 
+#: The per-step byte counts of the hierarchical exchange, by link (see the module docstring).
+LINKS = ("intra_node", "inter_node")
 #: Fraction of the last train steps whose mean loss is reported as the final train loss.
 FINAL_TRAIN_WINDOW = 0.05
 COMPARE_PLOT_FILE = "compare.png"
@@ -67,12 +71,18 @@ def summarize(run_dir: Path, config: TrainConfig, *, world_size: int, numel: int
     for entry in stages.values():
         entry["lamb_bytes"] = dense_allreduce_bytes(numel, world_size, entry["steps"])
     sent = sum(entry["bytes"] for entry in stages.values())
+    bytes_sent: dict[str, Any] = {"total": sent, "by_stage": stages}
+    if "bytes_inter_node" in train[-1]:
+        bytes_sent["by_link"] = {
+            link: sum(row.get(f"bytes_{link}", 0) for row in train) for link in LINKS
+        }
     lamb = dense_allreduce_bytes(numel, world_size, len(train))
     train_time = sum(row["step_time"] for row in train)
     return {
         "run_dir": str(run_dir),
         "optimizer": config.optimizer,
         "workers": world_size,
+        "node_size": config.node_size if config.hierarchical else 1,
         "steps": len(train),
         "freeze_step": config.freeze_step if config.uses_onebit else None,
         "global_batch": config.batch_size,
@@ -83,7 +93,7 @@ def summarize(run_dir: Path, config: TrainConfig, *, world_size: int, numel: int
         "final_validation_loss": metrics.validation[-1]["loss"] if metrics.validation else None,
         "train_time_s": train_time,
         "samples_per_s": train[-1]["samples"] / train_time if train_time > 0 else None,
-        "bytes_sent": {"total": sent, "by_stage": stages},
+        "bytes_sent": bytes_sent,
         "lamb_bytes": lamb,
         "reduction_vs_lamb": lamb / sent if sent else None,
     }
@@ -162,6 +172,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         + ("" if reduction is None else f", {reduction:.1f}x less sent")
         + ")"
     )
+    links = summary["bytes_sent"].get("by_link")
+    if links:
+        lines.append(
+            f"    of which the 1-bit exchange on nodes of {summary['node_size']} workers: "
+            f"intra-node {human_bytes(links['intra_node'])}, "
+            f"inter-node {human_bytes(links['inter_node'])}"
+        )
     lines.append(
         f"  outputs in {summary['run_dir']}/ (metrics.jsonl, loss.png, summary.json, "
         "config.json, checkpoints/)"

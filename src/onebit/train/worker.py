@@ -35,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import onebit
 from onebit.collectives import TrafficCounter, allreduce_bytes
+from onebit.hierarchical import NodeGroups
 from onebit.optim._onebit import COMPRESSION
 from onebit.train import checkpoint, data, report
 from onebit.train.atomic import write_bytes_atomic
@@ -82,8 +83,13 @@ def load_data(config: TrainConfig) -> tuple[data.MLMData, str]:
     return mlm, tokenizer.to_str()
 
 
-def build_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer named by ``config.optimizer`` with the config's hyper-parameters."""
+def build_optimizer(
+    config: TrainConfig,
+    params: list[nn.Parameter],
+    node_groups: NodeGroups | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer named by ``config.optimizer`` with the config's hyper-parameters; the
+    1-bit optimizers exchange hierarchically over ``node_groups`` when given."""
     common: dict[str, Any] = dict(
         lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
@@ -94,6 +100,7 @@ def build_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.op
         return onebit.OneBitLamb(
             params,
             freeze_step=config.freeze_step,
+            node_groups=node_groups,
             **common,
             **trust,
             coeff_beta=config.coeff_beta,
@@ -102,7 +109,9 @@ def build_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.op
             factor_threshold=config.factor_threshold,
         )
     if config.optimizer == "onebit-adam":
-        return onebit.OneBitAdam(params, freeze_step=config.freeze_step, **common)
+        return onebit.OneBitAdam(
+            params, freeze_step=config.freeze_step, node_groups=node_groups, **common
+        )
     return torch.optim.AdamW(params, **common)
 
 
@@ -195,6 +204,7 @@ def run(config: TrainConfig, run_dir: Path, *, kill_at_step: int | None = None) 
     on the first attempt of an elastic job only.
     """
     rank = _rank_from_env(config)
+    config.check_world_size(rank.world)
     _configure_logging(rank)
     threads = max(1, len(os.sched_getaffinity(0)) // rank.local_world)
     torch.set_num_threads(threads)
@@ -260,7 +270,8 @@ class _Trainer:
         # Identical initial (or restored) weights on every rank.
         onebit.broadcast_parameters(self.model.state_dict().values())
 
-        self.optimizer = build_optimizer(config, self.params)
+        groups = onebit.node_groups(config.node_size) if config.hierarchical else None
+        self.optimizer = build_optimizer(config, self.params, groups)
         self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
         self.forward: nn.Module = self.model
         if config.ddp:
@@ -290,6 +301,11 @@ class _Trainer:
             if resumed.model is not None:
                 self.metrics_bytes = int(resumed.model["metrics_bytes"])
             logger.info("Resuming at step %d from %s", resumed.step, resumed.path)
+
+    def _link_bytes(self) -> dict[str, int]:
+        """Bytes this rank has sent in the hierarchical exchange so far, per link kind."""
+        sent = self.optimizer.traffic_by_kind
+        return {kind: sent.get(kind, 0) for kind in report.LINKS}
 
     def _stage(self) -> str:
         return self.optimizer.stage if self.config.uses_onebit else DENSE
@@ -380,6 +396,7 @@ class _Trainer:
         stage = self._stage()
         lr = self.optimizer.param_groups[0]["lr"]
         sent_before = self._bytes_sent()
+        links_before = self._link_bytes() if config.hierarchical else None
         loss = self.forward(inputs, labels)
         loss.backward()
         if not config.ddp and stage != COMPRESSION:
@@ -393,6 +410,9 @@ class _Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sent = self._bytes_sent() - sent_before
         self.traffic[stage] = self.traffic.get(stage, 0) + sent
+        links = {}
+        if links_before is not None:
+            links = {f"bytes_{k}": n - links_before[k] for k, n in self._link_bytes().items()}
         masked = int((labels != data.IGNORE_INDEX).sum())
         totals = torch.tensor([loss.item() * masked, masked], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -405,6 +425,7 @@ class _Trainer:
             "samples": step * config.batch_size,
             "bytes": sent,
             "bytes_total": sum(self.traffic.values()),
+            **links,
             "step_time": time.perf_counter() - started,
         }
 
