@@ -1,8 +1,9 @@
 """Tests of the emulated-cluster comparison (``onebit bench cluster``).
 
-The end-to-end test builds a 2-worker emulated cluster, runs a few steps of the comparison
-with a tiny BERT and checks the result and the teardown; it needs root and iproute2 and is
-skipped with the reason otherwise. The other tests check the arithmetic without a cluster.
+The end-to-end tests build an emulated cluster (2 workers, and 2 nodes of 2 workers), run a
+few steps of the comparison with a tiny BERT and check the result and the teardown; they need
+root and iproute2 and are skipped with the reason otherwise. The other tests check the
+arithmetic without a cluster.
 """
 
 from __future__ import annotations
@@ -125,7 +126,50 @@ def test_analyze_derives_shares_speedups_and_targets(tmp_path: Path, capsys) -> 
     assert "### 2 workers, 100mbit, model tiny" in out  # the full report
     row = out.splitlines()[-1]  # the sweep table's row: 1-bit LAMB plain, fp16, not run
     assert row.startswith("| 2 | 100mbit |") and "| 3.20x / 2.22x |" in row
-    assert "| 1.60x |" in row and row.count("not run") == 4
+    assert "| 1.60x |" in row and row.count("not run") == 5
+
+
+def test_hierarchical_figures_and_targets() -> None:
+    flat, hier = 1000, 520
+    raw = {
+        "settings": {
+            "workers": 4,
+            "nodes": 2,
+            "workers_per_node": 2,
+            "batch_size": 1,
+            "freeze_fraction": 0.2,
+            "run_steps": 100,
+            "bandwidth": "100mbit",
+            "model": "tiny",
+            "seq_len": 16,
+            "methods": ["onebit-lamb-ddp", "onebit-lamb-hier"],
+        },
+        "info": {"parameters": 1000},
+        "errors": [],
+        "methods": {
+            name: {
+                "label": "",
+                "ok": True,
+                "runs": [
+                    _run(
+                        name,
+                        [_block("warmup", 3.0, 9000, 9000), _block("compression", t, tx, tx)],
+                    )
+                ],
+            }
+            for name, t, tx in (("onebit-lamb-ddp", 2.0, flat), ("onebit-lamb-hier", 1.0, hier))
+        },
+    }
+    result = analysis.analyze(raw)
+    vs_flat = result["summary"]["onebit-lamb-hier"]["vs_flat"]
+    assert vs_flat["method"] == "onebit-lamb-ddp"
+    assert vs_flat["compression_stage_speedup"] == pytest.approx(2.0)
+    assert vs_flat["wire_bytes_ratio"] == pytest.approx(0.52)
+    targets = result["targets"]
+    assert targets["hierarchical_inter_node_bytes"]["met"] is True  # 0.52 <= 1.05 / 2
+    assert targets["hierarchical_compression_stage_1.5x"]["met"] is True
+    assert "### 2 nodes x 2 workers, 100mbit" in report.format_report(result)
+    assert "wire MB/step/node" in report.format_report(result)
 
 
 def test_cluster_command_says_why_it_cannot_run(monkeypatch, capsys) -> None:
@@ -134,6 +178,28 @@ def test_cluster_command_says_why_it_cannot_run(monkeypatch, capsys) -> None:
     assert "not root (test)" in capsys.readouterr().err
     assert onebit_main(["bench", "cluster", "--workers", "1", "--model", "tiny"]) == 2
     assert "--workers must be at least 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (dict(workers=6, workers_per_node=4), "--workers-per-node 4 does not divide --workers 6"),
+        (dict(workers=6, nodes=2, workers_per_node=2), "--workers 6 disagrees with --nodes 2"),
+        (dict(nodes=1, workers_per_node=4), "--nodes must be at least 2"),
+        (dict(nodes=2, workers_per_node=0), "--workers-per-node must be at least 1"),
+    ],
+)
+def test_cluster_shape_is_checked(given: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ComparisonSettings(**given).resolved()
+
+
+def test_cluster_shape_from_nodes_or_workers() -> None:
+    default = ComparisonSettings().resolved()
+    assert (default.workers, default.nodes, default.workers_per_node) == (4, 4, 1)
+    for given in (dict(nodes=2, workers_per_node=2), dict(workers=4, workers_per_node=2)):
+        settings = ComparisonSettings(**given, threads=1).resolved()
+        assert (settings.workers, settings.nodes) == (4, 2)
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -159,6 +225,8 @@ def test_options_are_the_settings_fields(capsys) -> None:
         latency="0.1ms",
     )
     assert cli._settings(_parse("cluster", "--methods", "all")).methods == tuple(METHODS)
+    nodes = cli._settings(_parse("cluster", "--nodes", "2", "--workers-per-node", "2"))
+    assert nodes == ComparisonSettings(nodes=2, workers_per_node=2)
     sweep = _parse("sweep", "--bandwidths", "100mbit,none", "--worker-counts", "")
     assert cli._settings(sweep) == ComparisonSettings(model="small")
     assert (sweep.bandwidths, sweep.worker_counts) == (["100mbit", None], [])
@@ -217,3 +285,39 @@ def test_two_worker_comparison_on_emulated_cluster() -> None:
         assert stages["warmup"]["wire_tx_bytes_per_step"] == pytest.approx(dense, rel=0.1)
     assert result["derived"]["comm_share"] is not None
     assert "compression_bytes_30x" in result["targets"]
+
+
+@needs_cluster
+def test_two_nodes_of_two_workers_on_emulated_cluster() -> None:
+    """The hierarchical exchange sends about 1/L of the flat one's bytes over a node's link."""
+    methods = ["onebit-lamb-ddp", "onebit-lamb-hier"]
+    result = comparison.run_comparison(
+        ComparisonSettings(
+            nodes=2,
+            workers_per_node=2,
+            bandwidth="1gbit",
+            model="tiny",
+            seq_len=16,
+            steps=2,
+            warm_steps=1,
+            skip_steps=1,
+            rounds=1,
+            methods=methods,
+            tcp_seconds=0,
+            timeout=180,
+        )
+    )
+    assert result["errors"] == []
+    settings = result["settings"]
+    assert (settings["workers"], settings["nodes"], settings["workers_per_node"]) == (4, 2, 2)
+    assert result["info"]["world_size"] == 4
+    assert set(result["summary"]) == set(methods)
+    for name in methods:
+        compression = result["summary"][name]["stages"]["compression"]
+        assert len(compression["wire_tx_bytes_per_step_by_host"]) == 2  # one link per node
+    vs_flat = result["summary"]["onebit-lamb-hier"]["vs_flat"]
+    # 1/L in the ideal; gloo's ring all-gather keeps a quarter of the flat exchange's
+    # second phase inside the nodes, which puts the measured ratio a little above 1/2.
+    assert 0.4 < vs_flat["wire_bytes_ratio"] < 0.7, vs_flat
+    assert "hierarchical_inter_node_bytes" in result["targets"]
+    assert "### 2 nodes x 2 workers, 1gbit" in report.format_report(result)

@@ -68,6 +68,33 @@ def test_names_fit_interface_limits() -> None:
         cluster.interface(250)
 
 
+def test_ranks_of_several_per_host_get_torchrun_environment() -> None:
+    cluster = EmulatedCluster(2)
+    env = cluster.torchrun_like_env(3, 4, cluster.host_address(0), 29500, ranks_per_host=2)
+    assert (env["RANK"], env["GROUP_RANK"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
+        "3", "1", "1", "2"
+    )  # fmt: skip
+    assert env["GLOO_SOCKET_IFNAME"] == cluster.interface(1)
+    with pytest.raises(ValueError, match="world_size must be in"):
+        cluster.torchrun_like_env(0, 5, cluster.host_address(0), 29500, ranks_per_host=2)
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        cluster.torchrun_like_env(0, 2, cluster.host_address(0), 29500, ranks_per_host=0)
+
+
+@needs_cluster
+def test_traffic_inside_a_host_bypasses_its_link() -> None:
+    """Two processes of one host, talking to its own address, go over its loopback: the
+    stream is not limited to the link's rate and does not show on the link's counters."""
+    nbytes = 20 << 20
+    with EmulatedCluster(2, bandwidth="10mbit") as cluster:
+        tx, rx = cluster.interface_bytes(0)
+        transfer = cluster.tcp_transfer(0, 0, nbytes=nbytes, seconds=10.0)
+        after_tx, after_rx = cluster.interface_bytes(0)
+    assert transfer.nbytes == nbytes
+    assert transfer.bits_per_second > 10 * 10e6
+    assert after_tx - tx < 10_000 and after_rx - rx < 10_000
+
+
 @needs_cluster
 def test_shaped_two_host_cluster_end_to_end() -> None:
     rate = 100e6

@@ -1,7 +1,7 @@
 """One rank of the emulated-cluster comparison; started by :mod:`onebit.bench.comparison`.
 
 Run as ``python -m onebit.bench._worker SETTINGS_JSON`` (a
-:class:`~onebit.bench.settings.ComparisonSettings` as a dict) inside a host's namespace with the
+:class:`~onebit.bench.settings.ComparisonSettings` as a dict) inside a node's namespace with the
 environment ``torchrun`` gives a multi-node job (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``, ``GLOO_SOCKET_IFNAME``); the process group is created through ``env://``.
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onebit.bench.settings import METHODS, ONEBIT_METHODS
+from onebit.bench.settings import HIERARCHICAL_METHOD, METHODS, ONEBIT_METHODS
 
 logger = logging.getLogger("onebit.bench.worker")
 
@@ -87,7 +87,12 @@ class _Method:
                     params, lr=cfg["lr"] / 10, weight_decay=0.01, freeze_step=self.freeze_step
                 )
             else:
-                optimizer = onebit.OneBitLamb(params, freeze_step=self.freeze_step, **lamb_kwargs)
+                node_groups = None
+                if name == HIERARCHICAL_METHOD:
+                    node_groups = onebit.node_groups(cfg["workers_per_node"])
+                optimizer = onebit.OneBitLamb(
+                    params, freeze_step=self.freeze_step, node_groups=node_groups, **lamb_kwargs
+                )
         else:
             optimizer = onebit.Lamb(params, **lamb_kwargs)
         if name != "onebit-lamb":

@@ -9,6 +9,11 @@ Derived figures:
 * Whole-run traffic reduction ``B(lamb) / (w B_warm + (1 - w) B_comp)`` from the measured bytes.
 * The ideals for 32x compression: ``1 / (w + (1 - w) / 32)`` for traffic and
   ``1 / ((1 - s) + s / 32)`` for the compression-stage speedup.
+* On nodes of ``L > 1`` workers, the hierarchical exchange against the flat one
+  (``onebit-lamb-ddp``, else ``onebit-lamb``): compression-stage step and ``optimizer.step()``
+  time ratios, and the ratio of wire bytes per node per compression step (ideally ``1/L``).
+
+Wire bytes are per emulated host, that is per node: what crosses its one shaped link.
 """
 
 from __future__ import annotations
@@ -16,12 +21,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from onebit.bench.settings import ONEBIT_LAMB_METHODS, ONEBIT_METHODS
+from onebit.bench.settings import (
+    FLAT_ONEBIT_LAMB_METHODS,
+    HIERARCHICAL_METHOD,
+    ONEBIT_LAMB_METHODS,
+    ONEBIT_METHODS,
+)
 
 __all__ = ["analyze", "ideal_speedup", "ideal_traffic_reduction"]
 
 COMPRESSION_RATIO = 32.0
 TARGET_WARMUP_FRACTIONS = (0.15, 0.20)
+#: Targets of the hierarchical exchange on nodes of L workers: at most this many times 1/L of
+#: the flat exchange's wire bytes per node, and a compression stage at least this much faster.
+HIERARCHICAL_BYTES_SLACK = 1.05
+HIERARCHICAL_SPEEDUP = 1.5
 
 
 def ideal_traffic_reduction(w: float, ratio: float = COMPRESSION_RATIO) -> float:
@@ -146,14 +160,69 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                     / (fraction * item["wire_warm"] + (1 - fraction) * item["wire_comp"])
                     for fraction in sorted({*TARGET_WARMUP_FRACTIONS, w})
                 }
+    _compare_hierarchical(summary)
     raw["summary"] = summary
     raw["derived"] = derived
-    raw["targets"] = _targets(raw)
+    raw["targets"] = {**_targets(raw), **_hierarchical_targets(raw)}
     return raw
+
+
+def _compare_hierarchical(summary: dict[str, Any]) -> None:
+    """Add ``vs_flat`` to the hierarchical method's summary: how it compares with the flat
+    1-bit LAMB of the same run in the compression stage."""
+    hier = summary.get(HIERARCHICAL_METHOD)
+    flat_name = next((m for m in FLAT_ONEBIT_LAMB_METHODS if m in summary), None)
+    if hier is None or flat_name is None:
+        return
+    flat = summary[flat_name]
+    ours, theirs = hier["stages"]["compression"], flat["stages"]["compression"]
+    vs_flat: dict[str, Any] = {
+        "method": flat_name,
+        "compression_stage_speedup": flat["t_comp"] / hier["t_comp"],
+    }
+    if "rank0_optimizer_step_seconds" in ours and "rank0_optimizer_step_seconds" in theirs:
+        vs_flat["optimizer_step_speedup"] = (
+            theirs["rank0_optimizer_step_seconds"] / ours["rank0_optimizer_step_seconds"]
+        )
+    if hier["wire_comp"] and flat["wire_comp"]:
+        vs_flat["wire_bytes_ratio"] = hier["wire_comp"] / flat["wire_comp"]
+    hier["vs_flat"] = vs_flat
 
 
 def _target(met: bool | None, detail: str) -> dict[str, Any]:
     return {"met": met, "detail": detail}
+
+
+def _hierarchical_targets(raw: dict[str, Any]) -> dict[str, Any]:
+    """The hierarchical exchange's targets, on nodes of several workers."""
+    settings, summary = raw["settings"], raw["summary"]
+    per_node = settings.get("workers_per_node", 1)
+    hier = summary.get(HIERARCHICAL_METHOD, {})
+    vs_flat = hier.get("vs_flat")
+    if per_node < 2 or vs_flat is None:
+        return {}
+    flat = vs_flat["method"]
+    targets: dict[str, Any] = {}
+    ratio = vs_flat.get("wire_bytes_ratio")
+    if ratio is not None:
+        limit = HIERARCHICAL_BYTES_SLACK / per_node
+        targets["hierarchical_inter_node_bytes"] = _target(
+            ratio <= limit,
+            f"wire bytes per node per compression step, {HIERARCHICAL_METHOD} / {flat}: "
+            f"{hier['wire_comp'] / 1e6:.3f} MB / {summary[flat]['wire_comp'] / 1e6:.3f} MB = "
+            f"{ratio:.3f} (target <= {HIERARCHICAL_BYTES_SLACK:g}/L = {limit:.3f}, L = {per_node})",
+        )
+    speedup = vs_flat["compression_stage_speedup"]
+    step = vs_flat.get("optimizer_step_speedup")
+    detail = f"compression-stage step time, {flat} / {HIERARCHICAL_METHOD}: {speedup:.2f}x" + (
+        "" if step is None else f" (optimizer.step() alone, rank 0: {step:.2f}x)"
+    )
+    if settings["bandwidth"] is None:
+        detail = f"not applicable: unshaped links; {detail}"
+    targets["hierarchical_compression_stage_1.5x"] = _target(
+        speedup >= HIERARCHICAL_SPEEDUP if settings["bandwidth"] else None, detail
+    )
+    return targets
 
 
 def _targets(raw: dict[str, Any]) -> dict[str, Any]:

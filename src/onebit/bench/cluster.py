@@ -23,9 +23,15 @@ Link semantics
 Processes run inside a host's namespace through :meth:`EmulatedCluster.popen`, which sets
 ``GLOO_SOCKET_IFNAME`` (inside a namespace the hostname resolves to loopback, so gloo would
 otherwise advertise 127.0.0.1 and its peers could not connect).
-:meth:`EmulatedCluster.launch_ranks` starts one ``torch.distributed`` rank per host with the
-environment ``torchrun`` would give a multi-node job (``env://`` rendezvous over the emulated
-network).
+:meth:`EmulatedCluster.launch_ranks` starts ``ranks_per_host`` ``torch.distributed`` ranks
+per host with the environment ``torchrun`` would give a multi-node job (``env://`` rendezvous
+over the emulated network; rank ``host * ranks_per_host + local rank``).
+
+Ranks of one host are a node of several GPUs: they all bind the host's address, and a packet
+between two of them, addressed to that local address, is routed through the namespace's
+loopback ``lo``, never the host's link. So the fast local link is unshaped and its traffic is
+not in :meth:`EmulatedCluster.interface_bytes`, which counts exactly what crosses the node's
+link (the tests check both with a stream inside one host).
 
 Everything is torn down on exit from the ``with`` block, including after exceptions, SIGTERM,
 SIGHUP (turned into ``SystemExit`` while the cluster is up) and SIGINT (``KeyboardInterrupt``),
@@ -545,27 +551,41 @@ class EmulatedCluster:
         return process
 
     def torchrun_like_env(
-        self, rank: int, world_size: int, master_addr: str, master_port: int
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        ranks_per_host: int = 1,
     ) -> dict[str, str]:
-        """Environment ``torchrun`` gives rank ``rank`` of a one-rank-per-node job on host ``rank``.
+        """Environment ``torchrun`` gives rank ``rank`` of a job of ``ranks_per_host`` ranks per
+        node, on host ``rank // ranks_per_host``.
 
         ``torch.distributed.init_process_group(init_method="env://")`` then rendezvouses over
         the emulated network at ``master_addr:master_port``.
         """
-        self._check_host(rank)
-        if not 1 <= world_size <= self.num_hosts:
-            raise ValueError(f"world_size must be in [1, {self.num_hosts}], got {world_size}")
-        if rank >= world_size:
+        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int):
+            raise ValueError(f"ranks_per_host must be an int, got {ranks_per_host!r}")
+        if ranks_per_host < 1:
+            raise ValueError(f"ranks_per_host must be at least 1, got {ranks_per_host}")
+        ranks = self.num_hosts * ranks_per_host
+        if not 1 <= world_size <= ranks:
+            raise ValueError(
+                f"world_size must be in [1, {ranks}] ({self.num_hosts} hosts of "
+                f"{ranks_per_host} ranks), got {world_size}"
+            )
+        if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        host, local_rank = divmod(rank, ranks_per_host)
         return {
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),
-            "GROUP_RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
-            "GLOO_SOCKET_IFNAME": self.interface(rank),
+            "GROUP_RANK": str(host),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(ranks_per_host),
+            "GLOO_SOCKET_IFNAME": self.interface(host),
         }
 
     def launch_ranks(
@@ -573,9 +593,12 @@ class EmulatedCluster:
         argv: Sequence[str],
         env: Mapping[str, str] | None = None,
         rank_kwargs: Callable[[int], Mapping[str, object]] | None = None,
+        *,
+        ranks_per_host: int = 1,
         **kwargs: object,
     ) -> list[subprocess.Popen[str]]:
-        """Start ``argv`` once per host as rank ``i`` of ``num_hosts``; master on host 0.
+        """Start ``argv`` ``ranks_per_host`` times per host, as ranks ``i * ranks_per_host``
+        to ``(i + 1) * ranks_per_host - 1`` on host ``i``; master on host 0.
 
         Each process gets :meth:`torchrun_like_env` on top of ``env``; ``kwargs``, and
         ``rank_kwargs(rank)`` for what differs between ranks (such as each rank's own log
@@ -589,11 +612,16 @@ class EmulatedCluster:
             port = _FIRST_MASTER_PORT + self._launches % _MASTER_PORTS
             self._launches += 1
         master = self.host_address(0)
+        world = self.num_hosts * ranks_per_host
         processes = []
-        for rank in range(self.num_hosts):
-            rank_env = {**(env or {}), **self.torchrun_like_env(rank, self.num_hosts, master, port)}
+        for rank in range(world):
+            rank_env = {
+                **(env or {}),
+                **self.torchrun_like_env(rank, world, master, port, ranks_per_host),
+            }
             extra = rank_kwargs(rank) if rank_kwargs is not None else {}
-            processes.append(self.popen(rank, argv, env=rank_env, **kwargs, **extra))
+            host = rank // ranks_per_host
+            processes.append(self.popen(host, argv, env=rank_env, **kwargs, **extra))
         return processes
 
     # ----- measurements --------------------------------------------------------------------
@@ -608,15 +636,14 @@ class EmulatedCluster:
     def tcp_transfer(
         self, src: int, dst: int, nbytes: int = 1 << 30, seconds: float = 3.0
     ) -> TcpTransfer:
-        """Stream zeros over one TCP connection from host ``src`` to host ``dst``.
+        """Stream zeros over one TCP connection from host ``src`` to host ``dst`` (with
+        ``src == dst``, between two processes of one host, over its loopback).
 
         The sender stops after ``nbytes`` or ``seconds``, whichever comes first; both ends time
         out on their own if the other side stalls.
         """
         self._check_host(src)
         self._check_host(dst)
-        if src == dst:
-            raise ValueError("src and dst must be different hosts")
         if nbytes < 1 or seconds <= 0:
             raise ValueError("nbytes and seconds must be positive")
         idle = seconds + 10.0

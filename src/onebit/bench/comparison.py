@@ -1,16 +1,18 @@
 """1-bit LAMB against LAMB and the alternatives on an emulated bandwidth-limited cluster.
 
 ``onebit bench cluster`` builds an :class:`~onebit.bench.cluster.EmulatedCluster` (one network
-namespace per worker, links shaped with ``tc``), checks the shaping with a raw TCP stream,
-starts one worker per namespace joined through ``torch.distributed``'s ``env://`` TCP
-rendezvous (as a multi-node ``torchrun`` job starts) and runs, in one run, with the same model,
-data and per-worker batch, the methods of :data:`onebit.bench.settings.METHODS`:
+namespace per node, its link shaped with ``tc``), checks the shaping with a raw TCP stream,
+starts ``workers_per_node`` workers per namespace (they talk over its unshaped loopback) joined
+through ``torch.distributed``'s ``env://`` TCP rendezvous (as a multi-node ``torchrun`` job
+starts) and runs, in one run, with the same model, data and per-worker batch, the methods of
+:data:`onebit.bench.settings.METHODS`:
 
 ========================  =====================================================
 ``lamb``                  LAMB under DDP: dense fp32 gradient allreduce (baseline)
 ``lamb-compute``          the same with a no-op DDP hook: compute only, no traffic
 ``onebit-lamb-ddp``       1-bit LAMB, DDP communication-hook path
 ``onebit-lamb``           1-bit LAMB, plain path (no DDP)
+``onebit-lamb-hier``      1-bit LAMB, hierarchical exchange over the nodes, DDP hook path
 ``onebit-adam``           1-bit Adam, DDP communication-hook path
 ``fp16``                  LAMB under DDP with PyTorch's ``fp16_compress_hook``
 ``powersgd-1``/``-4``     LAMB under DDP with PyTorch's PowerSGD hook, rank 1 / 4
@@ -19,7 +21,7 @@ data and per-worker batch, the methods of :data:`onebit.bench.settings.METHODS`:
 Each method starts from the same initial weights and sees the same batches. After untimed
 steps, timed blocks of steps measure the step time of each stage (warm-up and compression for
 the 1-bit methods, a steady state for the others), and the bytes sent and received by every
-worker's interface during the block, read from the kernel's interface counters
+node's interface during the block, read from the kernel's interface counters
 (:meth:`~onebit.bench.cluster.EmulatedCluster.interface_bytes`) at barriers around the block;
 the 1-bit methods also report onebit's own accounting. :mod:`onebit.bench.analysis` derives
 the speedups and targets from these measurements.
@@ -128,7 +130,7 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     logdir = Path(tempfile.mkdtemp(prefix="onebit-bench-"))
     try:
         with EmulatedCluster(
-            settings.workers, bandwidth=settings.bandwidth, latency=settings.latency
+            settings.nodes, bandwidth=settings.bandwidth, latency=settings.latency
         ) as cluster:
             raw["cluster"] = {
                 "run_id": cluster.run_id,
@@ -205,8 +207,8 @@ def _tail(path: Path) -> str:
 
 
 class _Workers:
-    """The comparison's worker processes, one per host, and the parent's side of their
-    protocol (see :mod:`onebit.bench._worker`): rank 0 writes ``@@info``, ``@@method`` and
+    """The comparison's worker processes, ``workers_per_node`` per host, and the parent's side
+    of their protocol (see :mod:`onebit.bench._worker`): rank 0 writes ``@@info``, ``@@method`` and
     ``@@done`` lines on stdout, and ``@@mark`` when it wants every host's interface counters,
     which the parent answers on its stdin. Everything goes into ``raw``."""
 
@@ -240,10 +242,11 @@ class _Workers:
                     "stdout": subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                     "stderr": logs[rank],
                 },
+                ranks_per_host=self.settings.workers_per_node,
             )
 
     def _counters(self) -> list[tuple[int, int]]:
-        return [self.cluster.interface_bytes(i) for i in range(self.settings.workers)]
+        return [self.cluster.interface_bytes(i) for i in range(self.settings.nodes)]
 
     def run(self) -> None:
         before = self._counters()

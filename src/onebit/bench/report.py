@@ -35,8 +35,13 @@ def format_report(result: dict[str, Any]) -> str:
     settings, summary, derived = result["settings"], result["summary"], result["derived"]
     info = result.get("info", {})
     bandwidth = bandwidth_label(settings["bandwidth"])
+    per_node = settings.get("workers_per_node", 1)
+    shape = f"{settings['workers']} workers"
+    if per_node > 1:
+        shape = f"{settings['nodes']} nodes x {per_node} workers"
+    host = "node" if per_node > 1 else "worker"
     out = [
-        f"### {settings['workers']} workers, {bandwidth}, model {settings['model']} "
+        f"### {shape}, {bandwidth}, model {settings['model']} "
         f"({_num(info.get('parameters', 0) / 1e6, '{:.1f}')}M parameters), per-worker batch "
         f"{settings['batch_size']} x {settings['seq_len']} tokens",
         "",
@@ -58,8 +63,9 @@ def format_report(result: dict[str, Any]) -> str:
         )
     out += [
         "",
-        "| method | warm-up samples/s | compression / steady samples/s | wire MB/step/worker "
-        "(warm-up / compr.) | library MB/step (warm-up / compr.) | bytes vs LAMB (compr.) | "
+        "| method | warm-up samples/s | compression / steady samples/s | "
+        f"wire MB/step/{host} (warm-up / compr.) | library MB/step (warm-up / compr.) | "
+        "bytes vs LAMB (compr.) | "
         f"T for {derived['run_steps']} steps, w={derived['freeze_fraction']:.2f} (computed) | "
         "compr.-stage speedup | whole-run speedup | compr./steady step: fwd+bwd / opt.step "
         "(rank 0) |",

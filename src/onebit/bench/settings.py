@@ -3,6 +3,11 @@
 :class:`ComparisonSettings` is the single list of a comparison's parameters: its fields are the
 options of ``onebit bench cluster`` and ``onebit bench sweep``, the sweep varies its
 ``workers`` and ``bandwidth``, the workers receive it as JSON, and the result JSON records it.
+
+The cluster is ``nodes`` emulated hosts, each a network namespace with one shaped link to the
+switch, holding ``workers_per_node`` workers that talk to each other over the namespace's
+loopback (the fast local link): ``--workers N`` alone is N nodes of one worker,
+``--nodes M --workers-per-node L`` is M nodes of L workers (ranks ``node * L + l``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ METHODS: dict[str, Method] = {
     "lamb-compute": Method("LAMB + DDP, no-op hook (compute only)", "compute-only"),
     "onebit-lamb-ddp": Method("1-bit LAMB, DDP hook path", "1-bit LAMB (DDP hook)"),
     "onebit-lamb": Method("1-bit LAMB, plain path", "1-bit LAMB (plain)"),
+    "onebit-lamb-hier": Method(
+        "1-bit LAMB, hierarchical exchange (dense in a node, 1-bit between nodes), DDP hook path",
+        "1-bit LAMB (hier.)",
+    ),
     "onebit-adam": Method("1-bit Adam, DDP hook path", "1-bit Adam"),
     "fp16": Method("LAMB + DDP fp16_compress_hook", "fp16 hook"),
     "powersgd-1": Method("LAMB + DDP PowerSGD rank 1", "PowerSGD r1"),
@@ -39,8 +48,13 @@ METHODS: dict[str, Method] = {
 }
 #: The baseline and its compute-only twin, against which the others are compared.
 BASELINE_METHODS = ("lamb", "lamb-compute")
-ONEBIT_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-adam")
-ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb")
+ONEBIT_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-lamb-hier", "onebit-adam")
+ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-lamb-hier")
+#: The flat 1-bit LAMB methods, against which the hierarchical one is compared.
+FLAT_ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb")
+HIERARCHICAL_METHOD = "onebit-lamb-hier"
+#: Workers when neither ``workers`` nor ``nodes`` is given.
+DEFAULT_WORKERS = 4
 
 
 def bandwidth_option(text: str) -> str | None:
@@ -76,8 +90,18 @@ def _methods_option(text: str) -> tuple[str, ...]:
 class ComparisonSettings:
     """What one comparison runs: the cluster, the model and batch, the timing, the methods."""
 
-    workers: int = option(
-        4, help="workers, one per network namespace (a sweep: those of its bandwidth sweep)"
+    workers: int | None = option(
+        None,
+        help="workers in all (a sweep: those of its bandwidth sweep)",
+        default_help=f"{DEFAULT_WORKERS}, or --nodes x --workers-per-node",
+    )
+    nodes: int | None = option(
+        None,
+        help="emulated nodes, each a network namespace with one shaped link",
+        default_help="--workers / --workers-per-node",
+    )
+    workers_per_node: int = option(
+        1, help="workers per node; they talk to each other over the node's unshaped loopback"
     )
     bandwidth: str | None = option(
         "1gbit",
@@ -119,10 +143,36 @@ class ComparisonSettings:
         True, help="refuse to start when the workers' estimated memory exceeds what is free"
     )
 
+    def topology(self) -> tuple[int, int]:
+        """``(workers, nodes)``, from whichever of ``workers`` and ``nodes`` is given, checked
+        against ``workers_per_node``; raises ``ValueError`` if they disagree."""
+        per_node = self.workers_per_node
+        if per_node < 1:
+            raise ValueError(f"--workers-per-node must be at least 1, got {per_node}")
+        if self.nodes is None:
+            workers = DEFAULT_WORKERS if self.workers is None else self.workers
+            if workers % per_node:
+                raise ValueError(
+                    f"--workers-per-node {per_node} does not divide --workers {workers}"
+                )
+            return workers, workers // per_node
+        if self.workers is not None and self.workers != self.nodes * per_node:
+            raise ValueError(
+                f"--workers {self.workers} disagrees with --nodes {self.nodes} x "
+                f"--workers-per-node {per_node}; give one or the other"
+            )
+        return self.nodes * per_node, self.nodes
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that is out of range."""
-        if self.workers < 2:
-            raise ValueError(f"--workers must be at least 2, got {self.workers}")
+        workers, nodes = self.topology()
+        if workers < 2:
+            raise ValueError(f"--workers must be at least 2, got {workers}")
+        if nodes < 2:
+            raise ValueError(
+                f"--nodes must be at least 2 (the links between nodes are what is measured), "
+                f"got {nodes}"
+            )
         if self.bandwidth is not None:
             parse_bandwidth(self.bandwidth)
         if self.latency is not None:
@@ -137,7 +187,10 @@ class ComparisonSettings:
             raise ValueError(f"--freeze-fraction must be in [0, 1], got {self.freeze_fraction}")
 
     def resolved(self) -> ComparisonSettings:
-        """A validated copy with ``threads`` filled in."""
+        """A validated copy with ``workers``, ``nodes`` and ``threads`` filled in."""
         self.validate()
-        threads = self.threads or max(1, (os.cpu_count() or 1) // self.workers)
-        return dataclasses.replace(self, methods=tuple(self.methods), threads=threads)
+        workers, nodes = self.topology()
+        threads = self.threads or max(1, (os.cpu_count() or 1) // workers)
+        return dataclasses.replace(
+            self, workers=workers, nodes=nodes, methods=tuple(self.methods), threads=threads
+        )

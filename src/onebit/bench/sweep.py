@@ -27,10 +27,13 @@ def run_sweep(
     worker_bandwidth: str | None,
     out_dir: Path,
 ) -> dict[str, Any]:
-    """The comparison ``base`` at every bandwidth (with ``base.workers`` workers) and at every
-    worker count (at ``worker_bandwidth``); writes one JSON per configuration, a summary JSON
-    and a PNG. A configuration that fails is recorded with its error and the sweep goes on."""
-    configs: list[tuple[int, str | None]] = [(base.workers, b) for b in bandwidths]
+    """The comparison ``base`` at every bandwidth (with ``base``'s workers) and at every
+    worker count (at ``worker_bandwidth``), in nodes of ``base.workers_per_node`` workers;
+    writes one JSON per configuration, a summary JSON and a PNG. A configuration that fails
+    is recorded with its error and the sweep goes on."""
+    base_workers, _ = base.topology()
+    per_node = base.workers_per_node
+    configs: list[tuple[int, str | None]] = [(base_workers, b) for b in bandwidths]
     configs += [
         (n, worker_bandwidth) for n in worker_counts if (n, worker_bandwidth) not in configs
     ]
@@ -38,9 +41,10 @@ def run_sweep(
     out_dir.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     for workers, bandwidth in configs:
-        label = f"{model}-{workers}w-{bandwidth_label(bandwidth)}"
+        shape = f"{workers}w" if per_node == 1 else f"{workers // per_node}x{per_node}"
+        label = f"{model}-{shape}-{bandwidth_label(bandwidth)}"
         logger.info("sweep: %s", label)
-        settings = dataclasses.replace(base, workers=workers, bandwidth=bandwidth)
+        settings = dataclasses.replace(base, workers=workers, nodes=None, bandwidth=bandwidth)
         try:
             result = run_comparison(settings)
         except ComparisonError as exc:
@@ -52,12 +56,12 @@ def run_sweep(
         results.append(sweep_row(result))
     sweep = {
         "model": model,
-        "bandwidth_workers": base.workers,
+        "bandwidth_workers": base_workers,
         "worker_bandwidth": worker_bandwidth,
         "rows": results,
     }
     if bandwidths and not worker_counts:
-        tag = f"bandwidth-{base.workers}w"
+        tag = f"bandwidth-{base_workers}w"
     elif worker_counts and not bandwidths:
         tag = f"workers-{bandwidth_label(worker_bandwidth)}"
     else:
@@ -73,6 +77,7 @@ def sweep_row(result: dict[str, Any]) -> dict[str, Any]:
     tcp = result.get("tcp_check") or {}
     return {
         "workers": settings["workers"],
+        "workers_per_node": settings.get("workers_per_node", 1),
         "bandwidth": settings["bandwidth"],
         "tcp_bits_per_second": tcp.get("bits_per_second"),
         "comm_share": derived.get("comm_share"),
