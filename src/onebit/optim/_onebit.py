@@ -302,8 +302,8 @@ class OneBitOptimizer(FlatOptimizer):
             self._has_state,
             backend=self._backend,
         )
-        if not self._gradients_checked:
-            with self._collective():
+        if not self._gradients_checked and self.step_count == self.freeze_step:
+            with self._collective():  # the first compression step only (not after a resume)
                 self._check_gradients_are_local(buffer)
         try:
             with self._collective():
