@@ -33,7 +33,7 @@ class Regression(pl.LightningModule):
 
     def configure_optimizers(self):
         return onebit.OneBitLamb(
-            self.parameters(), lr=2e-3, freeze_step=FREEZE, weight_decay=0.01, max_coeff=0.3
+            self.parameters(), lr=2e-2, freeze_step=FREEZE, weight_decay=0.01, max_coeff=0.3
         )
 
     def train_dataloader(self):
