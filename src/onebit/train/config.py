@@ -21,8 +21,10 @@ from onebit.cli import option
 from onebit.optim._common import (
     check_betas,
     check_coeff_bounds,
+    check_factor_bounds,
     check_non_negative,
     check_positive,
+    check_unit_interval,
 )
 from onebit.train.atomic import write_json_atomic
 
@@ -228,16 +230,9 @@ class TrainConfig:
         check_positive("--eps", self.eps)
         check_non_negative("--weight-decay", self.weight_decay)
         check_coeff_bounds(self.min_coeff, self.max_coeff)
-        check_positive("--factor-min", self.factor_min)
         check_non_negative("--factor-threshold", self.factor_threshold)
-        # OneBitLamb checks these two itself; onebit.optim._common has no function for them.
-        if not 0.0 <= self.coeff_beta < 1.0:
-            raise ValueError(f"Invalid --coeff-beta={self.coeff_beta}: it must be in [0, 1)")
-        if not self.factor_min <= self.factor_max:
-            raise ValueError(
-                f"Invalid factor bounds: --factor-min={self.factor_min} > "
-                f"--factor-max={self.factor_max}"
-            )
+        check_unit_interval("--coeff-beta", self.coeff_beta)
+        check_factor_bounds(self.factor_min, self.factor_max)
 
     def validate_intervals(self) -> None:
         """Check the step-count options against ``steps``."""
