@@ -137,8 +137,8 @@ class OneBitOptimizer(FlatOptimizer):
     @property
     def traffic_by_kind(self) -> dict[str, int]:
         """Bytes this rank has sent in ``step()`` per kind of collective (a copy):
-        ``"allreduce"``, ``"compressed_allreduce"``, or ``"intra_node"`` and ``"inter_node"``
-        with ``node_groups``."""
+        ``"allreduce"``, ``"compressed_allreduce"`` (or ``"intra_node"`` and ``"inter_node"``
+        with ``node_groups``) and ``"gradient_check"`` (the first compression step's)."""
         return dict(self._traffic.bytes_sent)
 
     def count_bytes_sent(self, stage: str, nbytes: int) -> None:
