@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -151,3 +152,35 @@ def test_the_kernels_argument_overrides_the_environment(monkeypatch):
     params[0].grad = torch.ones_like(params[0])
     optimizer.step()
     assert optimizer._backend == "torch"
+
+
+def test_checkpoints_with_python_float_scalars_load_and_continue_identically():
+    """Per-parameter scalars (``lamb_coeff_freeze``, ``last_factor``...) were Python floats
+    in checkpoints of earlier versions; they load into the device vectors."""
+    params, optimizer = _make("onebit-lamb", 3, freeze_step=2)
+    gen = torch.Generator().manual_seed(4)
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(6)]
+    for step in range(4):
+        for p, g in zip(params, grads[step], strict=True):
+            p.grad = g
+        optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    weights = [p.detach().clone() for p in params]
+    as_floats = copy.deepcopy(saved)
+    for state in as_floats["state"].values():
+        for name, value in state.items():
+            if torch.is_tensor(value) and value.dim() == 0:
+                state[name] = float(value)
+    results = []
+    for checkpoint in (saved, as_floats):
+        fresh_params, fresh = _make("onebit-lamb", 3, freeze_step=2)
+        with torch.no_grad():
+            for p, w in zip(fresh_params, weights, strict=True):
+                p.copy_(w)
+        fresh.load_state_dict(checkpoint)
+        for step in range(4, 6):
+            for p, g in zip(fresh_params, grads[step], strict=True):
+                p.grad = g
+            fresh.step()
+        results.append([p.detach().clone() for p in fresh_params])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
