@@ -29,7 +29,6 @@ __all__ = [
     "unpack_signs",
     "scale",
     "scale_dtype",
-    "compress",
     "update_error",
     "server_average",
     "simulate_compressed_allreduce",
@@ -137,13 +136,6 @@ def scale(x: Tensor) -> Tensor:
         raise ValueError("cannot take the scale of an empty tensor")
     norm = torch.linalg.vector_norm(x.reshape(-1), dtype=scale_dtype(x.dtype))
     return norm / math.sqrt(x.numel())
-
-
-def compress(x: Tensor, *, work: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """1-bit compression of ``x``: its packed signs and its scale ``||x|| / sqrt(numel)``.
-
-    ``work``: optional bool scratch tensor of ``x``'s size (see :func:`pack_signs`)."""
-    return pack_signs(x, work=work), scale(x)
 
 
 def update_error(error: Tensor, x: Tensor, packed: Tensor, x_scale: Tensor) -> Tensor:

@@ -74,7 +74,8 @@ def _variant(function, parallel: bool):
 _COMPRESSION = Compiled(compression, _DRIVERS)
 
 
-def _np(tensor: Tensor) -> np.ndarray:
+def to_numpy(tensor: Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array (no copy)."""
     return tensor.detach().numpy()
 
 
@@ -94,29 +95,31 @@ class NumbaKernels(ReferenceKernels):
         return None  # intermediates are recomputed, never stored
 
     def worker_compress(self, buffer, error, packed, x, scratch):
-        sumsq = _COMPRESSION("worker_compress")(_np(buffer), _np(error), _np(packed))
+        sumsq = _COMPRESSION("worker_compress")(to_numpy(buffer), to_numpy(error), to_numpy(packed))
         return _scale(sumsq, buffer.numel(), self.scale_dtype(buffer.dtype))
 
     def worker_error_update(self, buffer, error, packed, x_scale, x, scratch):
-        _COMPRESSION("worker_error_update")(_np(buffer), _np(error), _scalar(x_scale, error))
+        _COMPRESSION("worker_error_update")(
+            to_numpy(buffer), to_numpy(error), _scalar(x_scale, error)
+        )
 
     def server_compress(self, received, scales, server_error, packed, scratch):
-        weights = _np((scales / received.shape[0]).to(server_error.dtype))
+        weights = to_numpy((scales / received.shape[0]).to(server_error.dtype))
         sumsq = _COMPRESSION("server_compress")(
-            _np(received), weights, _np(server_error), _np(packed)
+            to_numpy(received), weights, to_numpy(server_error), to_numpy(packed)
         )
         return _scale(sumsq, server_error.numel(), self.scale_dtype(server_error.dtype))
 
     def server_error_update(self, received, scales, server_error, packed, y_scale, scratch):
-        weights = _np((scales / received.shape[0]).to(server_error.dtype))
+        weights = to_numpy((scales / received.shape[0]).to(server_error.dtype))
         _COMPRESSION("server_error_update")(
-            _np(received), weights, _np(server_error), _scalar(y_scale, server_error)
+            to_numpy(received), weights, to_numpy(server_error), _scalar(y_scale, server_error)
         )
 
     def decode(self, gathered, scales, out):
-        _COMPRESSION("decode")(_np(gathered), _np(scales.to(out.dtype)), _np(out))
+        _COMPRESSION("decode")(to_numpy(gathered), to_numpy(scales.to(out.dtype)), to_numpy(out))
 
 
 def _scalar(value: Tensor, like: Tensor):
     """A 0-d tensor as a numpy scalar of ``like``'s dtype (keeps float32 maths float32)."""
-    return _np(value.to(like.dtype))[()]
+    return to_numpy(value.to(like.dtype))[()]

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from onebit.collectives import PackedResult
 from onebit.kernels._numba import Compiled
+from onebit.kernels._numba import to_numpy as _np
 from onebit.optim._flat import FlatState
 from onebit.optim.functional import compression_factor, trust_ratio
 
@@ -351,10 +352,6 @@ class _Hyper:
         b1, b2 = self(lambda g: g["betas"][0]), self(lambda g: g["betas"][1])
         one = self.dtype(1)
         return b1, one - b1, b2, one - b2
-
-
-def _np(tensor: Tensor) -> np.ndarray:
-    return tensor.detach().numpy()
 
 
 def _tensor(flat: FlatState, values: np.ndarray) -> Tensor:

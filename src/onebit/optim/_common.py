@@ -71,31 +71,6 @@ def state_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def init_param_state(param: Tensor, state: dict[str, Any]) -> None:
-    """Zero moments in state precision, and an fp32 master copy of a half-precision param."""
-    if state:
-        return
-    if param.is_sparse:
-        raise RuntimeError("onebit optimizers do not support sparse parameters")
-    dtype = state_dtype(param)
-    state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
-    state["exp_avg_sq"] = torch.zeros_like(
-        param, dtype=dtype, memory_format=torch.contiguous_format
-    )
-    if param.dtype != dtype:
-        state["master_param"] = param.detach().to(dtype).contiguous()
-
-
-def master(param: Tensor, state: Mapping[str, Any]) -> Tensor:
-    """The tensor the update is applied to: the fp32 master copy, or the parameter itself."""
-    return state.get("master_param", param.data)
-
-
-def sync_param_from_master(param: Tensor, state: Mapping[str, Any]) -> None:
-    if "master_param" in state:
-        param.data.copy_(state["master_param"])
-
-
 def dense_grad(param: Tensor, dtype: torch.dtype) -> Tensor | None:
     """``param.grad`` in state precision; sparse gradients are rejected with a clear error."""
     grad = param.grad
@@ -159,26 +134,6 @@ def restore_state_precision(optimizer: Optimizer, state_dict: Mapping[str, Any])
             for name, value in saved_state.get(key, {}).items():
                 if isinstance(value, Tensor) and value.is_floating_point():
                     optimizer.state[param][name] = value.to(param.device, copy=True)
-
-
-class ScratchPool:
-    """Scratch tensors reused across steps (one flat buffer per slot, grown on demand).
-
-    Large fresh tensors cost page faults on every step; reusing a few buffers keeps the
-    optimizers' hot loops free of allocations. Not part of the optimizer's state.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
-
-    def get(self, slot: int, like: Tensor) -> Tensor:
-        """A scratch tensor of ``like``'s shape, dtype and device (contents undefined)."""
-        key = (slot, like.dtype, like.device)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < like.numel():
-            buffer = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-            self._buffers[key] = buffer
-        return buffer[: like.numel()].view(like.shape)
 
 
 def all_finite(tensors: Iterable[Tensor]) -> bool:

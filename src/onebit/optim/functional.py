@@ -113,13 +113,6 @@ def _active_if_finite(
     return indices
 
 
-def _group_values(flat: FlatState, indices: Sequence[int], value_of) -> Tensor:
-    """A hyper-parameter of each listed parameter's group, as a device vector."""
-    return torch.tensor(
-        [float(value_of(flat.groups[i])) for i in indices], dtype=flat.dtype, device=flat.device
-    )
-
-
 def _scale_each(tensors: list[Tensor], values: Tensor) -> None:
     """``tensors[i] *= values[i]`` for a device vector ``values`` (no host sync)."""
     if tensors:
@@ -208,10 +201,10 @@ def lamb_step_(
     coeff, defined = trust_ratio(
         _norms(_pick(p, indices), flat.weights),
         _norms(_pick(update, indices), flat.weights),
-        _group_values(flat, indices, lambda g: g["min_coeff"]),
-        _group_values(flat, indices, lambda g: g["max_coeff"]),
+        flat.segment_values(lambda g: g["min_coeff"])[indices],
+        flat.segment_values(lambda g: g["max_coeff"])[indices],
     )
-    _step_(flat, indices, update, -_group_values(flat, indices, lambda g: g["lr"]) * coeff)
+    _step_(flat, indices, update, -flat.segment_values(lambda g: g["lr"])[indices] * coeff)
     full_coeff = torch.ones(len(active), dtype=flat.dtype, device=flat.device)
     full_defined = torch.zeros(len(active), dtype=torch.bool, device=flat.device)
     full_coeff[indices], full_defined[indices] = coeff, defined
@@ -237,7 +230,7 @@ def adam_step_(
     if indices is None:
         return False
     update = _moments_and_directions(flat, grads, indices)
-    _step_(flat, indices, update, -_group_values(flat, indices, lambda g: g["lr"]))
+    _step_(flat, indices, update, -flat.segment_values(lambda g: g["lr"])[indices])
     return True
 
 
@@ -344,11 +337,11 @@ def onebit_lamb_compressed_step_(
         base_norm,
         _norms(_pick(update, indices), flat.weights),
         last_factor[indices],
-        _group_values(flat, indices, lambda g: g["factor_min"]),
-        _group_values(flat, indices, lambda g: g["factor_max"]),
-        _group_values(flat, indices, lambda g: g["factor_threshold"]),
+        flat.segment_values(lambda g: g["factor_min"])[indices],
+        flat.segment_values(lambda g: g["factor_max"])[indices],
+        flat.segment_values(lambda g: g["factor_threshold"])[indices],
     )
-    steps = -_group_values(flat, indices, lambda g: g["lr"]) * lamb_coeff_freeze[indices] * factor
+    steps = -flat.segment_values(lambda g: g["lr"])[indices] * lamb_coeff_freeze[indices] * factor
     _step_(flat, indices, update, steps)
     full = last_factor.clone()
     full[indices] = factor
