@@ -36,6 +36,8 @@ class FlatState:
     ) -> None:
         if not params:
             raise ValueError("no trainable parameters")
+        if any(p.is_sparse for _, p in params):
+            raise RuntimeError("onebit optimizers do not support sparse parameters")
         devices = {p.device for _, p in params}
         if len(devices) > 1:
             raise ValueError(
