@@ -211,7 +211,7 @@ for log2 in (24, 26):
 EOF
 }
 
-# -- 5. PLACEHOLDER: 2-process NCCL optimizer check --------------------------------------
+# -- 5. the optimizers on CUDA --------------------------------------------------------
 # The optimizers on CUDA against CPU (and 2 NCCL ranks against 2 gloo ranks where two GPUs
 # are visible); exit 77 when nothing could run.
 nccl_optimizer_check() {

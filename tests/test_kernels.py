@@ -168,7 +168,8 @@ def test_exchanges_differ_only_where_the_server_average_is_within_rounding_of_ze
     """Workers holding permutations of the same values have equal scales in exact
     arithmetic, so a server average such as ``(a0 - a1 + a2 - a3) / 4`` cancels to within
     rounding and its sign follows the rounding of the scales (which a fused backend sums in
-    another order). Every disagreement must be such an element."""
+    another order; whether any sign flips depends on the device). Every disagreement must be such
+    an element."""
     n, numel, device = 4, 8 * 4 * 4000, _device(backend)
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(numel, generator=gen)
@@ -179,9 +180,10 @@ def test_exchanges_differ_only_where_the_server_average_is_within_rounding_of_ze
     fused, _ = _exchange(buffers, zero, backend)
     scales = buffers.double().norm(dim=1) / numel**0.5
     exact_average = (scales[:, None] / n * torch.where(buffers >= 0, 1.0, -1.0)).sum(0)
-    differ = torch.sign(ref) != torch.sign(fused)
-    assert differ.any(), "this input is meant to contain ties"
-    assert (exact_average[differ].abs() <= 1e-4 * scales.max()).all()
+    within_rounding = exact_average.abs() <= 1e-4 * scales.max()
+    assert within_rounding.sum() > 100, "this input is meant to contain ties"
+    differ = torch.sign(ref) != torch.sign(fused)  # none, or some of the ties (device-dependent)
+    assert within_rounding[differ].all()
 
 
 @pytest.mark.parametrize("backend", FUSED)
