@@ -4,9 +4,13 @@ Public API:
 
 * :class:`OneBitLamb`, :class:`OneBitAdam`: the 1-bit optimizers (warm-up, then momentum
   exchanged at 1 bit per element with two-sided error feedback).
+* :class:`ZeroOneAdam`: 0/1 Adam (variance updated on exponentially spaced steps, 1-bit
+  gradients in between, then local steps with 1-bit synchronisations at growing intervals).
 * :class:`Lamb`: the uncompressed LAMB baseline (the warm-up stage of 1-bit LAMB).
 * :func:`compressed_allreduce`, :func:`padded_size`: the compressed collective itself, with
   :class:`CompressionWorkspace` (reused scratch) and :class:`TrafficCounter` (bytes sent).
+* :func:`compressed_allreduce_per_tensor`, :func:`per_tensor_error_sizes`: the same exchange
+  with every tensor compressed alone (DeepSpeed's 1-bit Adam), in fused collectives.
 * :func:`hierarchical_compressed_allreduce`, :func:`node_groups`: the exchange for nodes of
   several ranks (dense inside a node, 1 bit between nodes).
 * :func:`from_deepspeed_config`: the optimizer a DeepSpeed JSON config describes.
@@ -21,7 +25,9 @@ from onebit.collectives import (
     TrafficCounter,
     allreduce_mean_,
     compressed_allreduce,
+    compressed_allreduce_per_tensor,
     padded_size,
+    per_tensor_error_sizes,
 )
 from onebit.consistency import ReplicaMismatchError, broadcast_parameters, verify_replicas
 from onebit.deepspeed import from_deepspeed_config
@@ -30,7 +36,14 @@ from onebit.hierarchical import (
     hierarchical_compressed_allreduce,
     node_groups,
 )
-from onebit.optim import CommunicationError, Lamb, OneBitAdam, OneBitLamb, OneBitOptimizer
+from onebit.optim import (
+    CommunicationError,
+    Lamb,
+    OneBitAdam,
+    OneBitLamb,
+    OneBitOptimizer,
+    ZeroOneAdam,
+)
 
 __all__ = [
     "CommunicationError",
@@ -40,6 +53,7 @@ __all__ = [
     "OneBitAdam",
     "OneBitLamb",
     "OneBitOptimizer",
+    "ZeroOneAdam",
     "ReplicaMismatchError",
     "broadcast_parameters",
     "verify_replicas",
@@ -52,6 +66,8 @@ __all__ = [
     "TrafficCounter",
     "allreduce_mean_",
     "compressed_allreduce",
+    "compressed_allreduce_per_tensor",
     "padded_size",
+    "per_tensor_error_sizes",
 ]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit import kernels as backends
-from onebit.compression import scale_dtype
+from onebit.compression import per_tensor_padded_size, scale_dtype
 
 __all__ = [
     "CompressionWorkspace",
@@ -35,6 +36,8 @@ __all__ = [
     "allreduce_mean_",
     "compressed_allreduce",
     "compressed_allreduce_packed",
+    "compressed_allreduce_per_tensor",
+    "per_tensor_error_sizes",
     "PackedResult",
 ]
 
@@ -182,9 +185,9 @@ def all_gather_into(output: Tensor, local: Tensor, group: dist.ProcessGroup | No
 
 def _worker_scales_problem(gathered: Tensor, backend_name: str) -> Exception | None:
     """The error every rank raises if ranks run different backends or a worker scale is not
-    finite (one host read of the gathered ``[scale, backend code]`` rows)."""
+    finite (one host read of the gathered ``[scales..., backend code]`` rows)."""
     rows = gathered.tolist()
-    codes = [int(code) if code == code else 0 for _, code in rows]
+    codes = [int(row[-1]) if row[-1] == row[-1] else 0 for row in rows]
     if len(set(codes)) > 1:
         names = [
             backends.BACKENDS[code - 1] if 0 < code <= len(backends.BACKENDS) else "?"
@@ -195,12 +198,17 @@ def _worker_scales_problem(gathered: Tensor, backend_name: str) -> Exception | N
             f"rank; this rank: {backend_name!r}). Install the same packages on every rank, or "
             "set ONEBIT_KERNELS to the same backend everywhere."
         )
-    return _finite_problem([scale for scale, _ in rows], "worker scale")
+    return _finite_problem([row[:-1] for row in rows], "worker scale")
 
 
-def _finite_problem(scales: list[float], what: str) -> NonFiniteError | None:
-    """The :class:`NonFiniteError` every rank raises if a gathered scale is not finite."""
-    bad = [rank for rank, value in enumerate(scales) if not math.isfinite(value)]
+def _finite_problem(scales: list, what: str) -> NonFiniteError | None:
+    """The :class:`NonFiniteError` every rank raises if a gathered scale is not finite
+    (``scales[rank]``: that rank's scale, or a list of its scales)."""
+    bad = [
+        rank
+        for rank, values in enumerate(scales)
+        if not all(map(math.isfinite, values if isinstance(values, list) else [values]))
+    ]
     if bad:
         return NonFiniteError(
             f"compressed_allreduce: non-finite {what} on rank(s) {bad} "
@@ -407,3 +415,175 @@ def compressed_allreduce_packed(
     if traffic is not None and n > 1:
         traffic.record("compressed_allreduce", compressed_allreduce_bytes(numel, n, buffer.dtype))
     return PackedResult(ws.gathered, ws.server_scales, backend.name)
+
+
+def per_tensor_error_sizes(numels: Sequence[int], n: int) -> tuple[int, int]:
+    """``(worker_error elements, server_error elements)`` of
+    :func:`compressed_allreduce_per_tensor` for tensors of these sizes over ``n`` ranks:
+    ``W = sum_t P_t`` (each tensor padded alone, :func:`~onebit.compression.per_tensor_padded_size`)
+    and ``W / n``."""
+    width = sum(per_tensor_padded_size(numel, n) for numel in numels)
+    return width, width // n
+
+
+def compressed_allreduce_per_tensor_bytes(numels: Sequence[int], n: int, dtype: torch.dtype) -> int:
+    """Bytes one rank sends in a :func:`compressed_allreduce_per_tensor` of tensors of these
+    sizes and ``dtype`` over ``n`` ranks: its signs for the ``n-1`` other servers
+    (all-to-all), its server chunks' signs to ``n-1`` peers (all-gather), and per peer its
+    vector of worker scales and backend code and its vector of server scales."""
+    if n == 1:
+        return 0
+    _, server = per_tensor_error_sizes(numels, n)
+    scale_bytes = torch.empty((), dtype=scale_dtype(dtype)).element_size()
+    return 2 * (n - 1) * server // 8 + (2 * len(numels) + 1) * scale_bytes * (n - 1)
+
+
+def _validate_per_tensor(
+    tensors: Sequence[Tensor], worker_error: Tensor, server_error: Tensor, n: int
+) -> list[int]:
+    """Check the inputs of :func:`compressed_allreduce_per_tensor`; each tensor's padded size."""
+    if not tensors:
+        raise ValueError("tensors must hold at least one tensor")
+    if not worker_error.is_floating_point():
+        raise TypeError(f"worker_error must be a floating-point tensor, got {worker_error.dtype}")
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, Tensor) or tensor.dtype != worker_error.dtype:
+            found = tensor.dtype if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise TypeError(f"tensors[{index}] is {found}; it must be {worker_error.dtype}")
+        if tensor.device != worker_error.device:
+            raise ValueError(
+                f"tensors[{index}] is on {tensor.device}; it must be on {worker_error.device}"
+            )
+    width, server = per_tensor_error_sizes([t.numel() for t in tensors], n)
+    for name, tensor, expected in (
+        ("worker_error", worker_error, width),
+        ("server_error", server_error, server),
+    ):
+        if tensor.numel() != expected:
+            raise ValueError(
+                f"{name} has {tensor.numel()} elements; these tensors need {expected} over "
+                f"{n} ranks (onebit.per_tensor_error_sizes)"
+            )
+        if tensor.dtype != worker_error.dtype or tensor.device != worker_error.device:
+            raise ValueError(
+                f"{name} is {tensor.dtype} on {tensor.device}; it must match worker_error "
+                f"({worker_error.dtype} on {worker_error.device})"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    return [per_tensor_padded_size(t.numel(), n) for t in tensors]
+
+
+def compressed_allreduce_per_tensor(
+    tensors: Sequence[Tensor],
+    worker_error: Tensor,
+    server_error: Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    traffic: TrafficCounter | None = None,
+    kernels: str | None = None,
+) -> None:
+    """Replace each tensor, in place, by its 1-bit compressed average over the group
+    (DeepSpeed's per-tensor compressed allreduce), with flat error buffers holding every
+    tensor's padded error one after another; fused collectives.
+
+    Tensor ``t`` (``N_t`` elements) is zero-padded alone to ``P_t``
+    (:func:`~onebit.compression.per_tensor_padded_size`) and exchanged as by
+    :func:`compressed_allreduce`, with its own worker scale, per-chunk server scales and the
+    slices ``worker_error[W_t : W_t + P_t]`` and ``server_error[S_t : S_t + P_t / n]``
+    (``W_t``, ``S_t``: the sums over the tensors before it). All tensors travel together in
+    four collectives (ALGORITHM.md, "Per-tensor compression"): an all-gather of each rank's
+    worker scales, one all-to-all of the signs (server ``j`` gets chunk ``j`` of every
+    tensor), an all-gather of the server scales and one of the servers' signs.
+
+    Args:
+        tensors: floating-point tensors of one dtype and device, any shapes.
+        worker_error, server_error: this rank's error state, of the tensors' dtype and
+            device, with the sizes :func:`per_tensor_error_sizes` gives.
+        group, traffic, kernels: as in :func:`compressed_allreduce`; the bytes are
+            :func:`compressed_allreduce_per_tensor_bytes`, counted as ``"compressed_allreduce"``.
+
+    Raises:
+        ValueError, TypeError: on sizes, dtypes or devices that do not fit (before any
+            communication).
+        NonFiniteError, KernelMismatchError: on every rank, as :func:`compressed_allreduce`;
+            the tensors and the error states are left unchanged.
+    """
+    n = world_size(group)
+    tensors = list(tensors)
+    sizes = _validate_per_tensor(tensors, worker_error, server_error, n)
+    dtype, device = worker_error.dtype, worker_error.device
+    backend = backends.select(worker_error, kernels)
+    count, width = len(tensors), sum(sizes)
+    worker_errors = worker_error.view(-1).split(sizes)
+    server_errors = server_error.view(-1).split([size // n for size in sizes])
+    padded = torch.zeros(width, dtype=dtype, device=device)
+    buffers = padded.split(sizes)
+    for buffer, tensor in zip(buffers, tensors, strict=True):
+        buffer[: tensor.numel()].copy_(tensor.reshape(-1))
+    xs = torch.empty(width, dtype=dtype, device=device).split(sizes)
+    worker_packed = torch.empty(width // 8, dtype=torch.uint8, device=device)
+    packed = worker_packed.split([size // 8 for size in sizes])
+    scratch = [backend.scratch(size, n, dtype, device) for size in sizes]
+    sdtype = scale_dtype(dtype)
+
+    # Phase 1, worker side: every tensor compressed alone; every rank's scales and backend
+    # checked before any state changes; chunk j of every tensor's signs to rank j.
+    local_scales = torch.empty(count + 1, dtype=sdtype, device=device)
+    for t in range(count):
+        local_scales[t] = backend.worker_compress(
+            buffers[t], worker_errors[t], packed[t], xs[t], scratch[t]
+        )
+    local_scales[count] = backends.code(backend)
+    worker_scales = torch.empty(n, count + 1, dtype=sdtype, device=device)
+    all_gather_into(worker_scales, local_scales, group, n)
+    _raise_agreed(_worker_scales_problem(worker_scales, backend.name), None, device)
+    for t in range(count):
+        backend.worker_error_update(
+            buffers[t], worker_errors[t], packed[t], local_scales[t], xs[t], scratch[t]
+        )
+    chunk_bytes = [size // (8 * n) for size in sizes]
+    by_server = torch.cat([p.view(n, c) for p, c in zip(packed, chunk_bytes, strict=True)], dim=1)
+    received = torch.empty_like(by_server)
+    if n == 1:
+        received.copy_(by_server)
+    else:
+        dist.all_to_all_single(received.view(-1), by_server.view(-1), group=group)
+
+    # Phase 1, server side: this rank's chunk of every tensor, averaged and compressed again.
+    received_by_tensor = [part.contiguous() for part in received.split(chunk_bytes, dim=1)]
+    server_packed = torch.empty(width // (8 * n), dtype=torch.uint8, device=device)
+    server_parts = server_packed.split(chunk_bytes)
+    local_server_scales = torch.empty(count, dtype=sdtype, device=device)
+    for t in range(count):
+        local_server_scales[t] = backend.server_compress(
+            received_by_tensor[t],
+            worker_scales[:, t].contiguous(),
+            server_errors[t],
+            server_parts[t],
+            scratch[t],
+        )
+
+    # Phase 2: every rank gathers every server's scales and signs.
+    server_scales = torch.empty(n, count, dtype=sdtype, device=device)
+    all_gather_into(server_scales, local_server_scales, group, n)
+    _raise_agreed(_finite_problem(server_scales.tolist(), "server scale"), None, device)
+    for t in range(count):
+        backend.server_error_update(
+            received_by_tensor[t],
+            worker_scales[:, t].contiguous(),
+            server_errors[t],
+            server_parts[t],
+            local_server_scales[t],
+            scratch[t],
+        )
+    gathered = torch.empty(n, width // (8 * n), dtype=torch.uint8, device=device)
+    all_gather_into(gathered, server_packed, group, n)
+    for t, part in enumerate(gathered.split(chunk_bytes, dim=1)):
+        backend.decode(part.contiguous(), server_scales[:, t].contiguous(), xs[t])
+        tensors[t].copy_(xs[t][: tensors[t].numel()].view_as(tensors[t]))
+    if traffic is not None and n > 1:
+        traffic.record(
+            "compressed_allreduce",
+            compressed_allreduce_per_tensor_bytes([t.numel() for t in tensors], n, dtype),
+        )

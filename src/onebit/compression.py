@@ -17,6 +17,7 @@ Conventions (ALGORITHM.md):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -31,7 +32,9 @@ __all__ = [
     "scale_dtype",
     "update_error",
     "server_average",
+    "per_tensor_padded_size",
     "simulate_compressed_allreduce",
+    "simulate_compressed_allreduce_per_tensor",
     "simulate_hierarchical_compressed_allreduce",
 ]
 
@@ -234,6 +237,77 @@ def simulate_compressed_allreduce(
     result = torch.empty(numel, dtype=dtype, device=device)
     backend.decode(server_packed, server_scales, result)
     return result, new_worker_errors, new_server_errors
+
+
+def per_tensor_padded_size(numel: int, n: int) -> int:
+    """The size a tensor of ``numel`` elements is padded to alone in the per-tensor exchange:
+    the smallest multiple of ``n * lcm(n, 8)`` (DeepSpeed's unit) that is ``>= numel``, and at
+    least one unit (ALGORITHM.md, "Per-tensor compression")."""
+    if numel < 0 or n < 1:
+        raise ValueError(f"need numel >= 0 and n >= 1, got numel={numel}, n={n}")
+    unit = n * math.lcm(n, 8)
+    return max(unit, -(-numel // unit) * unit)
+
+
+def simulate_compressed_allreduce_per_tensor(
+    buffers: Sequence[Tensor],
+    worker_errors: Tensor,
+    server_errors: Tensor,
+    *,
+    kernels: str | None = None,
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Single-process model of :func:`onebit.compressed_allreduce_per_tensor` over ``n`` workers.
+
+    Args:
+        buffers: tensor ``t`` as ``[n, N_t]``, row ``i`` is worker ``i``'s copy.
+        worker_errors: ``[n, W]``, row ``i`` holds worker ``i``'s errors of every tensor, each
+            padded alone to ``P_t = per_tensor_padded_size(N_t, n)``, one after another.
+        server_errors: ``[n, W / n]``, row ``j`` holds server ``j``'s error of chunk ``j`` of
+            every tensor (``P_t / n`` elements each), one after another.
+        kernels: the backend of the local work, as in :func:`simulate_compressed_allreduce`.
+
+    Returns:
+        ``(results, new_worker_errors, new_server_errors)``; ``results[t]`` has ``N_t``
+        elements. Tensor by tensor this is :func:`simulate_compressed_allreduce` of the tensor
+        zero-padded to ``P_t`` with its slices of the error buffers. The inputs are unchanged.
+    """
+    if not buffers:
+        raise ValueError("buffers must hold at least one tensor")
+    n = buffers[0].shape[0] if buffers[0].dim() == 2 else 0
+    for index, buffer in enumerate(buffers):
+        if buffer.dim() != 2 or buffer.shape[0] != n or buffer.dtype != worker_errors.dtype:
+            raise ValueError(
+                f"buffers[{index}] is {buffer.dtype} {tuple(buffer.shape)}; every buffer must be "
+                f"[n, N_t] with the same n and the errors' dtype {worker_errors.dtype}"
+            )
+    sizes = [per_tensor_padded_size(buffer.shape[1], n) for buffer in buffers]
+    width = sum(sizes)
+    if worker_errors.shape != (n, width) or server_errors.shape != (n, width // n):
+        raise ValueError(
+            f"worker_errors must be [{n}, {width}] and server_errors [{n}, {width // n}]; got "
+            f"{tuple(worker_errors.shape)} and {tuple(server_errors.shape)}"
+        )
+    new_worker_errors = torch.empty_like(worker_errors)
+    new_server_errors = torch.empty_like(server_errors)
+    results = []
+    worker_offset = server_offset = 0
+    for buffer, size in zip(buffers, sizes, strict=True):
+        chunk = size // n
+        worker_part = slice(worker_offset, worker_offset + size)
+        server_part = slice(server_offset, server_offset + chunk)
+        padded = buffer.new_zeros(n, size)
+        padded[:, : buffer.shape[1]] = buffer
+        result, new_worker_errors[:, worker_part], new_server_errors[:, server_part] = (
+            simulate_compressed_allreduce(
+                padded,
+                worker_errors[:, worker_part].contiguous(),
+                server_errors[:, server_part].contiguous(),
+                kernels=kernels,
+            )
+        )
+        results.append(result[: buffer.shape[1]])
+        worker_offset, server_offset = worker_offset + size, server_offset + chunk
+    return results, new_worker_errors, new_server_errors
 
 
 def simulate_hierarchical_compressed_allreduce(
