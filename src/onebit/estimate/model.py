@@ -1,0 +1,307 @@
+"""The cost model of one training step on a cluster (docs/ALGORITHM.md, "Cost model of a step").
+
+An alpha-beta model: a collective costs ``alpha`` per message step plus its bytes over the
+slowest link it crosses, plus the processor time the ranks spend moving those bytes through the
+collective library; the 1-bit methods add the compression stage's local work. Bytes per rank
+come from the library's own formulas (:func:`~onebit.collectives.allreduce_bytes`,
+:func:`~onebit.collectives.compressed_allreduce_bytes`,
+:func:`~onebit.hierarchical.hierarchical_bytes`), so the model sends what the code sends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from onebit.collectives import allreduce_bytes, compressed_allreduce_bytes, padded_size
+from onebit.hierarchical import hierarchical_bytes
+
+__all__ = [
+    "COMPRESSION_THROUGHPUT",
+    "HOST_THROUGHPUT",
+    "TCP_PAYLOAD_SHARE",
+    "Cluster",
+    "Exchange",
+    "Machine",
+    "MethodEstimate",
+    "dense_allreduce",
+    "estimate",
+    "flat_exchange",
+    "hierarchical_exchange",
+    "local_compression_seconds",
+]
+
+#: Bytes of fp32 parameters per second through the compression stage's local work beyond
+#: LAMB's update, on this machine: ``4N / (t(OneBitLamb compression step) - t(Lamb.step()))``
+#: at world size 2 on loopback, both cores busy, numba kernels (docs/bench/micro-optimizer.json:
+#: 108.9M parameters, 0.312 s against 0.120 s). ``onebit estimate --calibrate`` measures it again.
+COMPRESSION_THROUGHPUT = 2.27e9
+#: Bytes per second one rank moves through gloo's dense allreduce on this machine:
+#: ``2 (n-1)/n 4N / t(dist.all_reduce)`` at world size 2 on loopback (the same file: 0.274 s).
+HOST_THROUGHPUT = 1.59e9
+#: Payload share of a full Ethernet frame for TCP with timestamps: 1448 of 1514 bytes.
+TCP_PAYLOAD_SHARE = 1448 / 1514
+
+FP32_BYTES = 4
+
+
+def _check_positive(name: str, value: float, *, allow_inf: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if math.isinf(value) and not allow_inf:
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def _check_share(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the hardware and software stack cost, besides the links' bandwidth."""
+
+    compression_throughput: float = COMPRESSION_THROUGHPUT
+    """R_c: bytes of fp32 parameters per second through the compression stage's local work
+    beyond LAMB's update."""
+    host_throughput: float = HOST_THROUGHPUT
+    """R_h: bytes per second a rank's processor moves through the dense allreduce; ``inf``
+    where the collective library reduces on the device (NCCL on GPUs)."""
+    latency: float = 50e-6
+    """alpha: seconds per message step of a collective."""
+    link_efficiency: float = TCP_PAYLOAD_SHARE
+    """eta: payload share of the line rate for long transfers."""
+    burst_efficiency: float = 1.0
+    """eta_b: share of the long-transfer rate the 1-bit exchange's short collectives reach."""
+    cpu_sharing: float = 1.0
+    """k: ranks that share one processor core for local work and host costs (>= 1)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("compression_throughput", self.compression_throughput, allow_inf=True)
+        _check_positive("host_throughput", self.host_throughput, allow_inf=True)
+        if isinstance(self.latency, bool) or not (
+            isinstance(self.latency, (int, float)) and 0 <= self.latency < math.inf
+        ):
+            raise ValueError(f"latency must be finite seconds >= 0, got {self.latency!r}")
+        _check_share("link_efficiency", self.link_efficiency)
+        _check_share("burst_efficiency", self.burst_efficiency)
+        if isinstance(self.cpu_sharing, bool) or not (
+            isinstance(self.cpu_sharing, (int, float)) and 1 <= self.cpu_sharing < math.inf
+        ):
+            raise ValueError(f"cpu_sharing must be a number >= 1, got {self.cpu_sharing!r}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The job: model size, topology, links and the step's computation."""
+
+    parameters: int
+    """N, trainable parameters (the gradient and momentum have N elements)."""
+    compute_seconds: float
+    """t_c: one step without communication (forward, backward, LAMB's update)."""
+    bandwidth: float
+    """B: line rate of each node's link, bytes per second and direction."""
+    nodes: int = 1
+    """M."""
+    ranks_per_node: int = 1
+    """L, ranks (GPUs) per node."""
+    intra_bandwidth: float = math.inf
+    """B_intra: bytes per second between two ranks of a node; ``inf``: limited only by the
+    host throughput."""
+    warmup_fraction: float = 0.2
+    """w: share of the run's steps in the warm-up stage (dense allreduce)."""
+    mixed_precision: bool = False
+    """Gradients in fp16 (2 bytes) for the dense allreduce, as in the paper's runs."""
+
+    def __post_init__(self) -> None:
+        for name in ("parameters", "nodes", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        _check_positive("compute_seconds", self.compute_seconds)
+        _check_positive("bandwidth", self.bandwidth)
+        _check_positive("intra_bandwidth", self.intra_bandwidth, allow_inf=True)
+        w = self.warmup_fraction
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
+            raise ValueError(f"warmup_fraction must be in [0, 1], got {w!r}")
+
+    @property
+    def world(self) -> int:
+        """W = M L ranks."""
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def padded(self) -> int:
+        """Elements of the exchanged buffer: N padded to a multiple of 8 W."""
+        return padded_size(self.parameters, self.world)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes per element of the dense allreduce's gradients."""
+        return 2 if self.mixed_precision else FP32_BYTES
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One collective operation's cost per step."""
+
+    seconds: float
+    rank_bytes: float
+    """Bytes one rank sends, over every link."""
+    node_link_bytes: float
+    """Bytes that leave one node through its link (each direction carries as many)."""
+
+
+def link_seconds(nbytes: float, cluster: Cluster, machine: Machine) -> float:
+    """``x / (eta B)``: seconds for ``nbytes`` through one node link."""
+    return nbytes / (machine.link_efficiency * cluster.bandwidth)
+
+
+def host_seconds(nbytes: float, machine: Machine) -> float:
+    """``k x / R_h``: processor time of one rank for ``nbytes`` through the collective library."""
+    return machine.cpu_sharing * nbytes / machine.host_throughput
+
+
+def dense_allreduce(cluster: Cluster, machine: Machine, element_bytes: int) -> Exchange:
+    """A ring allreduce of N elements of ``element_bytes`` (gloo, NCCL's ring), ranks in node
+    order: ``2 (W-1) alpha + max(link(s), s / B_intra) + k 2 (W-1)/W 4N / R_h`` with
+    ``s = 2 (W-1)/W N e`` sent per rank; the ring leaves each node once, so a node link
+    carries ``s`` (when M > 1), and every hop inside a node carries ``s`` too. The host works per
+    element: an fp16 allreduce costs the processor what an fp32 one does."""
+    w, n = cluster.world, cluster.parameters
+    dtype = {2: torch.float16, 4: torch.float32}[element_bytes]
+    sent = allreduce_bytes(torch.empty(n, dtype=dtype, device="meta"), w)
+    node_link = sent if cluster.nodes > 1 else 0
+    intra = sent / cluster.intra_bandwidth if cluster.ranks_per_node > 1 else 0.0
+    host = sent * FP32_BYTES / element_bytes
+    seconds = (
+        2 * (w - 1) * machine.latency
+        + max(link_seconds(node_link, cluster, machine), intra)
+        + host_seconds(host, machine)
+    )
+    return Exchange(seconds, sent, node_link)
+
+
+def flat_exchange(cluster: Cluster, machine: Machine) -> Exchange:
+    """:func:`~onebit.compressed_allreduce` over all W ranks: an all-to-all of signs, then a
+    ring all-gather, with three all-gathers of scalars. With ``p`` one phase's bytes per rank,
+    a node link carries ``p (L (W-L)/(W-1) + 1)`` (the all-to-all sends W-L of each rank's W-1
+    chunks off the node; the ring all-gather leaves the node once); seconds
+    ``4 (W-1) alpha + link(node bytes) / eta_b + max over the node's inside 2p / B_intra
+    + k 2p / R_h``."""
+    w, per_node = cluster.world, cluster.ranks_per_node
+    if w == 1:
+        return Exchange(0.0, 0, 0)
+    sent = compressed_allreduce_bytes(cluster.padded, w, torch.float32)
+    phase = sent / 2
+    node_link = phase * (per_node * (w - per_node) / (w - 1) + 1) if cluster.nodes > 1 else 0
+    intra = sent / cluster.intra_bandwidth if per_node > 1 else 0.0
+    seconds = (
+        4 * (w - 1) * machine.latency
+        + max(link_seconds(node_link, cluster, machine) / machine.burst_efficiency, intra)
+        + host_seconds(sent, machine)
+    )
+    return Exchange(seconds, sent, node_link)
+
+
+def hierarchical_exchange(cluster: Cluster, machine: Machine) -> Exchange:
+    """:func:`~onebit.hierarchical_compressed_allreduce` with nodes of L ranks, its three steps
+    one after another: ``(3 (L-1) + 4 (M-1)) alpha + link(L inter) / eta_b + intra / B_intra
+    + k (intra + inter) / R_h`` with ``intra``, ``inter`` from
+    :func:`~onebit.hierarchical.hierarchical_bytes` (every inter-node byte leaves the node)."""
+    per_node, nodes = cluster.ranks_per_node, cluster.nodes
+    sent = hierarchical_bytes(cluster.padded, per_node, nodes, torch.float32)
+    intra, inter = sent["intra_node"], sent["inter_node"]
+    node_link = per_node * inter
+    seconds = (
+        (3 * (per_node - 1) + 4 * (nodes - 1)) * machine.latency
+        + link_seconds(node_link, cluster, machine) / machine.burst_efficiency
+        + intra / cluster.intra_bandwidth
+        + host_seconds(intra + inter, machine)
+    )
+    return Exchange(seconds, intra + inter, node_link)
+
+
+def local_compression_seconds(cluster: Cluster, machine: Machine) -> float:
+    """``k 4N / R_c``: the compression stage's local work beyond LAMB's update."""
+    return machine.cpu_sharing * FP32_BYTES * cluster.parameters / machine.compression_throughput
+
+
+@dataclass(frozen=True)
+class MethodEstimate:
+    """One method's predicted step times and traffic, and how they compare with LAMB's."""
+
+    method: str
+    label: str
+    warmup_step: float
+    """Seconds of a step of the warm-up stage (LAMB's step for the 1-bit methods)."""
+    compression_step: float
+    """Seconds of a compression-stage step (steady-state step for methods without stages)."""
+    mean_step: float
+    """``w t_warm + (1-w) t_comp``: the run's mean step."""
+    speedup: float
+    """LAMB's mean step over this one."""
+    compression_speedup: float
+    """LAMB's step over this method's compression-stage (or steady) step."""
+    rank_bytes: float
+    """Bytes one rank sends per step, run average."""
+    node_link_bytes: float
+    """Bytes through one node link per step, run average."""
+    traffic_reduction: float | None
+    """LAMB's node-link bytes over this method's (None on one node: nothing leaves it)."""
+
+    def as_dict(self) -> dict[str, float | str | None]:
+        return dataclasses.asdict(self)
+
+
+#: The methods :func:`estimate` predicts, and how tables name them.
+METHODS = {
+    "lamb": "LAMB (dense allreduce)",
+    "fp16": "LAMB + DDP fp16 hook",
+    "onebit": "1-bit LAMB / 1-bit Adam, flat",
+    "onebit-hier": "1-bit LAMB / 1-bit Adam, hierarchical",
+}
+
+
+def estimate(cluster: Cluster, machine: Machine) -> list[MethodEstimate]:
+    """Every method's step times, speedup and traffic against LAMB. ``fp16`` is left out under
+    mixed precision (LAMB's allreduce is then fp16 already), ``onebit-hier`` on nodes of one
+    rank (where it is the flat exchange)."""
+    compute, w = cluster.compute_seconds, cluster.warmup_fraction
+    dense = dense_allreduce(cluster, machine, cluster.gradient_bytes)
+    local = local_compression_seconds(cluster, machine)
+    stages = {"lamb": (dense, dense, 0.0)}
+    if not cluster.mixed_precision:
+        fp16 = dense_allreduce(cluster, machine, 2)
+        stages["fp16"] = (fp16, fp16, 0.0)
+    stages["onebit"] = (dense, flat_exchange(cluster, machine), local)
+    if cluster.ranks_per_node > 1:
+        stages["onebit-hier"] = (dense, hierarchical_exchange(cluster, machine), local)
+
+    def mean(warm: float, comp: float) -> float:
+        return w * warm + (1 - w) * comp
+
+    lamb_step = compute + dense.seconds
+    rows = []
+    for method, (warm, comp, extra) in stages.items():
+        warm_step, comp_step = compute + warm.seconds, compute + extra + comp.seconds
+        mean_step = mean(warm_step, comp_step)
+        node_bytes = mean(warm.node_link_bytes, comp.node_link_bytes)
+        rows.append(
+            MethodEstimate(
+                method=method,
+                label=METHODS[method],
+                warmup_step=warm_step,
+                compression_step=comp_step,
+                mean_step=mean_step,
+                speedup=lamb_step / mean_step,
+                compression_speedup=lamb_step / comp_step,
+                rank_bytes=mean(warm.rank_bytes, comp.rank_bytes),
+                node_link_bytes=node_bytes,
+                traffic_reduction=dense.node_link_bytes / node_bytes if node_bytes else None,
+            )
+        )
+    return rows
