@@ -22,7 +22,7 @@ import typing
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-TOP_LEVEL_MODULES = ("onebit.train.cli",)
+TOP_LEVEL_MODULES = ("onebit.train.cli", "onebit.estimate.cli")
 BENCH_MODULES = ("onebit.bench.cli", "onebit.bench.micro")
 
 

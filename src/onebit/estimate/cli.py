@@ -1,0 +1,407 @@
+"""``onebit estimate``: predicted step times and speedups of LAMB, DDP's fp16 hook and the 1-bit
+optimizers on a cluster, the model's check against the emulated cluster (``--validate``), its
+two network constants fitted again (``--fit``), and this machine's local costs measured
+(``--calibrate``).
+
+The options of the job and the machine are the fields of :class:`EstimateSettings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from onebit.bench.cluster import parse_bandwidth, parse_latency
+from onebit.cli import add_options, given_options, option
+from onebit.estimate.model import (
+    COMPRESSION_THROUGHPUT,
+    HOST_THROUGHPUT,
+    TCP_PAYLOAD_SHARE,
+    Cluster,
+    Machine,
+    MethodEstimate,
+    estimate,
+)
+
+__all__ = ["EstimateSettings", "calibrate", "model_parameters", "register"]
+
+#: Named models: the benchmark presets and BERT-Large (vocabulary 30522, hidden 1024, 24 layers).
+MODEL_SHAPES = {
+    "bert-base": (30522, 768, 12, 12),
+    "bert-large": (30522, 1024, 24, 16),
+    "small": (30522, 512, 4, 8),
+    "mini": (30522, 256, 4, 4),
+}
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
+
+
+def model_parameters(text: str) -> int:
+    """Parameters of a named model (``bert-base``, ``bert-large``, ``small``, ``mini``: BERT
+    masked-language models, counted by :class:`onebit.bench.bert.ModelPreset`) or a count such
+    as ``340M``, ``1.3B`` or ``110000000``."""
+    from onebit.bench.bert import ModelPreset
+
+    name = text.strip().lower()
+    if name in MODEL_SHAPES:
+        return ModelPreset(*MODEL_SHAPES[name]).parameter_count()
+    scale = _SUFFIXES.get(name[-1:], 1.0)
+    number = name[:-1] if name[-1:] in _SUFFIXES else name
+    try:
+        count = float(number) * scale
+    except ValueError:
+        count = math.nan
+    if not (math.isfinite(count) and count >= 1):
+        raise ValueError(
+            f"model must be one of {sorted(MODEL_SHAPES)} or a parameter count such as 340M or "
+            f"1.3e9; got {text!r}"
+        )
+    return round(count)
+
+
+def _model_option(text: str) -> str:
+    model_parameters(text)
+    return text
+
+
+def _bandwidth_option(text: str) -> str:
+    parse_bandwidth(text)
+    return text
+
+
+def _intra_bandwidth_option(text: str) -> str | None:
+    return None if text.lower() == "none" else _bandwidth_option(text)
+
+
+def _latency_option(text: str) -> str:
+    parse_latency(text)
+    return text
+
+
+def _throughput_option(text: str) -> float:
+    """Bytes per second such as ``2.3e9``; ``inf`` (or ``none``) for no cost."""
+    value = math.inf if text.lower() in ("inf", "none") else float(text)
+    if not value > 0:
+        raise ValueError(f"a throughput must be a positive number of bytes/s or inf, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class EstimateSettings:
+    """The job and the machine of one estimate."""
+
+    model: str = option(
+        "bert-base",
+        parse=_model_option,
+        group="job",
+        help="bert-base, bert-large, small, mini, or a parameter count such as 340M",
+    )
+    compute: float | None = option(
+        None,
+        group="job",
+        help="seconds of one step without communication (forward, backward, LAMB's update), "
+        "as measured on one of your GPUs or nodes; required for an estimate",
+    )
+    nodes: int = option(4, group="job", help="nodes M")
+    gpus_per_node: int = option(1, group="job", help="ranks (GPUs) per node L")
+    warmup_fraction: float = option(
+        0.2, group="job", help="share w of the run's steps in the warm-up stage"
+    )
+    mixed_precision: bool = option(
+        False,
+        group="job",
+        help="fp16 gradients: LAMB and the warm-up allreduce 2 bytes per element (the paper's "
+        "runs); the fp16 hook row is then LAMB itself",
+    )
+    bandwidth: str = option(
+        "10gbit",
+        parse=_bandwidth_option,
+        group="network",
+        help="line rate of each node's link per direction, such as 100mbit, 40gbit",
+    )
+    latency: str = option(
+        "50us",
+        parse=_latency_option,
+        group="network",
+        help="alpha, the time of one message step of a collective",
+    )
+    intra_bandwidth: str | None = option(
+        None,
+        parse=_intra_bandwidth_option,
+        group="network",
+        help="rate between two ranks of a node (NVLink, PCIe); 'none': only the host "
+        "throughput limits it",
+    )
+    link_efficiency: float = option(
+        TCP_PAYLOAD_SHARE,
+        group="network",
+        help="payload share of the line rate (TCP over Ethernet 1448/1514)",
+        default_help="0.956",
+    )
+    burst_efficiency: float = option(
+        1.0,
+        group="network",
+        help="share of the payload rate the 1-bit exchange's short collectives reach "
+        "(the emulated cluster: 0.65)",
+    )
+    compression_throughput: float = option(
+        COMPRESSION_THROUGHPUT,
+        parse=_throughput_option,
+        group="machine",
+        help="bytes of fp32 parameters per second through the compression stage's local work "
+        "beyond LAMB's update (default: measured on this 2-core CPU; a GPU: its memory "
+        "bandwidth / ~13)",
+    )
+    host_throughput: float = option(
+        HOST_THROUGHPUT,
+        parse=_throughput_option,
+        group="machine",
+        help="bytes per second a rank's processor moves through gloo's dense allreduce "
+        "(default: measured here); inf where the library reduces on the device (NCCL)",
+    )
+    cpu_sharing: float = option(
+        1.0, group="machine", help="ranks sharing one processor core for the local work"
+    )
+
+    def cluster(self) -> Cluster:
+        """The job; raises ``ValueError`` naming what is missing or wrong."""
+        if self.compute is None:
+            raise ValueError(
+                "--compute SECONDS is required: the step time without communication, e.g. "
+                "measured with a no-op DDP communication hook"
+            )
+        intra = self.intra_bandwidth
+        return Cluster(
+            parameters=model_parameters(self.model),
+            compute_seconds=self.compute,
+            bandwidth=parse_bandwidth(self.bandwidth) / 8,
+            nodes=self.nodes,
+            ranks_per_node=self.gpus_per_node,
+            intra_bandwidth=math.inf if intra is None else parse_bandwidth(intra) / 8,
+            warmup_fraction=self.warmup_fraction,
+            mixed_precision=self.mixed_precision,
+        )
+
+    def machine(self) -> Machine:
+        return Machine(
+            compression_throughput=self.compression_throughput,
+            host_throughput=self.host_throughput,
+            latency=parse_latency(self.latency),
+            link_efficiency=self.link_efficiency,
+            burst_efficiency=self.burst_efficiency,
+            cpu_sharing=self.cpu_sharing,
+        )
+
+
+def calibrate(scale: float = 0.25, repeats: int = 3) -> dict[str, float]:
+    """This machine's compression and host throughputs, measured with the library's own
+    optimizers and kernels as the defaults were: on BERT-base's parameter shapes (widths
+    times ``scale``), 2 local gloo ranks, one thread each, ``onebit bench optimizer``'s
+    interleaved timing; ``R_c = 4N / (t(OneBitLamb compression step) - t(Lamb.step()))``,
+    ``R_h = 4N / t(dist.all_reduce)`` (2 ranks send ``2 (n-1)/n 4N = 4N`` bytes each)."""
+    from onebit.bench.micro import (
+        FLOAT_BYTES,
+        _optimizer_worker,
+        _rank_zero_result,
+        bert_base_shapes,
+        cpu_backends,
+    )
+
+    fused = cpu_backends()[-1]
+    row = _rank_zero_result(_optimizer_worker, 2, bert_base_shapes(scale), repeats, fused)
+    nbytes = FLOAT_BYTES * row["parameters"]
+    extra = row["onebit_compression_step_s"] - row["lamb_step_s"]
+    if not extra > 0:
+        raise RuntimeError(
+            f"calibration failed: the compression-stage step ({row['onebit_compression_step_s']}"
+            f" s) was not slower than Lamb.step() ({row['lamb_step_s']} s); the machine is too "
+            "busy to measure, try again"
+        )
+    return {
+        "parameters": row["parameters"],
+        "backend": fused,
+        "compression_throughput": nbytes / extra,
+        "host_throughput": nbytes / row["dense_allreduce_s"],
+    }
+
+
+def _megabytes(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.1f}"
+
+
+def format_estimate(cluster: Cluster, machine: Machine, rows: list[MethodEstimate]) -> str:
+    """The job, the machine and a table of every method's prediction."""
+    head = (
+        f"{cluster.parameters / 1e6:.1f}M parameters, {cluster.nodes} node(s) x "
+        f"{cluster.ranks_per_node} rank(s), link {cluster.bandwidth * 8 / 1e9:g} Gbit/s "
+        f"(payload share {machine.link_efficiency:.3f}, 1-bit bursts "
+        f"{machine.burst_efficiency:.2f}), alpha {machine.latency * 1e6:g} us, compute "
+        f"{cluster.compute_seconds:g} s/step, warm-up fraction {cluster.warmup_fraction:g}"
+        f"{', fp16 gradients' if cluster.mixed_precision else ''}\n"
+        f"compression throughput {machine.compression_throughput / 1e9:g} GB/s, host "
+        f"throughput {machine.host_throughput / 1e9:g} GB/s, cpu sharing {machine.cpu_sharing:g}"
+    )
+    header = (
+        "method",
+        "warm-up step (s)",
+        "compr. step (s)",
+        "mean step (s)",
+        "speedup",
+        "compr. speedup",
+        "MB/step/rank",
+        "MB/step/node link",
+        "traffic vs LAMB",
+    )
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for row in rows:
+        reduction = "-" if row.traffic_reduction is None else f"{row.traffic_reduction:.2f}x"
+        cells = (
+            row.label,
+            f"{row.warmup_step:.4g}",
+            f"{row.compression_step:.4g}",
+            f"{row.mean_step:.4g}",
+            f"{row.speedup:.2f}x",
+            f"{row.compression_speedup:.2f}x",
+            _megabytes(row.rank_bytes),
+            _megabytes(row.node_link_bytes),
+            reduction,
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + "\n\n" + "\n".join(lines)
+
+
+def format_validation(predictions: list[Any], machine: Machine) -> str:
+    """Every prediction against its measurement, and how many are within the tolerance."""
+    from onebit.estimate.validate import TOLERANCE
+
+    lines = [
+        f"alpha {machine.latency * 1e3:g} ms, burst efficiency {machine.burst_efficiency:g}, "
+        f"compression throughput {machine.compression_throughput / 1e9:g} GB/s, host "
+        f"throughput {machine.host_throughput / 1e9:g} GB/s",
+        "",
+        "| run | method | stage | measured (s) | predicted (s) | predicted / measured |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for p in predictions:
+        flag = "" if p.within_tolerance else " **miss**"
+        lines.append(
+            f"| {p.run} | {p.method} | {p.stage} | {p.measured:.3f} | {p.predicted:.3f} | "
+            f"{p.ratio:.2f}{flag} |"
+        )
+    within = sum(p.within_tolerance for p in predictions)
+    worst = max(predictions, key=lambda p: abs(math.log(p.ratio)))
+    lines += [
+        "",
+        f"{within} of {len(predictions)} predictions within {TOLERANCE:.0%} of the measured step "
+        f"time; worst {worst.ratio:.2f} ({worst.run}, {worst.method}, {worst.stage})",
+    ]
+    return "\n".join(lines)
+
+
+def _validate_command(args: argparse.Namespace, settings: EstimateSettings) -> int:
+    from onebit.estimate.validate import emulated_machine, fit_emulation, load_results, validate
+
+    results = load_results(args.validate)
+    machine = emulated_machine(settings.machine())
+    if args.fit:
+        machine, misses, rms = fit_emulation(results, machine)
+        print(
+            f"fitted on the current library's runs: alpha {machine.latency * 1e3:g} ms, burst "
+            f"efficiency {machine.burst_efficiency:g} ({misses} outside the tolerance, RMS log "
+            f"error {rms:.3f})\n"
+        )
+    predictions = validate(results, machine)
+    if args.json:
+        rows = [{**dataclasses.asdict(p), "ratio": p.ratio} for p in predictions]
+        print(json.dumps({"machine": dataclasses.asdict(machine), "predictions": rows}, indent=1))
+    else:
+        print(format_validation(predictions, machine))
+    return 0
+
+
+def _estimate_command(args: argparse.Namespace) -> int:
+    try:
+        settings = EstimateSettings(**given_options(EstimateSettings, args))
+        if args.calibrate:
+            measured = calibrate()
+            print(
+                f"calibrated on {measured['parameters'] / 1e6:.1f}M parameters, 2 ranks, "
+                f"{measured['backend']} kernels: compression throughput "
+                f"{measured['compression_throughput']:.3g} B/s, host throughput "
+                f"{measured['host_throughput']:.3g} B/s\n"
+            )
+            settings = dataclasses.replace(
+                settings,
+                compression_throughput=measured["compression_throughput"],
+                host_throughput=measured["host_throughput"],
+            )
+        if args.validate:
+            return _validate_command(args, settings)
+        if args.fit:
+            raise ValueError("--fit refits the emulated cluster's constants: give --validate DIR")
+        if args.calibrate and settings.compute is None:
+            return 0
+        cluster, machine = settings.cluster(), settings.machine()
+    except ValueError as exc:
+        print(f"onebit estimate: {exc}", file=sys.stderr)
+        return 2
+    rows = estimate(cluster, machine)
+    if args.json:
+        document = {
+            "cluster": dataclasses.asdict(cluster),
+            "machine": dataclasses.asdict(machine),
+            "methods": [row.as_dict() for row in rows],
+        }
+        print(json.dumps(document, indent=1))
+    else:
+        print(format_estimate(cluster, machine, rows))
+    return 0
+
+
+EPILOG = """\
+examples:
+  onebit estimate --model bert-base --nodes 4 --bandwidth 1gbit --compute 0.8
+  onebit estimate --model bert-large --nodes 16 --gpus-per-node 8 --bandwidth 40gbit \\
+      --latency 50us --intra-bandwidth 1200gbit --compute 1.0 --mixed-precision \\
+      --compression-throughput 60e9 --host-throughput inf --warmup-fraction 0.15
+  onebit estimate --validate docs/bench            # against the emulated cluster
+  onebit estimate --validate docs/bench --fit      # refit its latency and burst efficiency
+  onebit estimate --calibrate                      # measure this machine's throughputs
+"""
+
+
+def register(subparsers: Any) -> None:
+    """Add ``estimate`` to the ``onebit`` sub-commands."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="predict step times and speedups on a cluster (cost model)",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_options(parser, EstimateSettings)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--validate",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="compare the model with onebit bench cluster results (files, or folders of "
+        "cluster-*.json) instead of estimating",
+    )
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="with --validate: fit the emulated network's latency and burst efficiency first",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's compression and host throughputs first (about a minute)",
+    )
+    parser.set_defaults(handler=_estimate_command)

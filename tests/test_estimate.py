@@ -1,0 +1,246 @@
+"""``onebit estimate``: the cost model's formulas against hand-computed cases, its input checks,
+the command line, and the validation against the shipped emulated-cluster results."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from onebit.cli import main
+from onebit.estimate.cli import model_parameters
+from onebit.estimate.model import (
+    Cluster,
+    Machine,
+    dense_allreduce,
+    estimate,
+    flat_exchange,
+    hierarchical_exchange,
+    local_compression_seconds,
+)
+from onebit.estimate.validate import (
+    EMULATED_BURST_EFFICIENCY,
+    EMULATED_LATENCY,
+    emulated_machine,
+    fit_emulation,
+    load_results,
+    validate,
+)
+
+BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
+
+# alpha 10 ms, line rate 1000 B/s used at full payload, host 10 kB/s, compression 20 kB/s
+MACHINE = Machine(
+    compression_throughput=2e4,
+    host_throughput=1e4,
+    latency=0.01,
+    link_efficiency=1.0,
+    burst_efficiency=0.5,
+)
+
+
+def job(nodes: int, per_node: int, parameters: int = 1024, **kwargs) -> Cluster:
+    return Cluster(
+        parameters=parameters,
+        compute_seconds=2.0,
+        bandwidth=1000.0,
+        nodes=nodes,
+        ranks_per_node=per_node,
+        **kwargs,
+    )
+
+
+def test_dense_ring_allreduce_by_hand():
+    # W = 4 nodes of one rank, N = 1000 fp32: each rank sends 2*3/4*4000 = 6000 bytes, all
+    # of them through its node link; 6 message steps; the host moves 6000 bytes.
+    fp32 = dense_allreduce(job(4, 1, parameters=1000), MACHINE, 4)
+    assert fp32.rank_bytes == fp32.node_link_bytes == 6000
+    assert fp32.seconds == pytest.approx(6 * 0.01 + 6000 / 1000 + 6000 / 1e4)
+    # fp16 halves the wire bytes; the host costs what fp32 costs (per element)
+    fp16 = dense_allreduce(job(4, 1, parameters=1000), MACHINE, 2)
+    assert fp16.node_link_bytes == 3000
+    assert fp16.seconds == pytest.approx(6 * 0.01 + 3000 / 1000 + 6000 / 1e4)
+    # one node of 4 ranks: nothing leaves it; the hops inside run at the intra-node rate
+    inside = dense_allreduce(job(1, 4, parameters=1000, intra_bandwidth=500.0), MACHINE, 4)
+    assert inside.node_link_bytes == 0
+    assert inside.seconds == pytest.approx(6 * 0.01 + 6000 / 500 + 6000 / 1e4)
+
+
+def test_flat_exchange_by_hand():
+    # W = 4, N = 1024: per phase 3 chunks of 256/8 = 32 bytes of signs; three 4-byte scalars
+    # to each of 3 peers: 2*96 + 36 = 228 bytes per rank, all of them off the node.
+    flat = flat_exchange(job(4, 1), MACHINE)
+    assert flat.rank_bytes == flat.node_link_bytes == 228
+    assert flat.seconds == pytest.approx(4 * 3 * 0.01 + 228 / (1000 * 0.5) + 228 / 1e4)
+    # 2 nodes of 2: the all-to-all sends 2 of 3 chunks of each of the 2 ranks off the node,
+    # the ring all-gather leaves it once: 114 * (2*2/3 + 1) bytes
+    two_by_two = flat_exchange(job(2, 2), MACHINE)
+    assert two_by_two.node_link_bytes == pytest.approx(114 * 7 / 3)
+    assert flat_exchange(job(1, 1), MACHINE).seconds == 0
+
+
+def test_hierarchical_exchange_by_hand():
+    # M = 2 nodes of L = 2, N = 1024: inside the node each rank sends its other shard in fp32
+    # (512 * 4) and its compressed chunk to the other rank (512/8 signs + 2 scales of 4 B);
+    # between nodes the flat exchange of 512 elements over 2 ranks: 2 * 256/8 + 3 * 4.
+    cluster = job(2, 2, intra_bandwidth=4000.0)
+    hier = hierarchical_exchange(cluster, MACHINE)
+    intra, inter = 512 * 4 + 64 + 8, 2 * 32 + 12
+    assert hier.rank_bytes == intra + inter
+    assert hier.node_link_bytes == 2 * inter
+    expected = (3 + 4) * 0.01 + 2 * inter / (1000 * 0.5) + intra / 4000 + (intra + inter) / 1e4
+    assert hier.seconds == pytest.approx(expected)
+    # nodes of one rank: the flat exchange's bytes
+    single = hierarchical_exchange(job(4, 1), MACHINE)
+    assert single.node_link_bytes == flat_exchange(job(4, 1), MACHINE).node_link_bytes
+
+
+def test_step_times_speedup_and_traffic_by_hand():
+    cluster = job(4, 1, warmup_fraction=0.25)
+    shared = dataclasses.replace(MACHINE, cpu_sharing=2.0)
+    rows = {row.method: row for row in estimate(cluster, shared)}
+    assert set(rows) == {"lamb", "fp16", "onebit"}  # one rank per node: no hierarchical row
+    lamb_step = 2.0 + 6 * 0.01 + 4096 * 1.5 / 1000 + 2 * 4096 * 1.5 / 1e4
+    local = 2 * 4 * 1024 / 2e4
+    comp_step = 2.0 + local + 12 * 0.01 + 228 / 500 + 2 * 228 / 1e4
+    onebit = rows["onebit"]
+    assert rows["lamb"].compression_step == pytest.approx(lamb_step)
+    assert onebit.warmup_step == pytest.approx(lamb_step)
+    assert onebit.compression_step == pytest.approx(comp_step)
+    assert onebit.mean_step == pytest.approx(0.25 * lamb_step + 0.75 * comp_step)
+    assert onebit.speedup == pytest.approx(lamb_step / (0.25 * lamb_step + 0.75 * comp_step))
+    assert onebit.compression_speedup == pytest.approx(lamb_step / comp_step)
+    assert onebit.traffic_reduction == pytest.approx(6144 / (0.25 * 6144 + 0.75 * 228))
+    assert local_compression_seconds(cluster, shared) == local
+
+
+def test_free_local_work_and_latency_give_the_32x_byte_ratio():
+    # With nothing but the links costing time, the compression stage is 32x faster than a
+    # dense fp32 step (less the scalars), the whole run 1 / (w + (1-w)/32) on traffic.
+    free = Machine(math.inf, math.inf, latency=0.0, link_efficiency=1.0)
+    cluster = Cluster(parameters=2**24, compute_seconds=1e-12, bandwidth=1e9, nodes=8)
+    rows = {row.method: row for row in estimate(cluster, free)}
+    assert rows["onebit"].compression_speedup == pytest.approx(32, rel=1e-3)
+    assert rows["onebit"].traffic_reduction == pytest.approx(1 / (0.2 + 0.8 / 32), rel=1e-3)
+    assert rows["fp16"].speedup == pytest.approx(2, rel=1e-9)
+
+
+def test_one_node_sends_nothing_over_links_and_mixed_precision_drops_the_fp16_row():
+    rows = estimate(job(1, 4, mixed_precision=True), MACHINE)
+    assert [row.method for row in rows] == ["lamb", "onebit", "onebit-hier"]
+    assert all(row.traffic_reduction is None for row in rows)
+    lamb = dense_allreduce(job(1, 4), MACHINE, 2)
+    assert rows[0].compression_step == pytest.approx(2.0 + lamb.seconds)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"parameters": 0}, "parameters must be an integer >= 1"),
+        ({"nodes": 1.5}, "nodes must be an integer >= 1"),
+        ({"compute_seconds": -1.0}, "compute_seconds must be a positive number"),
+        ({"bandwidth": math.inf}, "bandwidth must be finite"),
+        ({"warmup_fraction": 1.5}, r"warmup_fraction must be in \[0, 1\]"),
+    ],
+)
+def test_cluster_rejects_bad_input(kwargs, message):
+    base = {"parameters": 10, "compute_seconds": 1.0, "bandwidth": 1e9}
+    with pytest.raises(ValueError, match=message):
+        Cluster(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"compression_throughput": 0.0}, "compression_throughput must be a positive number"),
+        ({"latency": -1e-6}, "latency must be finite seconds >= 0"),
+        ({"burst_efficiency": 1.5}, r"burst_efficiency must be in \(0, 1\]"),
+        ({"cpu_sharing": 0.5}, "cpu_sharing must be a number >= 1"),
+    ],
+)
+def test_machine_rejects_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Machine(**kwargs)
+
+
+def test_model_names_and_counts():
+    # BertForMaskedLM's counts: bert-base as measured by the benchmark (docs/bench), bert-large
+    # as transformers reports it for bert-large-uncased
+    assert model_parameters("bert-base") == 109_514_298
+    assert model_parameters("BERT-Large") == 335_174_458
+    assert model_parameters("340M") == 340_000_000
+    assert model_parameters("1.5e9") == 1_500_000_000
+    with pytest.raises(ValueError, match="model must be one of"):
+        model_parameters("gpt-7")
+
+
+def test_command_prints_a_table_and_json(capsys):
+    assert main(["estimate", "--compute", "0.5", "--nodes", "2", "--gpus-per-node", "2"]) == 0
+    table = capsys.readouterr().out
+    assert (
+        "1-bit LAMB / 1-bit Adam, hierarchical" in table and "| LAMB (dense allreduce) |" in table
+    )
+    argv = ["estimate", "--compute", "0.5", "--model", "mini", "--bandwidth", "1gbit", "--json"]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["cluster"]["parameters"] == 11_201_594
+    assert document["cluster"]["bandwidth"] == 1e9 / 8
+    assert [row["method"] for row in document["methods"]] == ["lamb", "fp16", "onebit"]
+
+
+def test_command_rejects_bad_input_with_clear_errors(capsys):
+    assert main(["estimate"]) == 2
+    assert "--compute SECONDS is required" in capsys.readouterr().err
+    assert main(["estimate", "--compute", "1", "--nodes", "0"]) == 2
+    assert "nodes must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["estimate", "--compute", "1", "--fit"]) == 2
+    assert "give --validate DIR" in capsys.readouterr().err
+    for option, value, message in [
+        ("--model", "gpt-7", "model must be one of"),
+        ("--bandwidth", "fast", "bandwidth must be a positive rate"),
+        ("--host-throughput", "-3", "a throughput must be a positive number"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["estimate", "--compute", "1", option, value])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert main(["estimate", "--validate", str(BENCH / "micro-optimizer.json")]) == 2
+    assert "no onebit bench cluster results" in capsys.readouterr().err
+
+
+def test_validation_on_the_shipped_results(capsys):
+    assert main(["estimate", "--validate", str(BENCH), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    predictions = document["predictions"]
+    results = load_results([BENCH])
+    measured = sum(
+        1
+        for _, result in results
+        for method, summary in result["summary"].items()
+        if method not in ("lamb-compute", "powersgd-1", "powersgd-4")
+        for _ in summary["stages"]
+    )
+    assert len(predictions) == measured
+    current = {name for name, result in results if "code" in result}
+    ratios = [p["ratio"] for p in predictions if p["run"] in current]
+    within = sum(abs(r - 1) <= 0.2 for r in ratios)
+    assert within >= 0.9 * len(ratios), ratios
+    assert all(0.5 < r < 2 for r in ratios)
+
+
+def test_the_stated_emulation_constants_are_the_fit():
+    results = load_results([BENCH])
+    machine = emulated_machine(Machine())
+    fitted, misses, rms = fit_emulation(
+        results, machine, latencies=(1e-3, 2e-3, 3e-3), burst_efficiencies=(0.6, 0.65, 0.7)
+    )
+    assert (fitted.latency, fitted.burst_efficiency) == (
+        EMULATED_LATENCY,
+        EMULATED_BURST_EFFICIENCY,
+    )
+    current = [(n, r) for n, r in results if "code" in r]
+    assert misses == sum(not p.within_tolerance for p in validate(current, fitted))
+    assert 0 < rms < 0.2
