@@ -22,7 +22,7 @@ import typing
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-TOP_LEVEL_MODULES = ("onebit.train.cli", "onebit.estimate.cli")
+TOP_LEVEL_MODULES = ("onebit.train.cli", "onebit.train.study", "onebit.estimate.cli")
 BENCH_MODULES = ("onebit.bench.cli", "onebit.bench.micro")
 
 
@@ -151,6 +151,27 @@ def given_options(cls: type, args: argparse.Namespace) -> dict[str, Any]:
             is_tuple = typing.get_origin(hints[field.name]) is tuple
             given[field.name] = tuple(value) if is_tuple and isinstance(value, list) else value
     return given
+
+
+def options_argv(settings: Any, *, exclude: Collection[str] = ()) -> list[str]:
+    """The command-line options that give the dataclass instance ``settings`` again (the
+    inverse of :func:`add_options` and :func:`given_options`): ``--field-name value`` for
+    every option field whose value differs from its default, in field order."""
+    argv: list[str] = []
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if "help" not in field.metadata or field.name in exclude:
+            continue
+        if value is None or value == _default_of(field):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def build_parser() -> argparse.ArgumentParser:

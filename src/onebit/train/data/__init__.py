@@ -21,6 +21,7 @@ from onebit.train.data.mlm import (
     mask_tokens,
     rank_slice,
     split_documents,
+    unigram_cross_entropy,
 )
 from onebit.train.data.sentiment import load_sentiment
 from onebit.train.data.wordpiece import PAD_TOKEN, SPECIAL_TOKENS, train_tokenizer
@@ -45,4 +46,5 @@ __all__ = [
     "read_text_files",
     "split_documents",
     "train_tokenizer",
+    "unigram_cross_entropy",
 ]

@@ -162,6 +162,27 @@ def build_mlm_dataset(
     )
 
 
+def unigram_cross_entropy(data: MLMData) -> float:
+    """The MLM loss of predicting every token by its training frequency alone, in nats.
+
+    ``H = -(1/|D|) Σ_{t in D} log p(t)`` over the non-special validation tokens ``D``, with
+    ``p(t) = (c_t + 1) / (Σ_u c_u + K)``: the counts ``c`` of the ``K`` non-special ids in the
+    training sequences, add-one smoothed so that a token unseen in training has a finite cost.
+    A model whose validation MLM loss is not well below this has learned little beyond
+    token frequencies.
+    """
+    special = torch.tensor(sorted(set(data.special_ids)), dtype=torch.int64)
+    is_regular = ~torch.isin(torch.arange(data.vocab_size), special)
+    train = data.train.flatten()
+    counts = torch.bincount(train, minlength=data.vocab_size).double() + 1.0
+    log_p = torch.where(is_regular, counts.log() - counts[is_regular].sum().log(), torch.nan)
+    validation = data.validation.flatten()
+    validation = validation[is_regular[validation]]
+    if validation.numel() == 0:
+        raise ValueError("the validation sequences hold no regular (non-special) tokens")
+    return float(-log_p[validation].mean())
+
+
 def mask_tokens(
     input_ids: torch.Tensor,
     generator: torch.Generator,

@@ -1,0 +1,193 @@
+"""The convergence study: its settings, the unigram baseline, the runner and the report.
+
+The runner is tested end to end on a tiny corpus with real worker processes: arms run one after
+another, a finished arm is skipped, an interrupted arm continues from its checkpoint, and arms
+this installation cannot run yet are reported as pending.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import write_corpus
+
+from onebit.cli import build_parser, given_options, options_argv
+from onebit.train import study as study_module
+from onebit.train.config import TrainConfig
+from onebit.train.data import MLMData, unigram_cross_entropy
+from onebit.train.launch import launch_job
+from onebit.train.study import (
+    FINISHED,
+    NOT_STARTED,
+    PARTIAL,
+    UNAVAILABLE,
+    Study,
+    arm_state,
+    run_study,
+    trajectory_difference,
+    write_study_report,
+)
+
+SPECIAL = dict(pad_id=0, unk_id=1, cls_id=2, sep_id=3, mask_id=4)
+
+
+def test_unigram_cross_entropy_counts_training_tokens() -> None:
+    train = torch.tensor([[2, 5, 5, 6, 3], [2, 5, 7, 1, 3]])
+    validation = torch.tensor([[2, 5, 6, 8, 3], [2, 7, 7, 0, 3]])
+    data = MLMData(train=train, validation=validation, vocab_size=9, **SPECIAL)
+    special = set(SPECIAL.values())
+    counts = Counter(t for t in train.flatten().tolist() if t not in special)
+    regular = [t for t in range(9) if t not in special]
+    total = sum(counts.values()) + len(regular)
+    tokens = [t for t in validation.flatten().tolist() if t not in special]
+    expected = -sum(math.log((counts[t] + 1) / total) for t in tokens) / len(tokens)
+    assert unigram_cross_entropy(data) == pytest.approx(expected, rel=1e-12)
+
+
+def test_unigram_cross_entropy_needs_regular_validation_tokens() -> None:
+    train = torch.tensor([[2, 5, 3]])
+    data = MLMData(train=train, validation=torch.tensor([[2, 0, 3]]), vocab_size=9, **SPECIAL)
+    with pytest.raises(ValueError, match="no regular"):
+        unigram_cross_entropy(data)
+
+
+def test_options_argv_gives_the_config_back() -> None:
+    config = TrainConfig(
+        optimizer="onebit-adam", steps=30, lr=0.002, betas=(0.8, 0.99), ddp=False,
+        corpus=["/a.txt", "/b"], grad_clip=0.0,
+    ).resolved()  # fmt: skip
+    argv = options_argv(config)
+    assert "--no-ddp" in argv and "--seq-len" not in argv  # defaults are left out
+    args = build_parser().parse_args(["train", *argv])
+    assert TrainConfig(**given_options(TrainConfig, args)).resolved() == config
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"extra": 1}, "unknown keys"),
+        ({"train": {"optimizer": "lamb"}}, "must not name an optimizer"),
+        ({"train": {"stepz": 3}}, "stepz"),
+        ({"arms": [{"name": "a", "optimizer": "lamb", "workers": 1, "runner": "x"}]}, "runner"),
+        ({"arms": [{"name": "a", "optimizer": "lamb", "workers": 0, "runner": "train"}]}, "worker"),
+        (
+            {"arms": [{"name": "a", "optimizer": "lamb", "workers": 1, "runner": "train",
+                       "train": {"batch_size": 8}}]},
+            "same in every arm",
+        ),
+        (
+            {"arms": [{"name": "a", "optimizer": "lamb", "workers": 1, "runner": "train"}] * 2},
+            "unique",
+        ),
+    ],
+)  # fmt: skip
+def test_study_rejects_bad_specs(change: dict, message: str) -> None:
+    spec = {
+        "train": {"steps": 4},
+        "arms": [{"name": "a", "optimizer": "lamb", "workers": 1, "runner": "train"}],
+    }
+    with pytest.raises((ValueError, TypeError), match=message):
+        Study.from_json({**spec, **change})
+
+
+@pytest.fixture
+def tiny_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Study:
+    monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    arm = dict(workers=2, runner="train")
+    adam = {"name": "onebit-adam-n2", "optimizer": "onebit-adam", **arm, "train": {"lr": 0.01}}
+    simulated = {
+        "name": "future-sim",
+        "optimizer": "onebit-lamb",
+        "workers": 4,
+        "runner": "simulate",
+    }
+    return Study.from_json(
+        {
+            "train": dict(
+                steps=8, batch_size=8, seq_len=16, layers=1, hidden=32, heads=2, vocab_size=120,
+                lr=0.05, freeze_step=4, eval_every=4, checkpoint_every=4, eval_seqs=0,
+                corpus=[str(corpus)],
+            ),
+            "arms": [
+                {"name": "lamb", "optimizer": "lamb", **arm},
+                {"name": "onebit-lamb-n2", "optimizer": "onebit-lamb", **arm},
+                adam,
+                {"name": "future-n2", "optimizer": "no-such-optimizer", **arm},
+                simulated,
+            ],
+        }
+    )  # fmt: skip
+
+
+def test_study_runs_arms_resumes_and_skips(
+    tiny_study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "study"
+    monkeypatch.setattr(study_module, "has_command", lambda name: False)  # no `onebit simulate`
+    lamb, onebit_lamb = tiny_study.arms[:2]
+    # An interrupted arm: the last worker dies after step 6, the checkpoint of step 4 remains.
+    status = launch_job(
+        tiny_study.config(onebit_lamb), out / onebit_lamb.name, workers=2, max_restarts=0,
+        kill_at_step=6,
+    )  # fmt: skip
+    assert status == 1 and arm_state(tiny_study, onebit_lamb, out) == PARTIAL
+    assert arm_state(tiny_study, lamb, out) == NOT_STARTED
+
+    states = run_study(tiny_study, out)
+    assert states == {
+        "lamb": FINISHED, "onebit-lamb-n2": FINISHED, "onebit-adam-n2": FINISHED,
+        "future-n2": UNAVAILABLE, "future-sim": UNAVAILABLE,
+    }  # fmt: skip
+    for arm in tiny_study.arms[:3]:
+        steps = [
+            row["step"]
+            for row in map(json.loads, (out / arm.name / "metrics.jsonl").read_text().splitlines())
+            if row["kind"] == "train"
+        ]
+        assert steps == list(range(1, 9)), arm.name  # the resumed arm: no step twice
+    # The 1-bit optimizers are LAMB / Adam exactly during the warm-up.
+    diff = trajectory_difference(out / "lamb", out / "onebit-lamb-n2")
+    assert diff["train_steps"] == 8 and diff["validation_steps"] == 2
+
+    finished = (out / "lamb" / "summary.json").stat().st_mtime_ns
+
+    def must_not_run(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a finished arm was run again")
+
+    monkeypatch.setattr("onebit.train.launch.launch_job", must_not_run)
+    assert run_study(tiny_study, out, arms=["lamb", "future-n2"]) == {
+        "lamb": FINISHED, "future-n2": UNAVAILABLE,
+    }  # fmt: skip
+    assert (out / "lamb" / "summary.json").stat().st_mtime_ns == finished
+
+    report_dir = tmp_path / "docs"
+    text = write_study_report(tiny_study, out, report_dir).read_text()
+    results = json.loads((report_dir / "study.json").read_text())
+    entropy = results["unigram_entropy"]
+    assert f"**{entropy:.4f} nats**" in text
+    assert "## n = 2" in text and "## n = 4" in text
+    assert "pending: `onebit simulate` is not available" in text
+    assert "pending: optimizer 'no-such-optimizer'" in text
+    lamb_loss = results["arms"][0]["validation_loss"]
+    adam_loss = results["arms"][2]["validation_loss"]
+    assert f"{100 * (adam_loss / lamb_loss - 1):+.2f}%" in text
+    assert (report_dir / "study.png").stat().st_size > 0
+    assert (report_dir / "onebit-adam-n2" / "metrics.jsonl").is_file()
+    assert "onebit train --optimizer onebit-adam" in text and "--lr 0.01" in text
+
+
+def test_trajectory_difference_of_different_runs(tmp_path: Path) -> None:
+    for name, losses in (("a", [4.0, 3.0]), ("b", [4.0, 2.0])):
+        rows = [{"kind": "train", "step": i + 1, "loss": x} for i, x in enumerate(losses)]
+        rows.append({"kind": "validation", "step": 2, "loss": losses[-1]})
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    diff = trajectory_difference(tmp_path / "a", tmp_path / "b")
+    assert diff["train_max_relative_difference"] == pytest.approx(0.5)
+    assert diff["validation_max_relative_difference"] == pytest.approx(0.5)
