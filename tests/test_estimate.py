@@ -244,3 +244,14 @@ def test_the_stated_emulation_constants_are_the_fit():
     current = [(n, r) for n, r in results if "code" in r]
     assert misses == sum(not p.within_tolerance for p in validate(current, fitted))
     assert 0 < rms < 0.2
+
+
+def test_calibration_measures_positive_throughputs_with_the_library_kernels():
+    from onebit.bench.micro import bert_base_shapes
+    from onebit.estimate.cli import calibrate
+
+    shapes = bert_base_shapes(0.05)
+    measured = calibrate(scale=0.05, repeats=3)
+    assert measured["parameters"] == sum(math.prod(shape) for shape in shapes)
+    for key in ("compression_throughput", "host_throughput"):
+        assert 0 < measured[key] < math.inf

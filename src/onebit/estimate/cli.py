@@ -198,7 +198,7 @@ class EstimateSettings:
         )
 
 
-def calibrate(scale: float = 0.25, repeats: int = 3) -> dict[str, float]:
+def calibrate(scale: float = 0.5, repeats: int = 3) -> dict[str, float]:
     """This machine's compression and host throughputs, measured with the library's own
     optimizers and kernels as the defaults were: on BERT-base's parameter shapes (widths
     times ``scale``), 2 local gloo ranks, one thread each, ``onebit bench optimizer``'s
