@@ -74,6 +74,19 @@ def test_finetune_reports_accuracy(run_dir: Path, capsys: pytest.CaptureFixture[
     assert scratch["train_examples"] == 20 and scratch["config"]["from_scratch"]
 
 
+def test_finetune_spelling_task_on_the_runs_corpus(run_dir: Path) -> None:
+    args = ["finetune", str(run_dir), "--task", "spelling", "--epochs", "1", "--seed", "2"]
+    assert onebit_main([*args, "--max-train", "64", "--max-test", "40"]) == 0
+    result = json.loads((run_dir / "finetune-spelling-seed2.json").read_text())
+    assert result["task"] == "spelling" and result["config"]["seed"] == 2
+    assert result["train_examples"] == 64 and result["test_examples"] == 40
+    accuracy = result["test_accuracy"]
+    assert result["test_accuracy_se"] == pytest.approx((accuracy * (1 - accuracy) / 40) ** 0.5)
+    assert onebit_main([*args, "--max-train", "8", "--from-scratch"]) == 0
+    scratch = json.loads((run_dir / "finetune-scratch-spelling-seed2.json").read_text())
+    assert scratch["train_examples"] == 8 and scratch["test_examples"] > 40  # every window
+
+
 def test_classifier_takes_the_pretrained_encoder() -> None:
     config = bert_config(vocab_size=100, seq_len=16, layers=1, hidden=32, heads=2, dropout=0.0)
     torch.manual_seed(0)

@@ -28,6 +28,7 @@ from onebit.train.study import (
     UNAVAILABLE,
     Study,
     arm_state,
+    run_downstream,
     run_study,
     trajectory_difference,
     write_study_report,
@@ -121,6 +122,10 @@ def tiny_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Study:
                 {"name": "future-n2", "optimizer": "no-such-optimizer", **arm},
                 simulated,
             ],
+            "downstream": {
+                "finetune": {"task": "spelling", "epochs": 1, "max_train": 32, "max_test": 24},
+                "seeds": [0, 1],
+            },
         }
     )  # fmt: skip
 
@@ -166,6 +171,12 @@ def test_study_runs_arms_resumes_and_skips(
     }  # fmt: skip
     assert (out / "lamb" / "summary.json").stat().st_mtime_ns == finished
 
+    run_downstream(tiny_study, out)
+    scratch = out / "lamb" / "finetune-scratch-spelling-seed1.json"
+    written = scratch.stat().st_mtime_ns
+    run_downstream(tiny_study, out)  # nothing left to do
+    assert scratch.stat().st_mtime_ns == written
+
     report_dir = tmp_path / "docs"
     text = write_study_report(tiny_study, out, report_dir).read_text()
     results = json.loads((report_dir / "study.json").read_text())
@@ -180,6 +191,16 @@ def test_study_runs_arms_resumes_and_skips(
     assert (report_dir / "study.png").stat().st_size > 0
     assert (report_dir / "onebit-adam-n2" / "metrics.jsonl").is_file()
     assert "onebit train --optimizer onebit-adam" in text and "--lr 0.01" in text
+    downstream = results["downstream"]
+    assert list(downstream) == ["no pre-training", "lamb", "onebit-lamb-n2", "onebit-adam-n2"]
+    lamb, adam = downstream["lamb"], downstream["onebit-adam-n2"]
+    assert len(lamb["accuracies"]) == 2 and lamb["test_examples"] == 24
+    assert lamb["se_over_seeds"] == pytest.approx(
+        abs(lamb["accuracies"][0] - lamb["accuracies"][1]) / 2
+    )
+    assert "## Downstream: spelling" in text
+    assert f"{100 * (adam['mean'] - lamb['mean']):+.2f} pt" in text
+    assert (report_dir / "lamb" / "finetune-scratch-spelling-seed1.json").is_file()
 
 
 def test_trajectory_difference_of_different_runs(tmp_path: Path) -> None:

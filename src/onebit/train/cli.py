@@ -123,10 +123,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     finetune = subparsers.add_parser(
         "finetune",
-        help="fine-tune a pre-trained run on movie-review sentiment and report test accuracy",
-        description="Fine-tune the newest checkpoint of RUN_DIR as a sentence classifier on the "
-        "movie-review snippets (positive vs negative, 80/20 split) in one process with AdamW, "
-        "and write RUN_DIR/finetune.json.",
+        help="fine-tune a pre-trained run on a classification task and report test accuracy",
+        description="Fine-tune the newest checkpoint of RUN_DIR as a sentence classifier in one "
+        "process with AdamW, on the movie-review snippets (--task sentiment: positive vs "
+        "negative, 80/20 split) or on text windows of the run's corpus (--task spelling: has one "
+        "letter been replaced?), and write RUN_DIR/finetune[-scratch][-TASK][-seedN].json.",
     )
     finetune.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run folder")
     add_options(finetune, FinetuneConfig)
@@ -239,7 +240,8 @@ def _finetune(args: argparse.Namespace) -> int:
         else f"pre-trained for {result['checkpoint_step']} steps"
     )
     print(
-        f"sentiment test accuracy {100 * result['test_accuracy']:.2f}% "
-        f"({result['test_examples']} test sentences, {origin}); written to {result['path']}"
+        f"{config.task} test accuracy {100 * result['test_accuracy']:.2f}% "
+        f"(standard error {100 * result['test_accuracy_se']:.2f} points, "
+        f"{result['test_examples']} test examples, {origin}); written to {result['path']}"
     )
     return 0

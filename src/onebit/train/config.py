@@ -28,8 +28,9 @@ from onebit.optim._common import (
 )
 from onebit.train.atomic import write_json_atomic
 
-OPTIMIZERS = ("onebit-lamb", "lamb", "onebit-adam", "adam")
-ONEBIT_OPTIMIZERS = ("onebit-lamb", "onebit-adam")
+OPTIMIZERS = ("onebit-lamb", "lamb", "onebit-adam", "adam", "zero-one-adam")
+ONEBIT_OPTIMIZERS = ("onebit-lamb", "onebit-adam", "zero-one-adam")
+ZERO_ONE_ADAM = "zero-one-adam"
 LAMB_OPTIMIZERS = ("onebit-lamb", "lamb")
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
@@ -40,7 +41,9 @@ SUMMARY_FILE = "summary.json"
 TOKENIZER_FILE = "tokenizer.json"
 LOSS_PLOT_FILE = "loss.png"
 CHECKPOINT_DIR = "checkpoints"
-FINETUNE_FILE = "finetune.json"
+FINETUNE_TASKS = ("sentiment", "spelling")
+#: Training windows of the spelling task when ``max_train`` is not given.
+SPELLING_TRAIN_WINDOWS = 10_000
 
 #: Peak learning rate when ``lr`` is not given: LAMB's was tuned on a short run of the
 #: convergence setup (docs/CONVERGENCE.md); Adam's is the usual one for small BERTs (untuned).
@@ -48,6 +51,9 @@ DEFAULT_LAMB_LR = 0.016
 DEFAULT_ADAM_LR = 0.001
 #: Fraction of the steps spent in the warm-up stage when ``freeze_step`` is not given.
 DEFAULT_FREEZE_FRACTION = 0.2
+#: 0/1 Adam's local interval doubles this many times over the steps after the variance freeze
+#: when ``local_step_scaler`` is not given (DeepSpeed's 32678 suits runs of 10^5 steps).
+DEFAULT_LOCAL_INTERVAL_DOUBLINGS = 8
 #: Fraction of the steps with a linearly rising learning rate when ``lr_warmup_steps`` is not given.
 DEFAULT_LR_WARMUP_FRACTION = 0.1
 #: Number of validation points and checkpoints of a run when their interval is not given.
@@ -74,8 +80,10 @@ class TrainConfig:
         "onebit-lamb",
         group=_JOB,
         choices=OPTIMIZERS,
-        help="onebit-lamb and onebit-adam compress after --freeze-step; lamb and adam (AdamW) "
-        "average gradients with a dense allreduce",
+        help="onebit-lamb and onebit-adam compress after --freeze-step; zero-one-adam (0/1 "
+        "Adam) averages gradients densely on a few steps, at 1 bit on the others up to "
+        "--var-freeze-step, then takes local steps; lamb and adam (AdamW) average gradients "
+        "with a dense allreduce",
     )
     steps: int = option(400, group=_JOB, help="optimizer steps")
     batch_size: int = option(
@@ -85,8 +93,8 @@ class TrainConfig:
         None,
         group=_JOB,
         help="peak learning rate",
-        default_help=f"{DEFAULT_LAMB_LR} for lamb and onebit-lamb, {DEFAULT_ADAM_LR} for adam "
-        "and onebit-adam",
+        default_help=f"{DEFAULT_LAMB_LR} for lamb and onebit-lamb, {DEFAULT_ADAM_LR} for adam, "
+        "onebit-adam and zero-one-adam",
     )
     freeze_step: int | None = option(
         None,
@@ -134,6 +142,22 @@ class TrainConfig:
     factor_threshold: float = option(
         0.1, group=_HYPER, help="1-bit LAMB: largest relative change of the factor per step"
     )
+    var_freeze_step: int | None = option(
+        None,
+        group=_HYPER,
+        help="0/1 Adam: the last step that may update the variance",
+        default_help="--freeze-step",
+    )
+    var_update_scaler: int = option(
+        16, group=_HYPER, help="0/1 Adam: variance updates at each interval before it doubles"
+    )
+    local_step_scaler: int | None = option(
+        None,
+        group=_HYPER,
+        help="0/1 Adam: steps after the variance freeze at each local interval before it doubles",
+        default_help=f"the steps after --var-freeze-step / {DEFAULT_LOCAL_INTERVAL_DOUBLINGS}",
+    )
+    local_step_clipper: int = option(16, group=_HYPER, help="0/1 Adam: the longest local interval")
     grad_clip: float = option(
         1.0,
         group=_HYPER,
@@ -188,6 +212,12 @@ class TrainConfig:
             config.lr = DEFAULT_LAMB_LR if config.optimizer in LAMB_OPTIMIZERS else DEFAULT_ADAM_LR
         if config.freeze_step is None:
             config.freeze_step = max(1, round(DEFAULT_FREEZE_FRACTION * config.steps))
+        if config.optimizer == ZERO_ONE_ADAM:
+            if config.var_freeze_step is None:
+                config.var_freeze_step = config.freeze_step
+            if config.local_step_scaler is None:
+                local_steps = config.steps - config.var_freeze_step
+                config.local_step_scaler = max(1, local_steps // DEFAULT_LOCAL_INTERVAL_DOUBLINGS)
         if config.lr_warmup_steps is None:
             config.lr_warmup_steps = round(DEFAULT_LR_WARMUP_FRACTION * config.steps)
         if config.eval_every is None:
@@ -207,6 +237,18 @@ class TrainConfig:
         for name in ("steps", "batch_size", "layers", "hidden", "heads", "keep_checkpoints"):
             _positive_int(name, getattr(self, name))
         _positive_int("node_size", self.node_size)
+        if self.optimizer == ZERO_ONE_ADAM and self.node_size > 1:
+            raise ValueError(
+                "--node-size > 1 (the hierarchical exchange) is not offered for 0/1 Adam"
+            )
+        for name in (
+            "var_update_scaler",
+            "local_step_clipper",
+            "var_freeze_step",
+            "local_step_scaler",
+        ):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
         if self.eval_seqs < 0:
             raise ValueError(f"--eval-seqs must be >= 0 (0: all), got {self.eval_seqs}")
         if self.seq_len < 8:
@@ -239,6 +281,11 @@ class TrainConfig:
         if self.optimizer in ONEBIT_OPTIMIZERS and not 1 <= self.freeze_step <= self.steps:
             raise ValueError(
                 f"--freeze-step must be in [1, --steps={self.steps}], got {self.freeze_step}"
+            )
+        if self.optimizer == ZERO_ONE_ADAM and self.var_freeze_step > self.steps:
+            raise ValueError(
+                f"--var-freeze-step must be in [1, --steps={self.steps}], got "
+                f"{self.var_freeze_step}"
             )
         if not 0 <= self.lr_warmup_steps < self.steps:
             raise ValueError(
@@ -292,6 +339,13 @@ class FinetuneConfig:
     1e-4 to 3e-4, batch 8 to 128, a few epochs); they were not tuned on this task.
     """
 
+    task: str = option(
+        "sentiment",
+        choices=FINETUNE_TASKS,
+        help="sentiment: movie-review snippets, positive or negative; spelling: has one letter "
+        "of a text window from the run's corpus been replaced (test windows from the documents "
+        "held out of pre-training)",
+    )
     epochs: int = option(3, help="epochs")
     lr: float = option(3e-4, help="AdamW peak learning rate")
     batch_size: int = option(32, help="batch size")
@@ -299,7 +353,9 @@ class FinetuneConfig:
     weight_decay: float = option(0.01, help="AdamW weight decay")
     seed: int = option(0, help="seed of the split, the classifier head and the order")
     max_train: int | None = option(
-        None, help="use at most this many training sentences", default_help="all"
+        None,
+        help="use at most this many training examples",
+        default_help=f"all for sentiment, {SPELLING_TRAIN_WINDOWS} for spelling",
     )
     max_test: int | None = option(
         None, help="use at most this many test sentences", default_help="all"
@@ -307,10 +363,24 @@ class FinetuneConfig:
     from_scratch: bool = option(
         False,
         help="ignore the pre-trained weights (the no-pre-training baseline); writes "
-        "finetune-scratch.json",
+        "finetune-scratch*.json",
     )
 
+    @property
+    def result_file(self) -> str:
+        """``finetune[-scratch][-<task>][-seed<seed>].json``: the task named unless it is
+        sentiment, the seed unless it is 0."""
+        parts = ["finetune"]
+        if self.from_scratch:
+            parts.append("scratch")
+        if self.task != "sentiment":
+            parts.append(self.task)
+        if self.seed != 0:
+            parts.append(f"seed{self.seed}")
+        return "-".join(parts) + ".json"
+
     def __post_init__(self) -> None:
+        _choice("task", self.task, FINETUNE_TASKS)
         for name in ("epochs", "batch_size"):
             _positive_int(name, getattr(self, name))
         for name in ("max_train", "max_test"):

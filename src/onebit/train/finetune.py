@@ -1,14 +1,19 @@
-"""Fine-tune a pre-trained run on sentence sentiment (the paper's "same downstream accuracy" check).
+"""Fine-tune a pre-trained run on a classification task (the paper's "same downstream accuracy"
+check).
 
-The task is the movie-review snippets of :func:`onebit.train.data.load_sentiment` (positive
-vs negative, seeded 80/20 split). The classifier is ``BertForSequenceClassification`` built
-from the run's BERT config, its encoder loaded from the run's newest usable checkpoint, and it
-is trained in one process with AdamW under a linear warm-up/decay schedule.
+The tasks: ``sentiment``, the movie-review snippets of :func:`onebit.train.data.load_sentiment`
+(positive vs negative, seeded 80/20 split), and ``spelling``, text windows of the run's own
+corpus with or without one replaced letter (:mod:`onebit.train.data.spelling`; test windows
+from the documents held out of pre-training). The classifier is
+``BertForSequenceClassification`` built from the run's BERT config, its encoder loaded from the
+run's newest usable checkpoint, and it is trained in one process with AdamW under a linear
+warm-up/decay schedule.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -20,11 +25,17 @@ import torch.nn.functional as F
 
 from onebit.train import checkpoint, data
 from onebit.train.atomic import write_json_atomic
-from onebit.train.config import CHECKPOINT_DIR, FINETUNE_FILE, TOKENIZER_FILE, FinetuneConfig
+from onebit.train.config import (
+    CHECKPOINT_DIR,
+    SPELLING_TRAIN_WINDOWS,
+    TOKENIZER_FILE,
+    FinetuneConfig,
+    read_config,
+)
+from onebit.train.data.spelling import build_spelling_task
 
 logger = logging.getLogger(__name__)
 
-SCRATCH_FILE = "finetune-scratch.json"
 EVAL_BATCH = 256
 #: Fraction of the fine-tuning steps with a linearly rising learning rate.
 WARMUP_FRACTION = 0.1
@@ -71,11 +82,37 @@ def accuracy(model: torch.nn.Module, sentences: Sentences) -> float:
     return correct / len(sentences.ids)
 
 
+def load_task(
+    run_dir: Path, config: FinetuneConfig, max_tokens: int
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """``(train, test)`` rows of ``(text, label)`` of ``config.task`` for the run in
+    ``run_dir`` (whose corpus and document split the spelling task uses), ``max_train`` and
+    ``max_test`` applied."""
+    if config.task == "sentiment":
+        train_rows, test_rows = data.load_sentiment(seed=config.seed)
+        train_rows = train_rows[: config.max_train]
+    else:
+        from onebit.train.worker import load_documents
+
+        pretraining = read_config(run_dir)
+        documents = load_documents(pretraining)
+        # The split of build_mlm_dataset: test windows come from the held-out documents.
+        train_docs, test_docs = data.split_documents(documents, seed=pretraining.seed)
+        train_rows, test_rows = build_spelling_task(
+            train_docs,
+            test_docs,
+            max_chars=max_tokens - 2,  # [CLS] and [SEP]; a character is at most one token
+            seed=config.seed,
+            max_train=config.max_train or SPELLING_TRAIN_WINDOWS,
+        )
+    return train_rows, test_rows[: config.max_test]
+
+
 def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune the newest checkpoint of ``run_dir``; write and return the result.
 
-    The result (``test_accuracy`` and the settings) goes to ``RUN_DIR/finetune.json``, or
-    ``finetune-scratch.json`` with ``from_scratch``.
+    The result (``test_accuracy``, its binomial standard error
+    ``sqrt(a·(1-a)/n_test)``, and the settings) goes to ``RUN_DIR/<config.result_file>``.
     """
     from tokenizers import Tokenizer
     from transformers import BertConfig
@@ -100,9 +137,7 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     model = build_classifier(bert, None if config.from_scratch else state["model"])
 
-    train_rows, test_rows = data.load_sentiment(seed=config.seed)
-    train_rows = train_rows[: config.max_train]
-    test_rows = test_rows[: config.max_test]
+    train_rows, test_rows = load_task(run_dir, config, bert.max_position_embeddings)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     train_set = encode(tokenizer, train_rows, bert.max_position_embeddings)
     test_set = encode(tokenizer, test_rows, bert.max_position_embeddings)
@@ -133,18 +168,21 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         logger.info("epoch %d: last batch loss %.4f", epoch + 1, loss.item())
+    test_accuracy = accuracy(model, test_set)
     result = {
         "run_dir": str(run_dir),
+        "task": config.task,
         "checkpoint_step": step,
-        "test_accuracy": accuracy(model, test_set),
+        "test_accuracy": test_accuracy,
+        "test_accuracy_se": math.sqrt(test_accuracy * (1 - test_accuracy) / len(test_rows)),
         "train_accuracy": accuracy(model, train_set),
         "train_examples": len(train_rows),
         "test_examples": len(test_rows),
         "seconds": time.perf_counter() - started,
         "config": asdict(config),
     }
-    path = run_dir / (SCRATCH_FILE if config.from_scratch else FINETUNE_FILE)
+    path = run_dir / config.result_file
     write_json_atomic(path, result)
     result["path"] = str(path)
-    logger.info("Sentiment test accuracy %.4f, written to %s", result["test_accuracy"], path)
+    logger.info("%s test accuracy %.4f, written to %s", config.task, test_accuracy, path)
     return result

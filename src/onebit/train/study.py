@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ from onebit.train.config import (
     METRICS_FILE,
     OPTIMIZERS,
     SUMMARY_FILE,
+    FinetuneConfig,
     TrainConfig,
 )
 from onebit.train.report import human_bytes, read_metrics
@@ -58,8 +61,13 @@ SHARED_SETTINGS = (
     "steps", "batch_size", "seq_len", "layers", "hidden", "heads", "vocab_size", "dropout",
     "seed", "corpus", "eval_every", "eval_seqs",
 )  # fmt: skip
+#: The fine-tuning results of an arm's run folder.
+FINETUNE_GLOB = "finetune*.json"
 #: The arm whose final validation loss the others are compared with.
 REFERENCE_ARM = "lamb"
+
+#: The label of the downstream check's model without pre-training.
+NO_PRETRAINING = "no pre-training"
 
 FINISHED, PARTIAL, NOT_STARTED, UNAVAILABLE = "finished", "partial", "not started", "unavailable"
 
@@ -96,16 +104,40 @@ class Arm:
 
 
 @dataclass(frozen=True)
+class Downstream:
+    """The fine-tuning check: ``finetune`` (:class:`FinetuneConfig` fields) repeated with each
+    of ``seeds`` on every finished arm, and on a model without pre-training."""
+
+    finetune: dict[str, Any]
+    seeds: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seeds", tuple(self.seeds))
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"downstream seeds must be distinct and not empty, got {self.seeds}")
+        forbidden = sorted(set(self.finetune) & {"seed", "from_scratch"})
+        if forbidden:
+            raise ValueError(
+                f"downstream 'finetune' must not set {forbidden} (the check sets them)"
+            )
+        self.config(self.seeds[0])  # unknown or invalid settings fail here
+
+    def config(self, seed: int, *, from_scratch: bool = False) -> FinetuneConfig:
+        return FinetuneConfig(**self.finetune, seed=seed, from_scratch=from_scratch)
+
+
+@dataclass(frozen=True)
 class Study:
     """The shared settings and the arms of a study (see the module docstring)."""
 
     train: dict[str, Any]
     arms: tuple[Arm, ...]
     description: str = ""
+    downstream: Downstream | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Study:
-        unknown = sorted(set(data) - {"train", "arms", "description"})
+        unknown = sorted(set(data) - {"train", "arms", "description", "downstream"})
         if unknown:
             raise ValueError(f"unknown keys in the study: {unknown}")
         if "optimizer" in data.get("train", {}):
@@ -117,7 +149,8 @@ class Study:
         if len(set(names)) != len(names):
             raise ValueError(f"arm names must be unique, got {names}")
         TrainConfig(**data.get("train", {}))  # unknown or misspelt settings fail here
-        return cls(dict(data.get("train", {})), arms, data.get("description", ""))
+        downstream = Downstream(**data["downstream"]) if "downstream" in data else None
+        return cls(dict(data.get("train", {})), arms, data.get("description", ""), downstream)
 
     @classmethod
     def read(cls, path: Path) -> Study:
@@ -241,6 +274,61 @@ def run_study(
     return states
 
 
+def downstream_models(study: Study, out: Path) -> list[tuple[str, Path, bool]]:
+    """``(label, run folder, from scratch)`` of every model the downstream check fine-tunes:
+    the finished arms, and a model without pre-training (kept in the reference arm's folder,
+    whose architecture and tokenizer it shares) once that arm has finished."""
+    finished = [arm for arm in study.arms if arm_state(study, arm, out) == FINISHED]
+    models = [(arm.name, out / arm.name, False) for arm in finished]
+    if any(arm.name == REFERENCE_ARM for arm in finished):
+        models.insert(0, (NO_PRETRAINING, out / REFERENCE_ARM, True))
+    return models
+
+
+def run_downstream(study: Study, out: Path) -> None:
+    """Fine-tune every model of :func:`downstream_models` with every seed of the study's
+    downstream check; results already written are kept."""
+    from onebit.train.finetune import finetune
+
+    if study.downstream is None:
+        raise ValueError("the study has no 'downstream' check")
+    for label, run_dir, scratch in downstream_models(study, out):
+        for seed in study.downstream.seeds:
+            config = study.downstream.config(seed, from_scratch=scratch)
+            if (run_dir / config.result_file).is_file():
+                continue
+            logger.info("=== fine-tuning %s, seed %d ===", label, seed)
+            finetune(run_dir, config)
+
+
+def downstream_results(study: Study, out: Path) -> dict[str, dict[str, Any]]:
+    """Per fine-tuned model: the test accuracy of each seed run so far, their mean, the
+    standard error of that mean over seeds (``stdev / sqrt(k)``, two seeds or more) and the
+    mean binomial standard error of one run (``sqrt(a·(1-a)/n_test)``)."""
+    if study.downstream is None:
+        return {}
+    results = {}
+    for label, run_dir, scratch in downstream_models(study, out):
+        runs = []
+        for seed in study.downstream.seeds:
+            path = run_dir / study.downstream.config(seed, from_scratch=scratch).result_file
+            if path.is_file():
+                runs.append(json.loads(path.read_text()))
+        if not runs:
+            continue
+        accuracies = [r["test_accuracy"] for r in runs]
+        results[label] = {
+            "accuracies": accuracies,
+            "mean": statistics.fmean(accuracies),
+            "se_over_seeds": statistics.stdev(accuracies) / math.sqrt(len(runs))
+            if len(runs) > 1
+            else None,
+            "se_binomial": statistics.fmean(r["test_accuracy_se"] for r in runs),
+            "test_examples": runs[0]["test_examples"],
+        }
+    return results
+
+
 def unigram_entropy(config: TrainConfig) -> float:
     """The unigram cross-entropy of the validation tokens of ``config``'s data (nats)."""
     from onebit.train.data import unigram_cross_entropy
@@ -326,6 +414,32 @@ def _table_row(result: dict[str, Any], reference: float | None, entropy: float) 
     )
 
 
+def _downstream_table(study: Study, results: dict[str, dict[str, Any]]) -> list[str]:
+    assert study.downstream is not None
+    settings = study.downstream.config(study.downstream.seeds[0])
+    reference = results.get(REFERENCE_ARM)
+    lines = [
+        f"## Downstream: {settings.task}",
+        "",
+        f"Fine-tuned with seeds {list(study.downstream.seeds)}; "
+        f"{next(iter(results.values()))['test_examples']} test examples.",
+        "",
+        "| model | seeds | test accuracy (mean) | standard error over seeds | binomial standard "
+        "error of one run | vs LAMB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in results.items():
+        over_seeds = "" if r["se_over_seeds"] is None else f"{100 * r['se_over_seeds']:.2f}"
+        versus = ""
+        if reference is not None and label != REFERENCE_ARM:
+            versus = f"{100 * (r['mean'] - reference['mean']):+.2f} pt"
+        lines.append(
+            f"| {label} | {len(r['accuracies'])} | {100 * r['mean']:.2f}% | {over_seeds} "
+            f"| {100 * r['se_binomial']:.2f} | {versus} |"
+        )
+    return [*lines, ""]
+
+
 def write_study_report(study: Study, out: Path, report_dir: Path | None = None) -> Path:
     """Write ``report.md``, ``study.png`` and ``study.json`` into ``report_dir`` (default:
     ``out``), with a copy of each arm's config, metrics and summary there; return the report."""
@@ -337,11 +451,13 @@ def write_study_report(study: Study, out: Path, report_dir: Path | None = None) 
     _plot(results, out, entropy, report_dir / PLOT_FILE)
     if report_dir.resolve() != out.resolve():
         for result in results:
-            for name in ARM_FILES:
-                source = out / result["name"] / name
+            run_dir = out / result["name"]
+            for source in [run_dir / name for name in ARM_FILES] + sorted(
+                run_dir.glob(FINETUNE_GLOB)
+            ):
                 if source.is_file():
                     (report_dir / result["name"]).mkdir(exist_ok=True)
-                    shutil.copyfile(source, report_dir / result["name"] / name)
+                    shutil.copyfile(source, report_dir / result["name"] / source.name)
     by_name = {result["name"]: result for result in results}
     reference = by_name.get(REFERENCE_ARM, {})
     reference_loss = (
@@ -369,21 +485,26 @@ def write_study_report(study: Study, out: Path, report_dir: Path | None = None) 
         lines += [f"## n = {n}", "", *header]
         lines += [_table_row(r, reference_loss, entropy) for r in rows]
         lines.append("")
+    lines += [f"![validation loss vs samples]({PLOT_FILE})", ""]
+    downstream = downstream_results(study, out)
+    if downstream:
+        lines += _downstream_table(study, downstream)
     lines += [
-        f"![validation loss vs samples]({PLOT_FILE})",
-        "",
         "## Commands",
         "",
         "```",
         f"onebit study run --spec {DEFAULT_SPEC} --out {out}   # every arm, one after another",
         *(r["command"] for r in results),
+        f"onebit study finetune --spec {DEFAULT_SPEC} --out {out}   # the downstream check",
         "```",
         "",
     ]
     path = report_dir / REPORT_FILE
     path.write_text("\n".join(lines))
     with (report_dir / RESULTS_FILE).open("w") as f:
-        json.dump({"unigram_entropy": entropy, "arms": results}, f, indent=1)
+        json.dump(
+            {"unigram_entropy": entropy, "arms": results, "downstream": downstream}, f, indent=1
+        )
     return path
 
 
@@ -419,6 +540,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("run", _run, "run the arms one after another (finished ones are skipped, interrupted "
          "ones continue), then write the report"),
         ("report", _report, "write the report of the arms run so far"),
+        ("finetune", _finetune, "the downstream check: fine-tune every finished arm's model and "
+         "one without pre-training with each of the study's seeds (results already written are "
+         "kept), then write the report"),
     ):  # fmt: skip
         parser = commands.add_parser(name, help=help_text, description=help_text)
         parser.add_argument(
@@ -483,6 +607,16 @@ def _report(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"onebit study report: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    try:
+        study = Study.read(args.spec)
+        run_downstream(study, args.out)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"onebit study finetune: error: {exc}", file=sys.stderr)
+        return 2
+    return _report_of(args, study)
 
 
 def _diff(args: argparse.Namespace) -> int:

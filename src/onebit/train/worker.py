@@ -36,13 +36,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import onebit
 from onebit.collectives import TrafficCounter, allreduce_bytes
 from onebit.hierarchical import NodeGroups
-from onebit.optim._onebit import COMPRESSION
 from onebit.train import checkpoint, data, report
 from onebit.train.atomic import write_bytes_atomic
 from onebit.train.config import (
     CHECKPOINT_DIR,
     METRICS_FILE,
     TOKENIZER_FILE,
+    ZERO_ONE_ADAM,
     TrainConfig,
     prepare_run_dir,
     read_config,
@@ -72,12 +72,14 @@ def lr_factor(step_index: int, warmup_steps: int, total_steps: int) -> float:
     return max(0.0, (total_steps - step_index) / (total_steps - warmup_steps))
 
 
+def load_documents(config: TrainConfig) -> list[str]:
+    """The pre-training documents of ``config``: its own files, or the built-in corpus."""
+    return data.read_text_files(config.corpus) if config.corpus else data.load_corpus()
+
+
 def load_data(config: TrainConfig) -> tuple[data.MLMData, str]:
     """The MLM sequences and the tokenizer (as JSON) of ``config``, cached on first use."""
-    if config.corpus:
-        documents = data.read_text_files(config.corpus)
-    else:
-        documents = data.load_corpus()
+    documents = load_documents(config)
     tokenizer = data.train_tokenizer(documents, config.vocab_size)
     mlm = data.build_mlm_dataset(documents, tokenizer, config.seq_len, seed=config.seed)
     return mlm, tokenizer.to_str()
@@ -107,6 +109,15 @@ def build_optimizer(
             factor_max=config.factor_max,
             factor_min=config.factor_min,
             factor_threshold=config.factor_threshold,
+        )
+    if config.optimizer == ZERO_ONE_ADAM:
+        return onebit.ZeroOneAdam(
+            params,
+            **common,
+            var_freeze_step=config.var_freeze_step,
+            var_update_scaler=config.var_update_scaler,
+            local_step_scaler=config.local_step_scaler,
+            local_step_clipper=config.local_step_clipper,
         )
     if config.optimizer == "onebit-adam":
         return onebit.OneBitAdam(
@@ -394,12 +405,13 @@ class _Trainer:
         labels = data.rank_slice(labels, rank.rank, rank.world).to(rank.device)
         torch.manual_seed(step_seed(config.seed, step, rank.rank))  # dropout
         stage = self._stage()
+        averaged = not config.uses_onebit or self.optimizer.needs_averaged_gradients
         lr = self.optimizer.param_groups[0]["lr"]
         sent_before = self._bytes_sent()
         links_before = self._link_bytes() if config.hierarchical else None
         loss = self.forward(inputs, labels)
         loss.backward()
-        if not config.ddp and stage != COMPRESSION:
+        if not config.ddp and averaged:
             # Averaged before they are clipped, as under DDP: clipping each rank's own
             # gradients would give another update than clipping their mean.
             average_gradients(self.params, self.dense_traffic)
