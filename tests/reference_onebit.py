@@ -18,12 +18,15 @@ def _rms(x):
     return math.sqrt(float((x * x).sum()) / x.numel())
 
 
-def reference_run(kind, init, grad_fn, n, steps, freeze, groups, hyper, masks=None):
+def reference_run(
+    kind, init, grad_fn, n, steps, freeze, groups, hyper, masks=None, compression="fused"
+):
     """Return the parameters after each step, as lists of float64 tensors.
 
     groups[i] = (lr, weight_decay) of tensor i; hyper holds betas, eps and the LAMB bounds;
     masks[i] is tensor i's exp_avg_mask or None; grad_fn(rank, i, p) is worker rank's
-    gradient of tensor i at parameter value p.
+    gradient of tensor i at parameter value p. compression="per_tensor" (1-bit Adam only)
+    exchanges each tensor alone, as DeepSpeed's OnebitAdam does.
     """
     b1, b2 = hyper["betas"]
     eps = hyper["eps"]
@@ -41,6 +44,13 @@ def reference_run(kind, init, grad_fn, n, steps, freeze, groups, hyper, masks=No
     padded = max(unit, -(-total // unit) * unit)
     we = torch.zeros(n, padded, dtype=torch.float64)
     se = torch.zeros(n, padded // n, dtype=torch.float64)
+    # Per tensor: padded alone to a multiple of n * lcm(n, 8), its own error buffers.
+    unit_alone = n * math.lcm(n, 8)
+    alone = [max(unit_alone, -(-size // unit_alone) * unit_alone) for size in sizes]
+    tensor_errors = [
+        (torch.zeros(n, size, dtype=torch.float64), torch.zeros(n, size // n, dtype=torch.float64))
+        for size in alone
+    ]
     history = []
     for t in range(1, steps + 1):
         if t <= freeze:
@@ -61,6 +71,23 @@ def reference_run(kind, init, grad_fn, n, steps, freeze, groups, hyper, masks=No
                     params[i] = params[i] - lr * u
                 if t == freeze:
                     v_fresh[i] = v[i].clone()
+        elif compression == "per_tensor":
+            exchanged = []
+            for i in range(k):
+                buffers = torch.zeros(n, alone[i], dtype=torch.float64)
+                for r in range(n):
+                    local = b1 * m[i] + (1 - b1) * grad_fn(r, i, params[i])
+                    buffers[r, : sizes[i]] = local.reshape(-1)
+                result, *tensor_errors[i] = simulate_compressed_allreduce(
+                    buffers, *tensor_errors[i]
+                )
+                exchanged.append(result[: sizes[i]].reshape(params[i].shape))
+            for i in range(k):
+                lr, wd = groups[i]
+                m[i] = (
+                    exchanged[i] if masks is None or masks[i] is None else exchanged[i] * masks[i]
+                )
+                params[i] = params[i] - lr * (m[i] / (v[i].sqrt() + eps) + wd * params[i])
         else:
             if scaling is None:
                 rms = [_rms(x) for x in m]

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,9 @@ from onebit.collectives import (
     TrafficCounter,
     allreduce_mean_,
     compressed_allreduce_packed,
+    compressed_allreduce_per_tensor,
     padded_size,
+    per_tensor_error_sizes,
     world_size,
 )
 from onebit.consistency import ReplicaMismatchError, verify_replicas
@@ -44,6 +47,21 @@ class CommunicationError(RuntimeError):
     """A collective of the optimizer's step failed: a peer died, hung or diverged."""
 
 
+class MomentumExchange(Protocol):
+    """What replaces the collective exchange of the compression stage: the simulation of
+    ``L * M`` workers in one process (:class:`onebit.simulate.SimulatedDataParallel`), which
+    feeds every worker's :meth:`OneBitOptimizer.local_momentum` in before ``step()``. The
+    optimizer then holds the error state of all workers, one after another."""
+
+    topology: tuple[int, int]  # (ranks per node L, nodes M)
+
+    def exchange(
+        self, worker_error: Tensor, server_error: Tensor, traffic: TrafficCounter
+    ) -> PackedResult:
+        """The exchanged momentum of all workers (their bytes counted in ``traffic``)."""
+        ...
+
+
 class OneBitOptimizer(FlatOptimizer):
     """Base class of :class:`OneBitLamb` and :class:`OneBitAdam`.
 
@@ -62,6 +80,9 @@ class OneBitOptimizer(FlatOptimizer):
     """
 
     _SCALARS: dict[str, float] = {"scaling_coeff": 1.0}
+    # How the momentum is exchanged: "fused" (one buffer scaled by s_p) or "per_tensor"
+    # (each tensor compressed alone, DeepSpeed's 1-bit Adam; no s_p).
+    compression = "fused"
 
     def __init__(
         self,
@@ -96,9 +117,12 @@ class OneBitOptimizer(FlatOptimizer):
         }
         self._worker_error: Tensor | None = None
         self._server_error: Tensor | None = None
+        # None: this rank's momentum is exchanged over the process group (or node groups).
+        self.momentum_exchange: MomentumExchange | None = None
         self._exchange_buffer: Tensor | None = None
         self._mask: Tensor | None = None
         self._replicas_verified = False
+        self._verification_pending = False  # a check was due while replicas differed by design
         self._gradients_checked = False
         self.node_groups = node_groups
         self._check_node_groups()
@@ -121,6 +145,13 @@ class OneBitOptimizer(FlatOptimizer):
     def stage(self) -> str:
         """``"warmup"`` or ``"compression"``: the stage the next ``step()`` runs in."""
         return WARMUP if self._counters["step"] < self.freeze_step else COMPRESSION
+
+    @property
+    def needs_averaged_gradients(self) -> bool:
+        """Whether the next ``step()`` works on gradients averaged over the ranks at full
+        precision (the warm-up stage): the DDP hook and a training loop that averages
+        gradients itself do so exactly then."""
+        return self.stage == WARMUP
 
     @property
     def bytes_sent(self) -> dict[str, int]:
@@ -152,7 +183,15 @@ class OneBitOptimizer(FlatOptimizer):
     @property
     def topology(self) -> tuple[int, int]:
         """``(ranks per node, nodes)`` of the exchange: ``(1, world_size)`` when flat."""
+        if self.momentum_exchange is not None:
+            return self.momentum_exchange.topology
         return node_topology(self.node_groups) if self.node_groups else (1, self.world_size)
+
+    @property
+    def error_feedback(self) -> tuple[Tensor | None, Tensor | None]:
+        """``(worker_error, server_error)``, created at the first compression step: this
+        rank's, or with a :attr:`momentum_exchange` every simulated worker's, rank after rank."""
+        return self._worker_error, self._server_error
 
     def _check_node_groups(self) -> None:
         if self.node_groups is None:
@@ -203,14 +242,15 @@ class OneBitOptimizer(FlatOptimizer):
         traffic_before = self._traffic.total()
         try:
             due = self.verify_every and self.step_count % self.verify_every == 0
-            if not self._replicas_verified or due:
+            self._verification_pending |= bool(due) or not self._replicas_verified
+            if self._verification_pending and self._replicas_agree():
                 with self._collective():
                     verify_replicas(
                         self._replica_tensors(flat), self.process_group, step=self.step_count + 1
                     )
-                self._replicas_verified = True
+                self._replicas_verified, self._verification_pending = True, False
             grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
-            if stage == WARMUP:
+            if self.needs_averaged_gradients:
                 applied = self._warmup_step(flat, grads)
             else:
                 applied = self._compression_step(flat, grads)
@@ -220,6 +260,11 @@ class OneBitOptimizer(FlatOptimizer):
             flat.refresh_half_params()
             self._counters["step"] += 1
         return loss
+
+    def _replicas_agree(self) -> bool:
+        """Whether every rank's parameters are bit-identical by design before the next step
+        (always, for 1-bit LAMB and 1-bit Adam); replica checks wait until they are."""
+        return True
 
     def _replica_tensors(self, flat: FlatState) -> list[Tensor]:
         """What must agree across ranks: the parameters and any fp32 master copies."""
@@ -290,6 +335,26 @@ class OneBitOptimizer(FlatOptimizer):
 
     def _compression_step(self, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
         buffer = self._exchange_buffer_for(flat)
+        try:
+            if self.momentum_exchange is None:
+                self._scaled_local_momentum(flat, grads, buffer)
+                if not self._gradients_checked and self.step_count == self.freeze_step:
+                    with self._collective():  # the first compression step only (not on resume)
+                        self._check_gradients_are_local(buffer)
+                with self._collective():
+                    packed = self._exchange(buffer)
+            else:
+                errors = (self._worker_error, self._server_error)
+                packed = self.momentum_exchange.exchange(*errors, self._traffic)
+        except NonFiniteError:
+            return self._skip("a rank's local momentum")
+        self._compressed_update(flat, packed, buffer, self._mask, self._has_state)
+        return True
+
+    def _scaled_local_momentum(
+        self, flat: FlatState, grads: Sequence[Tensor | None], buffer: Tensor
+    ) -> None:
+        """``buffer = s_p (b1 m_p + (1 - b1) g_p)`` of this rank's gradients, padded."""
         local = [  # a parameter without a gradient on this rank contributes zeros
             torch.zeros(p.shape, dtype=flat.dtype, device=flat.device) if g is None else g
             for p, g in zip(flat.params, grads, strict=True)
@@ -302,19 +367,38 @@ class OneBitOptimizer(FlatOptimizer):
             self._has_state,
             backend=self._backend,
         )
-        if not self._gradients_checked and self.step_count == self.freeze_step:
-            with self._collective():  # the first compression step only (not after a resume)
-                self._check_gradients_are_local(buffer)
-        try:
-            with self._collective():
-                packed = self._exchange(buffer)
-        except NonFiniteError:
-            return self._skip("a rank's local momentum")
-        self._compressed_update(flat, packed, buffer, self._mask, self._has_state)
-        return True
 
-    def _exchange(self, buffer: Tensor) -> PackedResult:
-        """The 1-bit exchange of the scaled momenta: flat, or hierarchical by node."""
+    @torch.no_grad()
+    def local_momentum(self) -> Tensor:
+        """In the compression stage: the momentum the next ``step()`` would send for the
+        gradients in ``.grad``, ``s_p (b1 m_p + (1 - b1) g_p)`` in the padded exchange buffer
+        (overwritten by the next call and by ``step()``). Nothing else changes, except that
+        the first call of the stage sets up its state, as its first ``step()`` would."""
+        if self.stage != COMPRESSION:
+            raise RuntimeError(
+                f"local_momentum() is for the compression stage; step {self.step_count + 1} "
+                f"is in the warm-up (freeze_step={self.freeze_step})"
+            )
+        flat = self._flat_state()
+        grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
+        buffer = self._exchange_buffer_for(flat)
+        self._scaled_local_momentum(flat, grads, buffer)
+        return buffer
+
+    def _exchange(self, buffer: Tensor) -> PackedResult | None:
+        """The 1-bit exchange of the scaled momenta: flat, or hierarchical by node; with
+        per-tensor compression, each parameter's view of ``buffer`` is replaced in place by its
+        exchanged momentum (and nothing is returned)."""
+        if self.compression == "per_tensor":
+            compressed_allreduce_per_tensor(
+                self._flat.views(buffer),
+                self._worker_error,
+                self._server_error,
+                self.process_group,
+                traffic=self._traffic,
+                kernels=self._backend,
+            )
+            return None
         errors = (buffer, self._worker_error, self._server_error)
         options = dict(workspace=self._workspace, traffic=self._traffic, kernels=self._backend)
         if self.node_groups:
@@ -373,7 +457,7 @@ class OneBitOptimizer(FlatOptimizer):
                 "left out of the compression stage and no longer updated",
                 skipped,
             )
-        size = padded_size(flat.numel, self.world_size)
+        size = padded_size(flat.numel, math.prod(self.topology))
         worker_size, server_size = self._error_sizes(flat.numel)
         if self._worker_error is None or self._worker_error.numel() != worker_size:
             self._worker_error = torch.zeros(worker_size, dtype=flat.dtype, device=flat.device)
@@ -398,14 +482,15 @@ class OneBitOptimizer(FlatOptimizer):
         return mask
 
     def _start_compression(self, flat: FlatState) -> None:
-        """At the first compression step: ``s_p = mean_q rms(m_q) / rms(m_p)`` (1 if 0);
-        subclasses add their compression-stage state."""
+        """At the first compression step: ``s_p = mean_q rms(m_q) / rms(m_p)`` (1 if 0; stays 1
+        with per-tensor compression); subclasses add their compression-stage state."""
         indices = [i for i, has in enumerate(self._has_state) if has]
         momenta = [flat.view(flat.exp_avg, i) for i in indices]
-        sizes = torch.tensor([m.numel() for m in momenta], dtype=flat.dtype, device=flat.device)
-        rms = torch.stack(torch._foreach_norm(momenta)) / sizes.sqrt()
-        scaling = torch.where(rms > 0, rms.mean() / torch.where(rms > 0, rms, 1), 1)
-        flat.scalars["scaling_coeff"][indices] = scaling
+        if self.compression == "fused":
+            sizes = torch.tensor([m.numel() for m in momenta], dtype=flat.dtype, device=flat.device)
+            rms = torch.stack(torch._foreach_norm(momenta)) / sizes.sqrt()
+            scaling = torch.where(rms > 0, rms.mean() / torch.where(rms > 0, rms, 1), 1)
+            flat.scalars["scaling_coeff"][indices] = scaling
         if self._is_logging_rank():
             logger.info(
                 "%s: switching to 1-bit compressed momentum at step %d (%d tensors, %d "
@@ -430,8 +515,9 @@ class OneBitOptimizer(FlatOptimizer):
             "step": self._counters["step"],
             "skipped_steps": self._counters["skipped_steps"],
             "bytes_sent": dict(self._counters["bytes_sent"]),
-            "world_size": self.world_size,
+            "world_size": math.prod(self.topology),
             "ranks_per_node": self.topology[0],
+            "compression": self.compression,
             "worker_error": self._worker_error,
             "server_error": self._server_error,
         }
@@ -446,10 +532,18 @@ class OneBitOptimizer(FlatOptimizer):
         if not isinstance(extra, dict) or extra.get("optimizer") != type(self).__name__:
             found = extra.get("optimizer") if isinstance(extra, dict) else "a non-onebit optimizer"
             raise ValueError(f"checkpoint was saved by {found}, not by {type(self).__name__}")
+        saved_compression = extra.get("compression", "fused")
+        if saved_compression != self.compression:
+            raise ValueError(
+                f"checkpoint was saved with compression={saved_compression!r}, this "
+                f"{type(self).__name__} uses compression={self.compression!r}: their error-"
+                "feedback states have different layouts; construct the optimizer with "
+                f"compression={saved_compression!r} to resume"
+            )
         _common.validate_checkpoint(self, state_dict)
         worker_error, server_error = extra["worker_error"], extra["server_error"]
         saved_topology = (extra.get("ranks_per_node", 1), extra["world_size"])
-        same_world = saved_topology == (self.topology[0], self.world_size)
+        same_world = saved_topology == (self.topology[0], math.prod(self.topology))
         if worker_error is not None and same_world:
             self._validate_error_sizes(worker_error, server_error)
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
@@ -465,7 +559,7 @@ class OneBitOptimizer(FlatOptimizer):
         if worker_error is not None and not same_world:
             warnings.warn(
                 f"checkpoint was saved with world size {extra['world_size']} in nodes of "
-                f"{saved_topology[0]} ranks, now {self.world_size} in nodes of "
+                f"{saved_topology[0]} ranks, now {math.prod(self.topology)} in nodes of "
                 f"{self.topology[0]}: the error-feedback buffers are reset to zero",
                 UserWarning,
                 stacklevel=2,
@@ -477,10 +571,16 @@ class OneBitOptimizer(FlatOptimizer):
 
     def _error_sizes(self, numel: int) -> tuple[int, int]:
         """Elements of ``worker_error`` and ``server_error`` for ``numel`` parameters:
-        ``N_pad / L`` and ``N_pad / (L M)`` (``L = 1`` when flat)."""
+        ``N_pad / L`` and ``N_pad / (L M)`` (``L = 1`` when flat), times ``L M`` with a
+        :attr:`momentum_exchange` (every simulated worker's); with per-tensor compression
+        :func:`onebit.per_tensor_error_sizes` of the parameters."""
+        if self.compression == "per_tensor":  # each tensor padded alone
+            sizes = [p.numel() for p in _common.trainable_params(self)]
+            return per_tensor_error_sizes(sizes, self.world_size)
         local, nodes = self.topology
         size = padded_size(numel, local * nodes)
-        return size // local, size // (local * nodes)
+        workers = 1 if self.momentum_exchange is None else local * nodes
+        return workers * size // local, workers * size // (local * nodes)
 
     def _validate_error_sizes(self, worker_error: Tensor, server_error: Tensor) -> None:
         numel = sum(p.numel() for p in _common.trainable_params(self))
@@ -492,7 +592,7 @@ class OneBitOptimizer(FlatOptimizer):
                 size = None if tensor is None else tensor.numel()
                 raise ValueError(
                     f"checkpoint's {name} has {size} elements; this optimizer's parameters "
-                    f"({numel} elements, world size {self.world_size}, nodes of "
+                    f"({numel} elements, world size {math.prod(self.topology)}, nodes of "
                     f"{self.topology[0]}) need {expected[name]}"
                 )
 
@@ -507,11 +607,13 @@ class OneBitOptimizer(FlatOptimizer):
     def _compressed_update(
         self,
         flat: FlatState,
-        packed: PackedResult,
+        packed: PackedResult | None,
         scratch: Tensor,
         mask: Tensor | None,
         active: Sequence[bool],
     ) -> None:
         """The update with the exchanged (scaled) momentum ``packed`` (``scratch``: the
-        exchange buffer, free now); ``flat.exp_avg`` still holds the previous momentum."""
+        exchange buffer, free now; with per-tensor compression ``packed`` is ``None`` and
+        ``scratch`` holds the exchanged momentum); ``flat.exp_avg`` still holds the previous
+        momentum."""
         raise NotImplementedError

@@ -28,6 +28,7 @@ __all__ = [
     "scaled_momentum",
     "onebit_lamb_compressed_step_",
     "onebit_adam_compressed_step_",
+    "onebit_adam_per_tensor_step_",
     "trust_ratio",
     "compression_factor",
 ]
@@ -364,8 +365,25 @@ def onebit_adam_compressed_step_(
     if kernels is not None:
         kernels.onebit_adam_compressed_step_(flat, packed, scaling, mask, active)
         return
-    indices = _active_indices(active)
     new = _decode_momentum(flat, packed, scaling, mask, scratch)
+    _frozen_adam_update_(flat, new, _active_indices(active))
+
+
+def onebit_adam_per_tensor_step_(
+    flat: FlatState, exchanged: Tensor, mask: Tensor | None, active: Sequence[bool]
+) -> None:
+    """A compression-stage 1-bit Adam step with the momentum exchanged tensor by tensor
+    (:func:`onebit.compressed_allreduce_per_tensor`, already in ``exchanged``):
+    ``m = exchanged (* mask)``; ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v``
+    frozen. Plain torch on every backend."""
+    if mask is not None:
+        exchanged[: flat.numel].mul_(mask)
+    _frozen_adam_update_(flat, flat.views(exchanged), _active_indices(active))
+
+
+def _frozen_adam_update_(flat: FlatState, new: list[Tensor], indices: list[int]) -> None:
+    """``m = new``; ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` for the listed parameters
+    (``new``, each parameter's view of a spent buffer, is overwritten)."""
     m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
     denom = flat.views(flat.scratch(1))
     for group, idx in _by_group(flat, indices):

@@ -16,19 +16,27 @@ from onebit.optim._onebit import OneBitOptimizer
 
 __all__ = ["OneBitAdam"]
 
+COMPRESSIONS = ("fused", "per_tensor")
+
 
 class OneBitAdam(OneBitOptimizer):
     r"""1-bit Adam: Adam warm-up, then 1-bit momentum with the variance frozen.
 
     Warm-up (steps ``1 .. freeze_step``), on gradients averaged over ranks:
     ``m, v <- moments(g)``, ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
-    Compression (later steps): ``m <- b1 m + (1 - b1) g_local`` on each rank, exchanged by
-    :func:`onebit.compressed_allreduce` (scaled per tensor as in :class:`OneBitLamb`), then
-    the same update with ``v`` frozen. No bias correction.
+    Compression (later steps): ``m <- b1 m + (1 - b1) g_local`` on each rank, exchanged at
+    1 bit per element, then the same update with ``v`` frozen. No bias correction.
 
     Arguments as DeepSpeed's ``OnebitAdam``; ``process_group``, ``on_nonfinite``,
     ``verify_every``, ``kernels``, ``node_groups`` and the ``exp_avg_mask`` group option as in
-    :class:`onebit.OneBitLamb`.
+    :class:`onebit.OneBitLamb`, and ``compression``, how the momentum is exchanged:
+
+    * ``"fused"`` (default): one :func:`onebit.compressed_allreduce` of all tensors, each
+      scaled by ``s_p`` as in :class:`OneBitLamb`.
+    * ``"per_tensor"``: DeepSpeed's scheme, each tensor compressed alone with its own scales
+      and error buffers and no ``s_p`` (:func:`onebit.compressed_allreduce_per_tensor`, all
+      tensors in the same four collectives). Not with ``node_groups``. Its checkpoints load
+      only into a ``"per_tensor"`` optimizer (and ``"fused"`` ones into ``"fused"``).
     """
 
     def __init__(
@@ -44,8 +52,17 @@ class OneBitAdam(OneBitOptimizer):
         verify_every: int = 0,
         kernels: str | None = None,
         node_groups: NodeGroups | None = None,
+        compression: str = "fused",
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"Invalid compression={compression!r}: use one of {COMPRESSIONS}")
+        if compression == "per_tensor" and node_groups is not None:
+            raise ValueError(
+                "compression='per_tensor' does not support node_groups (the hierarchical "
+                "exchange is fused only); use compression='fused' or node_groups=None"
+            )
+        self.compression = compression
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,
@@ -58,6 +75,14 @@ class OneBitAdam(OneBitOptimizer):
             node_groups=node_groups,
         )
 
+    def _exchange_buffer_for(self, flat: FlatState) -> Tensor:
+        if self.compression == "per_tensor" and self.momentum_exchange is not None:
+            raise ValueError(
+                "compression='per_tensor' exchanges over the process group only; a "
+                "momentum_exchange simulates the fused exchange (use compression='fused')"
+            )
+        return super()._exchange_buffer_for(flat)
+
     def _warmup_update(
         self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
     ) -> bool:
@@ -66,11 +91,14 @@ class OneBitAdam(OneBitOptimizer):
     def _compressed_update(
         self,
         flat: FlatState,
-        packed: PackedResult,
+        packed: PackedResult | None,
         scratch: Tensor,
         mask: Tensor | None,
         active: Sequence[bool],
     ) -> None:
+        if self.compression == "per_tensor":
+            functional.onebit_adam_per_tensor_step_(flat, scratch, mask, active)
+            return
         functional.onebit_adam_compressed_step_(
             flat,
             packed,

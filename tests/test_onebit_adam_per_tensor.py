@@ -1,0 +1,256 @@
+"""OneBitAdam(compression="per_tensor") (DeepSpeed's scheme) on real gloo processes against
+the float64 model of the spec: trajectories, bytes, resume, the DDP hook, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from reference_onebit import reference_run
+from test_onebit_optimizers import (
+    FREEZE,
+    GROUP_HYPER,
+    HYPER,
+    MASK,
+    STEPS,
+    initial_params,
+    set_grads,
+)
+from test_onebit_optimizers import grad_fn as model_grad_fn
+
+import onebit
+from onebit.collectives import compressed_allreduce_per_tensor_bytes
+from onebit.testing import spawn_workers
+
+NUMELS = [math.prod(p.shape) for p in initial_params()]
+
+
+def build(dtype, compression="per_tensor"):
+    params = [torch.nn.Parameter(p.clone().to(dtype)) for p in initial_params()]
+    groups = [
+        {"params": params[:2], "lr": 0.02, "weight_decay": 0.01},
+        {
+            "params": params[2:],
+            "lr": 0.01,
+            "weight_decay": 0.0,
+            "exp_avg_mask": [torch.ones(4), MASK],
+        },
+    ]
+    opt = onebit.OneBitAdam(
+        groups, freeze_step=FREEZE, betas=HYPER["betas"], compression=compression
+    )
+    return params, opt
+
+
+def _trajectories(rank, world_size):
+    out = {}
+    for dtype in (torch.float64, torch.float32):
+        params, opt = build(dtype)
+        history = []
+        for _ in range(STEPS):
+            set_grads(params, rank)
+            opt.step()
+            history.append([p.detach().clone() for p in params])
+        out[dtype] = {"history": history, "bytes": opt.bytes_sent, "errors": opt.state_dict()}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
+    results = spawn_workers(_trajectories, world_size, timeout_s=180)
+    masks = [None, None, None, MASK]
+    expected = reference_run(
+        "adam",
+        initial_params(),
+        model_grad_fn,
+        world_size,
+        STEPS,
+        FREEZE,
+        GROUP_HYPER,
+        HYPER,
+        masks,
+        compression="per_tensor",
+    )
+    fused = reference_run(
+        "adam",
+        initial_params(),
+        model_grad_fn,
+        world_size,
+        STEPS,
+        FREEZE,
+        GROUP_HYPER,
+        HYPER,
+        masks,
+    )
+    assert not torch.allclose(expected[-1][0], fused[-1][0], rtol=1e-3), "modes must differ"
+    n = world_size
+    for dtype, run in results[0].items():
+        # As for the fused optimizers: float64 differs from the model by summation order
+        # only (1e-9 is far below a formula error); float32 by rounding (2e-4).
+        tol = 1e-9 if dtype == torch.float64 else 2e-4
+        for step in range(STEPS):
+            for index, (got, ref) in enumerate(
+                zip(run["history"][step], expected[step], strict=True)
+            ):
+                torch.testing.assert_close(
+                    got.double(),
+                    ref,
+                    rtol=tol,
+                    atol=tol,
+                    msg=lambda m, d=dtype, s=step, i=index: f"{d} step {s + 1} tensor {i}: {m}",
+                )
+            for rank in range(1, n):
+                other = results[rank][dtype]["history"][step]
+                assert all(
+                    torch.equal(a, b) for a, b in zip(run["history"][step], other, strict=True)
+                ), f"{dtype}: rank {rank} differs from rank 0 after step {step + 1}"
+        # The masked column's momentum stays zero: those entries follow weight decay 0.
+        assert torch.equal(run["history"][-1][3][:, 1], run["history"][FREEZE - 1][3][:, 1])
+        elem = 8 if dtype == torch.float64 else 4
+        dense = 2 * (n - 1) * (sum(NUMELS) + len(NUMELS)) * elem // n
+        compressed = compressed_allreduce_per_tensor_bytes(NUMELS, n, dtype)
+        assert run["bytes"] == {
+            "warmup": FREEZE * dense,
+            "compression": (STEPS - FREEZE) * compressed + 8 * (n - 1),  # + gradient check
+        }
+        saved = run["errors"]["onebit"]
+        sizes = onebit.per_tensor_error_sizes(NUMELS, n)
+        assert (saved["worker_error"].numel(), saved["server_error"].numel()) == sizes
+        assert saved["compression"] == "per_tensor"
+
+
+def _run_with_checkpoint(rank, world_size, directory, start, stop, save_at):
+    params, opt = build(torch.float32)
+    path = os.path.join(directory, f"rank{rank}.pt")
+    if start > 0:
+        saved = torch.load(path, weights_only=True)
+        with torch.no_grad():
+            for p, value in zip(params, saved["params"], strict=True):
+                p.copy_(value)
+        opt.load_state_dict(saved["optimizer"])
+    for step in range(start, stop):
+        set_grads(params, rank)
+        opt.step()
+        if step + 1 == save_at:
+            torch.save(
+                {"params": [p.detach() for p in params], "optimizer": opt.state_dict()}, path
+            )
+    return [p.detach().clone() for p in params], opt.bytes_sent
+
+
+def test_resume_mid_compression_is_bit_identical(tmp_path):
+    save_at = FREEZE + 5
+    args = (str(tmp_path), 0, STEPS, save_at)
+    uninterrupted = spawn_workers(_run_with_checkpoint, 2, args=args, timeout_s=120)
+    args = (str(tmp_path), save_at, STEPS, -1)
+    resumed = spawn_workers(_run_with_checkpoint, 2, args=args, timeout_s=120)
+    for (a, bytes_a), (b, bytes_b) in zip(uninterrupted, resumed, strict=True):
+        assert bytes_a == bytes_b
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _plain_or_ddp(rank, world_size, use_ddp):
+    torch.manual_seed(0)  # identical initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = onebit.OneBitAdam(
+        model.parameters(), lr=0.01, freeze_step=4, weight_decay=0.01, compression="per_tensor"
+    )
+    if use_ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        onebit.ddp.register_comm_hook(model, opt)
+    gen = torch.Generator().manual_seed(100 + rank)
+    history = []
+    for _ in range(12):
+        x = torch.randn(16, 6, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        opt.step()
+        history.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return torch.stack(history), opt.bytes_sent
+
+
+def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
+    plain = spawn_workers(_plain_or_ddp, 2, args=(False,), timeout_s=120)
+    ddp = spawn_workers(_plain_or_ddp, 2, args=(True,), timeout_s=120)
+    for (a, sent_a), (b, sent_b) in zip(plain, ddp, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(a, plain[0][0])  # ranks bit-identical
+        assert sent_a["compression"] == sent_b["compression"] > 0
+
+
+def test_world_size_one_matches_the_model():
+    params, opt = build(torch.float64)
+    expected = reference_run(
+        "adam",
+        initial_params(),
+        model_grad_fn,
+        1,
+        STEPS,
+        FREEZE,
+        GROUP_HYPER,
+        HYPER,
+        [None, None, None, MASK],
+        compression="per_tensor",
+    )
+    for step in range(STEPS):
+        set_grads(params, 0)
+        opt.step()
+        for got, ref in zip(params, expected[step], strict=True):
+            torch.testing.assert_close(got.detach(), ref, rtol=1e-9, atol=1e-9)
+
+
+def test_bf16_parameters_follow_their_fp32_masters_exactly():
+    # Gradients that do not depend on the parameters and are bf16 values: a bf16 run's fp32
+    # master weights then follow an fp32 run bit for bit, and the parameters are the masters
+    # rounded to bf16.
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(64,), (8, 4)]
+    init = [torch.randn(s, generator=gen).bfloat16().float() for s in shapes]
+    grads = [[torch.randn(s, generator=gen).bfloat16() for s in shapes] for _ in range(12)]
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        params = [torch.nn.Parameter(p.clone().to(dtype)) for p in init]
+        opt = onebit.OneBitAdam(params, lr=0.01, freeze_step=4, compression="per_tensor")
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.to(dtype)
+            opt.step()
+        runs[dtype] = params, opt
+    (p32, _), (p16, opt16) = runs[torch.float32], runs[torch.bfloat16]
+    for full, half in zip(p32, p16, strict=True):
+        master = opt16.state[half]["master_param"]
+        assert master.dtype == torch.float32 and torch.equal(master, full.detach())
+        assert torch.equal(half.detach(), master.bfloat16())
+
+
+def test_checkpoint_of_one_mode_is_rejected_by_the_other():
+    for saved_mode, loading_mode in (("per_tensor", "fused"), ("fused", "per_tensor")):
+        params, opt = build(torch.float32, saved_mode)
+        for _ in range(FREEZE + 2):
+            set_grads(params, 0)
+            opt.step()
+        _, other = build(torch.float32, loading_mode)
+        with pytest.raises(ValueError, match=f"saved with compression='{saved_mode}'"):
+            other.load_state_dict(opt.state_dict())
+
+
+def test_error_buffers_of_the_wrong_size_are_rejected_on_load():
+    params, opt = build(torch.float32)
+    for _ in range(FREEZE + 2):
+        set_grads(params, 0)
+        opt.step()
+    state = opt.state_dict()
+    state["onebit"]["worker_error"] = torch.zeros(onebit.padded_size(sum(NUMELS), 1))
+    _, other = build(torch.float32)
+    with pytest.raises(ValueError, match="worker_error has 56 elements; .* need 72"):
+        other.load_state_dict(state)
+
+
+def test_invalid_compression_and_node_groups_are_clear_errors():
+    param = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="Invalid compression='per-tensor'"):
+        onebit.OneBitAdam([param], compression="per-tensor")
+    with pytest.raises(ValueError, match="does not support node_groups"):
+        onebit.OneBitAdam([param], compression="per_tensor", node_groups=(None, None))
