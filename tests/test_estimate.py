@@ -255,3 +255,12 @@ def test_calibration_measures_positive_throughputs_with_the_library_kernels():
     assert measured["parameters"] == sum(math.prod(shape) for shape in shapes)
     for key in ("compression_throughput", "host_throughput"):
         assert 0 < measured[key] < math.inf
+
+
+def test_device_calibration_times_one_rank_on_the_given_device():
+    from onebit.estimate.cli import calibrate_device
+
+    measured = calibrate_device("cpu", scale=0.05, repeats=2)
+    assert 0 < measured["compression_throughput"] < math.inf
+    assert measured["host_throughput"] == math.inf
+    assert measured["onebit_compression_step_s"] > measured["lamb_step_s"] > 0

@@ -29,7 +29,7 @@ from onebit.estimate.model import (
     estimate,
 )
 
-__all__ = ["EstimateSettings", "calibrate", "model_parameters", "register"]
+__all__ = ["EstimateSettings", "calibrate", "calibrate_device", "model_parameters", "register"]
 
 #: Named models: the benchmark presets and BERT-Large (vocabulary 30522, hidden 1024, 24 layers).
 MODEL_SHAPES = {
@@ -198,7 +198,7 @@ class EstimateSettings:
         )
 
 
-def calibrate(scale: float = 0.5, repeats: int = 3) -> dict[str, float]:
+def calibrate(scale: float = 0.5, repeats: int = 3) -> dict[str, Any]:
     """This machine's compression and host throughputs, measured with the library's own
     optimizers and kernels as the defaults were: on BERT-base's parameter shapes (widths
     times ``scale``), 2 local gloo ranks, one thread each, ``onebit bench optimizer``'s
@@ -214,20 +214,81 @@ def calibrate(scale: float = 0.5, repeats: int = 3) -> dict[str, float]:
 
     fused = cpu_backends()[-1]
     row = _rank_zero_result(_optimizer_worker, 2, bert_base_shapes(scale), repeats, fused)
-    nbytes = FLOAT_BYTES * row["parameters"]
-    extra = row["onebit_compression_step_s"] - row["lamb_step_s"]
-    if not extra > 0:
-        raise RuntimeError(
-            f"calibration failed: the compression-stage step ({row['onebit_compression_step_s']}"
-            f" s) was not slower than Lamb.step() ({row['lamb_step_s']} s); the machine is too "
-            "busy to measure, try again"
-        )
     return {
         "parameters": row["parameters"],
-        "backend": fused,
-        "compression_throughput": nbytes / extra,
-        "host_throughput": nbytes / row["dense_allreduce_s"],
+        "backend": f"2 ranks, {fused} kernels",
+        "compression_throughput": _compression_throughput(FLOAT_BYTES * row["parameters"], row),
+        "host_throughput": FLOAT_BYTES * row["parameters"] / row["dense_allreduce_s"],
     }
+
+
+def calibrate_device(device: str, scale: float = 1.0, repeats: int = 10) -> dict[str, Any]:
+    """``R_c`` on one accelerator (or any device), at world size 1: the same steps as
+    :func:`calibrate`, ``Lamb.step()`` and ``OneBitLamb``'s compression-stage step on
+    BERT-base's shapes (widths times ``scale``) with the device's default kernels, interleaved
+    with a device-to-device copy of all parameters, each timed to the device's completion.
+    ``R_h`` is ``inf``: NCCL reduces on the device."""
+    import torch
+
+    import onebit
+    from onebit.bench.micro import FLOAT_BYTES, _interleaved, bert_base_shapes
+
+    where = torch.device(device)
+    shapes = bert_base_shapes(scale)
+
+    def sync() -> None:
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+
+    def parameters() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, device=where) * 0.02) for s in shapes]
+
+    gen = torch.Generator(device=where).manual_seed(1)
+    grads = [torch.randn(s, generator=gen, device=where) * 1e-3 for s in shapes]
+    lamb_params, onebit_params = parameters(), parameters()
+    lamb = onebit.Lamb(lamb_params, lr=1e-4, weight_decay=0.01)
+    optimizer = onebit.OneBitLamb(onebit_params, lr=1e-4, freeze_step=1, weight_decay=0.01)
+
+    def step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        sync()
+
+    step(optimizer, onebit_params)  # the one warm-up step
+    numel = sum(p.numel() for p in lamb_params)
+    source, target = torch.randn(numel, device=where), torch.empty(numel, device=where)
+    times = _interleaved(
+        {
+            "copy_s": lambda: (target.copy_(source), sync()),
+            "lamb_step_s": lambda: step(lamb, lamb_params),
+            "onebit_compression_step_s": lambda: step(optimizer, onebit_params),
+        },
+        repeats,
+        sync,
+    )
+    assert optimizer.stage == "compression"
+    return {
+        "parameters": numel,
+        "backend": f"{where} (default kernels)",
+        **times,
+        "compression_throughput": _compression_throughput(FLOAT_BYTES * numel, times),
+        "host_throughput": math.inf,
+    }
+
+
+def _compression_throughput(nbytes: float, times: dict[str, Any]) -> float:
+    """``nbytes / (t(compression step) - t(Lamb.step()))``; raises if the difference is not
+    positive (a machine too busy to measure)."""
+    extra = times["onebit_compression_step_s"] - times["lamb_step_s"]
+    if not extra > 0:
+        raise RuntimeError(
+            f"calibration failed: the compression-stage step ({times['onebit_compression_step_s']}"
+            f" s) was not slower than Lamb.step() ({times['lamb_step_s']} s); the machine is too "
+            "busy to measure, try again"
+        )
+    return nbytes / extra
 
 
 def _megabytes(nbytes: float) -> str:
@@ -328,13 +389,15 @@ def _estimate_command(args: argparse.Namespace) -> int:
     try:
         settings = EstimateSettings(**given_options(EstimateSettings, args))
         if args.calibrate:
-            measured = calibrate()
+            measured = calibrate() if args.device == "cpu" else calibrate_device(args.device)
             print(
-                f"calibrated on {measured['parameters'] / 1e6:.1f}M parameters, 2 ranks, "
-                f"{measured['backend']} kernels: compression throughput "
+                f"calibrated on {measured['parameters'] / 1e6:.1f}M parameters, "
+                f"{measured['backend']}: compression throughput "
                 f"{measured['compression_throughput']:.3g} B/s, host throughput "
                 f"{measured['host_throughput']:.3g} B/s\n"
             )
+            if args.json:
+                print(json.dumps(measured, indent=1))
             settings = dataclasses.replace(
                 settings,
                 compression_throughput=measured["compression_throughput"],
@@ -403,5 +466,11 @@ def register(subparsers: Any) -> None:
         "--calibrate",
         action="store_true",
         help="measure this machine's compression and host throughputs first (about a minute)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where --calibrate measures: cpu (2 gloo ranks, as the defaults were measured) or "
+        "an accelerator such as cuda (one device; host throughput inf, as NCCL reduces there)",
     )
     parser.set_defaults(handler=_estimate_command)
