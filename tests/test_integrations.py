@@ -22,9 +22,9 @@ from collections import defaultdict
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+from traffic_probe import TrafficProbe
 
 import onebit
 from onebit.collectives import allreduce_bytes, compressed_allreduce_bytes, padded_size
@@ -38,18 +38,6 @@ INSTALLED = {
     "accelerate": _HF,
     "lightning": importlib.util.find_spec("lightning") is not None,
 }
-# Bytes one rank of a group sends in a collective, from the bytes of the tensors it hands
-# over (argument 0 for allreduce and broadcast, 1, the input, for the others).
-_SENT = {
-    "allreduce": lambda group, args, size: 2 * (group.size() - 1) * size // group.size(),
-    "all_gather_single": lambda group, args, size: (group.size() - 1) * size,
-    "allgather": lambda group, args, size: (group.size() - 1) * size,
-    "all_to_all_single": lambda group, args, size: (group.size() - 1) * size // group.size(),
-    "broadcast": lambda group, args, size: (
-        (group.size() - 1) * size if group.rank() == args[1].rootRank else 0
-    ),
-}
-_PAYLOAD_ARG = {"allreduce": 0, "broadcast": 0}
 # The collectives of each stage's gradient traffic; anything else is the framework's own.
 GRADIENT_TRAFFIC = {
     "warmup": {"allreduce"},  # DDP's averaging, through onebit's hook
@@ -92,36 +80,6 @@ class Samples(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"x": self.x[i], "labels": self.labels[i]}
-
-
-class TrafficProbe:
-    """Records ``(optimizer steps so far, collective, bytes sent)`` for every collective."""
-
-    def __init__(self) -> None:
-        self.optimizer: onebit.OneBitOptimizer | None = None
-        self.records: list[tuple[int, str, int]] = []
-
-    def __enter__(self) -> TrafficProbe:
-        # The raw class attributes (pybind's instancemethod), to be put back as they were.
-        self._originals = {name: vars(dist.ProcessGroup)[name] for name in _SENT}
-        for name, original in self._originals.items():
-            setattr(dist.ProcessGroup, name, self._counting(name, original))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self._originals.items():
-            setattr(dist.ProcessGroup, name, original)
-
-    def _counting(self, name, original):
-        def counted(group, *args, **kwargs):
-            tensors = args[_PAYLOAD_ARG.get(name, 1)]
-            tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-            size = sum(t.numel() * t.element_size() for t in tensors)
-            step = -1 if self.optimizer is None else self.optimizer.step_count
-            self.records.append((step, name, _SENT[name](group, args, size)))
-            return original(group, *args, **kwargs)
-
-        return counted
 
 
 def _hooked(model: DistributedDataParallel) -> bool:

@@ -33,6 +33,12 @@ def check_positive(name: str, value: float) -> None:
         raise ValueError(f"Invalid {name}={value}: it must be > 0")
 
 
+def check_positive_int(name: str, value: int, meaning: str) -> None:
+    """``value`` an int >= 1 (not a bool); the error says what the argument ``means``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Invalid {name}={value!r}: it must be an int >= 1 ({meaning})")
+
+
 def check_adam_hyperparameters(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 ) -> None:
@@ -88,6 +94,12 @@ def trainable_params(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
 
+#: Per-parameter state of the parameter's shape (checked against it when a checkpoint loads).
+PER_ELEMENT_STATE = frozenset(
+    {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "master_param", "synced_param", "local_param"}
+)
+
+
 def validate_checkpoint(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` naming the first thing in ``state_dict`` that does not fit.
 
@@ -112,9 +124,7 @@ def validate_checkpoint(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> 
             )
         for param, key in zip(group["params"], saved["params"], strict=True):
             for name, value in saved_state.get(key, {}).items():
-                if name in {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "master_param"} and (
-                    tuple(value.shape) != tuple(param.shape)
-                ):
+                if name in PER_ELEMENT_STATE and tuple(value.shape) != tuple(param.shape):
                     raise ValueError(
                         f"parameter {key} (group {group_index}): checkpoint's {name} has shape "
                         f"{tuple(value.shape)}, the parameter has shape {tuple(param.shape)}"

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from onebit.optim._common import state_dtype
 
-FLAT_BUFFERS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+FLAT_BUFFERS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "synced_param")
 BLOCK = 1 << 14  # elements per block of the fused kernels; blocks never cross a segment
 
 
@@ -60,6 +60,7 @@ class FlatState:
         self.exp_avg = torch.zeros(self.numel, **zeros)
         self.exp_avg_sq = torch.zeros(self.numel, **zeros)
         self.exp_avg_sq_fresh: Tensor | None = None
+        self.synced_param: Tensor | None = None
         # Gradients, then one flag per parameter (did this rank have a gradient for it).
         self.grad_and_flags = torch.zeros(self.numel + len(self.params), **zeros)
         self.grad = self.grad_and_flags[: self.numel]
@@ -100,11 +101,16 @@ class FlatState:
         if self.exp_avg_sq_fresh is None:
             self.exp_avg_sq_fresh = self.exp_avg_sq.clone()
 
+    def enable_synced_param(self) -> None:
+        """Create ``synced_param`` as a copy of the weights (0/1 Adam's freeze)."""
+        if self.synced_param is None:
+            self.synced_param = self.weights.clone()
+
     def nbytes(self) -> tuple[int, int]:
         """Bytes of optimizer state (moments, masters, scalars) and of reused scratch
         (gradients, scratch buffers)."""
         size = self.exp_avg.element_size()
-        state = 2 + (self.exp_avg_sq_fresh is not None)
+        state = 2 + (self.exp_avg_sq_fresh is not None) + (self.synced_param is not None)
         masters = sum(p.numel() for p, _ in self.half_params)
         scalars = sum(v.numel() for v in self.scalars.values())
         scratch = self.grad_and_flags.numel() + sum(t.numel() for t in self._scratch.values())
@@ -138,6 +144,8 @@ class FlatState:
                 continue
             if "exp_avg_sq_fresh" in state:
                 self.enable_fresh_variance()
+            if "synced_param" in state:
+                self.enable_synced_param()
             for name in (*FLAT_BUFFERS, "master_param"):
                 if name in state:
                     target = self.weights if name == "master_param" else getattr(self, name)

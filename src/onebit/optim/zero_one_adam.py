@@ -1,0 +1,381 @@
+"""0/1 Adam (Lu et al., 2022, arXiv 2202.06009): adaptive variance freezing and local steps."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from onebit.collectives import (
+    NonFiniteError,
+    compressed_allreduce_per_tensor,
+    per_tensor_error_sizes,
+)
+from onebit.optim import _common, functional
+from onebit.optim._flat import FlatState
+from onebit.optim._onebit import OneBitOptimizer
+from onebit.optim.functional import _active_indices, _adam_direction, _by_group, _pick
+
+__all__ = [
+    "ZeroOneAdam",
+    "STEP_KINDS",
+    "is_variance_update_step",
+    "local_step_interval",
+    "step_kind",
+]
+
+#: The kinds of step, the keys of ``ZeroOneAdam.bytes_sent`` (ALGORITHM.md, "0/1 Adam").
+VARIANCE_UPDATE = "variance_update"  # dense fp32 mean of the gradients, variance updated
+GRADIENT_1BIT = "gradient_1bit"  # the gradients exchanged at 1 bit, variance unchanged
+LOCAL = "local"  # after the freeze: local gradients, nothing sent
+SYNC = "sync"  # after the freeze: the accumulated update exchanged at 1 bit
+STEP_KINDS = (VARIANCE_UPDATE, GRADIENT_1BIT, LOCAL, SYNC)
+
+
+def is_variance_update_step(step: int, var_update_scaler: int) -> bool:
+    """Whether ``step`` (counted from 1) is in the variance-update schedule T_v, before the
+    freeze is applied: ``var_update_scaler`` (kappa) updates at each interval 1, 2, 4, ...,
+    on the multiples of the interval that follow the previous interval's last update
+    (kappa = 16: steps 1-16, 18, 20, ..., 48, 52, ..., 112, 120, ...)."""
+    last, interval = 0, 1
+    while True:
+        first = (last // interval + 1) * interval
+        final = first + (var_update_scaler - 1) * interval
+        if step <= final:
+            return step >= first and step % interval == 0
+        last, interval = final, 2 * interval
+
+
+def local_step_interval(
+    step: int, var_freeze_step: int, local_step_scaler: int, local_step_clipper: int
+) -> int:
+    """The local interval ``H_t = min(H, 2^floor((t - T - 1) / S))`` of a step ``t > T``."""
+    doublings = (step - var_freeze_step - 1) // local_step_scaler
+    return min(local_step_clipper, 2 ** min(doublings, local_step_clipper.bit_length()))
+
+
+def step_kind(
+    step: int,
+    var_freeze_step: int,
+    var_update_scaler: int,
+    local_step_scaler: int,
+    local_step_clipper: int,
+) -> str:
+    """The kind of step ``step`` (counted from 1), one of :data:`STEP_KINDS`: up to the
+    freeze a variance update or a 1-bit gradient step; after it a synchronisation when
+    ``t mod H_t = 0``, else a local step."""
+    if step <= var_freeze_step:
+        if is_variance_update_step(step, var_update_scaler):
+            return VARIANCE_UPDATE
+        return GRADIENT_1BIT
+    interval = local_step_interval(step, var_freeze_step, local_step_scaler, local_step_clipper)
+    return SYNC if step % interval == 0 else LOCAL
+
+
+# --------------------------------------------------------------------------- the maths
+def momentum_step_(flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool]) -> None:
+    """For every active parameter: ``m = b1 m + (1 - b1) g``;
+    ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``; ``v`` unchanged."""
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
+    for group, idx in _by_group(flat, _active_indices(active)):
+        beta1 = group["betas"][0]
+        momentum = _pick(m, idx)
+        torch._foreach_mul_(momentum, beta1)
+        torch._foreach_add_(momentum, _pick(grads, idx), alpha=1 - beta1)
+        direction = _pick(update, idx)
+        _adam_direction(direction, _pick(denom, idx), momentum, _pick(v, idx), _pick(p, idx), group)
+        torch._foreach_add_(_pick(p, idx), direction, alpha=-group["lr"])
+
+
+def _denominators(flat: FlatState, idx: list[int], group: dict) -> list[Tensor]:
+    """``d = sqrt(v) + eps`` of the listed parameters, in scratch buffer 1."""
+    denom = _pick(flat.views(flat.scratch(1)), idx)
+    torch._foreach_copy_(denom, _pick(flat.views(flat.exp_avg_sq), idx))
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, group["eps"])
+    return denom
+
+
+def accumulated_update(flat: FlatState, active: Sequence[bool], out: Tensor) -> Tensor:
+    """``out_p = (p - p_synced) (sqrt(v) + eps)`` for every active parameter (zeros for the
+    others): the update since the last synchronisation, in units of momentum."""
+    indices = _active_indices(active)
+    p, synced, target = (flat.views(t) for t in (flat.weights, flat.synced_param, out))
+    out.zero_()
+    for group, idx in _by_group(flat, indices):
+        delta = _pick(target, idx)
+        torch._foreach_copy_(delta, _pick(p, idx))
+        torch._foreach_sub_(delta, _pick(synced, idx))
+        torch._foreach_mul_(delta, _denominators(flat, idx, group))
+    return out
+
+
+def synchronised_update_(
+    flat: FlatState, exchanged: Tensor, active: Sequence[bool], lr_sum: Tensor
+) -> None:
+    """With the exchanged accumulated update ``exchanged`` (``d``-scaled), for every active
+    parameter: ``m = -exchanged / lr_sum`` (0 where ``lr_sum = 0``);
+    ``p_synced <- p_synced + exchanged / d``; ``p = p_synced``; ``lr_sum = 0``."""
+    indices = _active_indices(active)
+    m, synced, p = (flat.views(t) for t in (flat.exp_avg, flat.synced_param, flat.weights))
+    delta = flat.views(exchanged)
+    rebuild = torch.where(lr_sum > 0, -1 / torch.where(lr_sum > 0, lr_sum, 1), 0)
+    for group, idx in _by_group(flat, indices):
+        torch._foreach_copy_(_pick(m, idx), _pick(delta, idx))
+        functional._scale_each(_pick(m, idx), rebuild[idx])
+        torch._foreach_div_(_pick(delta, idx), _denominators(flat, idx, group))
+        torch._foreach_add_(_pick(synced, idx), _pick(delta, idx))
+        torch._foreach_copy_(_pick(p, idx), _pick(synced, idx))
+    lr_sum[indices] = 0
+
+
+# --------------------------------------------------------------------------- the optimizer
+class ZeroOneAdam(OneBitOptimizer):
+    r"""0/1 Adam: Adam whose variance is updated on exponentially spaced steps, gradients sent at
+    1 bit in between, and after the variance freezes, local steps with the accumulated update
+    synchronised at 1 bit at growing intervals (ALGORITHM.md, "0/1 Adam").
+
+    Every step applies ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` (no bias correction).
+    Up to ``var_freeze_step`` (T):
+
+    * on the steps of the variance schedule (``var_update_scaler`` = kappa updates at each
+      interval 1, 2, 4, ...) the gradients are averaged at full precision (by this optimizer,
+      or by ``DistributedDataParallel`` with :func:`onebit.ddp.register_comm_hook`) and
+      ``m, v`` updated as in Adam;
+    * on the other steps the local gradients are averaged by the per-tensor 1-bit exchange
+      (:func:`onebit.collectives.compressed_allreduce_per_tensor`) and only ``m`` is updated.
+
+    After T the variance stays frozen; each rank updates ``m`` from its own gradients and
+    steps on its own, and at synchronisation steps (``t mod H_t = 0``, ``H_t`` doubling every
+    ``local_step_scaler`` steps up to ``local_step_clipper``) the update accumulated since
+    the last synchronisation, ``(p - p_synced) (sqrt(v) + eps)``, is exchanged at 1 bit; the
+    momentum is rebuilt as ``-exchanged / sum(lr)`` and the weights set to
+    ``p_synced + exchanged / (sqrt(v) + eps)`` on every rank alike.
+
+    ``bytes_sent`` counts each kind of step apart: ``"variance_update"`` (dense),
+    ``"gradient_1bit"``, ``"local"`` (nothing) and ``"sync"``; :attr:`stage` is the kind of
+    the next step. Replicas are bit-identical up to T and right after every synchronisation;
+    ``verify_every`` checks them at the first such point at or after each due step. A
+    checkpoint taken inside a local interval also holds this rank's own weights, which
+    ``load_state_dict`` puts back into the parameters.
+
+    Args:
+        params: parameters or parameter groups (groups may set ``lr``, ``betas``, ``eps``,
+            ``weight_decay`` and ``exp_avg_mask``, which multiplies the exchanged gradients
+            and accumulated updates).
+        lr, betas, eps, weight_decay: as in :class:`onebit.OneBitAdam`; weight decay is part
+            of the update, and so of the accumulated update (as in DeepSpeed).
+        var_freeze_step: the last step that may update the variance (T); DeepSpeed suggests
+            the end of the learning-rate warm-up.
+        var_update_scaler: variance updates at each interval before it doubles (kappa).
+        local_step_scaler: steps after the freeze at each local interval before it doubles.
+        local_step_clipper: the longest local interval (H).
+        process_group, on_nonfinite, verify_every, kernels: as in :class:`onebit.OneBitLamb`.
+            A non-finite local gradient in a local step is ignored on that rank alone (with a
+            warning, or an error with ``on_nonfinite="raise"``).
+
+    Argument names and defaults follow DeepSpeed's ``ZeroOneAdam``.
+    """
+
+    _SCALARS = {"lr_sum": 0.0}  # Gamma: the sum of lr since the last synchronisation
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        process_group: dist.ProcessGroup | None = None,
+        on_nonfinite: str = "skip",
+        verify_every: int = 0,
+        kernels: str | None = None,
+    ) -> None:
+        _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        for name, value, meaning in (
+            ("var_freeze_step", var_freeze_step, "the last step that may update the variance"),
+            ("var_update_scaler", var_update_scaler, "variance updates at each interval"),
+            ("local_step_scaler", local_step_scaler, "steps at each local interval"),
+            ("local_step_clipper", local_step_clipper, "the longest local interval"),
+        ):
+            _common.check_positive_int(name, value, meaning)
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(
+            params,
+            defaults,
+            freeze_step=var_freeze_step,
+            process_group=process_group,
+            on_nonfinite=on_nonfinite,
+            verify_every=verify_every,
+            kernels=kernels,
+        )
+        self._counters["bytes_sent"] = dict.fromkeys(STEP_KINDS, 0)
+        # The gradient check runs once, at the first step that exchanges local values.
+        self._first_local_exchange = next(
+            t for t in itertools.count(1) if self.kind_of_step(t) in (GRADIENT_1BIT, SYNC)
+        )
+
+    # ----------------------------------------------------------------- the schedule
+    @property
+    def var_freeze_step(self) -> int:
+        return self.freeze_step
+
+    def kind_of_step(self, step: int) -> str:
+        """The kind of step ``step`` (from 1): one of :data:`STEP_KINDS`."""
+        return step_kind(
+            step,
+            self.freeze_step,
+            self.var_update_scaler,
+            self.local_step_scaler,
+            self.local_step_clipper,
+        )
+
+    @property
+    def stage(self) -> str:
+        """The kind of the next ``step()``: ``"variance_update"``, ``"gradient_1bit"``,
+        ``"local"`` or ``"sync"``."""
+        return self.kind_of_step(self.step_count + 1)
+
+    @property
+    def needs_averaged_gradients(self) -> bool:
+        return self.stage == VARIANCE_UPDATE
+
+    def _replicas_agree(self) -> bool:
+        """Up to the freeze and right after a synchronisation; not inside a local interval."""
+        last = self.step_count
+        return last <= self.freeze_step or self.kind_of_step(last) == SYNC
+
+    # ----------------------------------------------------------------- the steps
+    def _warmup_update(
+        self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
+    ) -> bool:
+        return functional.adam_step_(flat, grads, active, check_finite=True, backend=self._backend)
+
+    def _compression_step(self, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
+        """A step that does not average gradients densely: 1-bit gradient, local or sync."""
+        kind = self.stage
+        buffer = self._prepare_exchange(flat)
+        if kind == GRADIENT_1BIT:
+            flat.load_grads(grads)  # this rank's gradients, zeros where it has none
+            try:
+                self._exchange_per_tensor(flat, flat.grad)
+            except NonFiniteError:
+                return self._skip("a rank's local gradients")
+            momentum_step_(flat, flat.views(flat.grad), self._has_state)
+            return True
+        if flat.synced_param is None:  # the first step after the freeze
+            self._start_local_steps(flat)
+        local = [
+            torch.zeros(p.shape, dtype=flat.dtype, device=flat.device) if g is None else g
+            for p, g in zip(flat.params, grads, strict=True)
+        ]
+        if _common.all_finite(_pick(local, _active_indices(self._has_state))):
+            momentum_step_(flat, local, self._has_state)
+        else:
+            self._ignore_local_gradients()
+        lr_sum = flat.scalars["lr_sum"]
+        indices = _active_indices(self._has_state)
+        lr_sum[indices] += flat.segment_values(lambda group: group["lr"])[indices]
+        if kind == SYNC:
+            accumulated_update(flat, self._has_state, buffer)
+            self._exchange_per_tensor(flat, buffer)
+            synchronised_update_(flat, buffer, self._has_state, lr_sum)
+        return True
+
+    def _prepare_exchange(self, flat: FlatState) -> Tensor:
+        """The buffer of the accumulated update (``N`` elements), the masks and the
+        error-feedback state."""
+        if self._exchange_buffer is None:
+            self._exchange_buffer = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
+            self._mask = self._flat_mask(flat)
+        worker_size, server_size = self._error_sizes(flat.numel)
+        if self._worker_error is None or self._worker_error.numel() != worker_size:
+            self._worker_error = torch.zeros(worker_size, dtype=flat.dtype, device=flat.device)
+            self._server_error = torch.zeros(server_size, dtype=flat.dtype, device=flat.device)
+        return self._exchange_buffer
+
+    def _exchange_per_tensor(self, flat: FlatState, buffer: Tensor) -> None:
+        """``buffer`` (every parameter's values, one after another) replaced by its per-tensor
+        1-bit average over the ranks, times the masks; the gradient check first, once."""
+        if not self._gradients_checked and self.step_count + 1 == self._first_local_exchange:
+            with self._collective():
+                self._check_gradients_are_local(buffer)
+        with self._collective():
+            compressed_allreduce_per_tensor(
+                flat.views(buffer),
+                self._worker_error,
+                self._server_error,
+                self.process_group,
+                traffic=self._traffic,
+                kernels=self._backend,
+            )
+        if self._mask is not None:
+            buffer.mul_(self._mask)
+
+    def _start_local_steps(self, flat: FlatState) -> None:
+        """At the freeze: ``p_synced = p``, ``lr_sum = 0``, and the error buffers, which held
+        the gradients' error, restart from zero for the accumulated updates."""
+        flat.enable_synced_param()
+        flat.scalars["lr_sum"].zero_()
+        self._worker_error.zero_()
+        self._server_error.zero_()
+        for index, has_state in enumerate(self._has_state):
+            if has_state:
+                flat.expose(self.state[flat.params[index]], index)
+
+    def _ignore_local_gradients(self) -> None:
+        """A local step whose gradients on this rank are not finite: they are ignored here
+        (the step still counts, so the schedules stay aligned across ranks)."""
+        message = (
+            f"non-finite local gradients at step {self.step_count + 1} (a local step after the "
+            "variance freeze)"
+        )
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(message + " on this rank (on_nonfinite='raise')")
+        self._counters["skipped_steps"] += 1
+        warnings.warn(
+            f"{message}: ignored on this rank, its weights and momentum unchanged for this step",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    # ----------------------------------------------------------------- checkpoints
+    def _error_sizes(self, numel: int) -> tuple[int, int]:
+        """Elements of ``worker_error`` and ``server_error``: every tensor padded alone
+        (:func:`onebit.collectives.per_tensor_error_sizes`; ``numel``, their sum, is implied)."""
+        numels = [p.numel() for p in _common.trainable_params(self)]
+        return per_tensor_error_sizes(numels, self.world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`OneBitOptimizer.state_dict`; inside a local interval each parameter's
+        state also holds this rank's own weights (``local_param``)."""
+        state = super().state_dict()
+        if self._flat is not None and not self._replicas_agree():
+            flat = self._flat
+            index_of = {id(p): i for i, p in enumerate(_common.params_in_order(self.param_groups))}
+            for param, weights in zip(flat.params, flat.views(flat.weights), strict=True):
+                key = index_of[id(param)]
+                state["state"][key] = {**state["state"].get(key, {}), "local_param": weights}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`OneBitOptimizer.load_state_dict`; a checkpoint taken inside a local
+        interval also puts this rank's own weights back into the parameters."""
+        super().load_state_dict(state_dict)
+        for param in _common.params_in_order(self.param_groups):
+            local = self.state[param].pop("local_param", None)
+            if local is not None:
+                param.data.copy_(local)
