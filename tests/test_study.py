@@ -96,6 +96,16 @@ def test_study_rejects_bad_specs(change: dict, message: str) -> None:
         Study.from_json({**spec, **change})
 
 
+def test_shipped_study_is_valid() -> None:
+    study = Study.read(Path(__file__).parents[1] / "docs" / "convergence" / "study.json")
+    assert study.arms[0].name == "lamb"
+    configs = [
+        study.config(arm) for arm in study.arms if study_module.unavailable_reason(arm) is None
+    ]
+    assert study.train["batch_size"] >= 1024 and study.downstream is not None
+    assert len({(c.batch_size, c.steps, c.seq_len, c.seed) for c in configs}) == 1
+
+
 @pytest.fixture
 def tiny_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Study:
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))

@@ -329,13 +329,19 @@ def downstream_results(study: Study, out: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
-def unigram_entropy(config: TrainConfig) -> float:
-    """The unigram cross-entropy of the validation tokens of ``config``'s data (nats)."""
+def data_facts(config: TrainConfig) -> dict[str, Any]:
+    """The vocabulary, the numbers of sequences and the unigram cross-entropy of the
+    validation tokens (nats) of ``config``'s data."""
     from onebit.train.data import unigram_cross_entropy
     from onebit.train.worker import load_data
 
     mlm, _ = load_data(config)
-    return unigram_cross_entropy(mlm)
+    return {
+        "unigram_entropy": unigram_cross_entropy(mlm),
+        "vocabulary": mlm.vocab_size,
+        "train_sequences": mlm.train.shape[0],
+        "validation_sequences": mlm.validation.shape[0],
+    }
 
 
 def arm_result(study: Study, arm: Arm, out: Path) -> dict[str, Any]:
@@ -447,7 +453,8 @@ def write_study_report(study: Study, out: Path, report_dir: Path | None = None) 
     report_dir.mkdir(parents=True, exist_ok=True)
     results = [arm_result(study, arm, out) for arm in study.arms]
     base = study.config(next(arm for arm in study.arms if unavailable_reason(arm) is None))
-    entropy = unigram_entropy(base)
+    facts = data_facts(base)
+    entropy = facts["unigram_entropy"]
     _plot(results, out, entropy, report_dir / PLOT_FILE)
     if report_dir.resolve() != out.resolve():
         for result in results:
@@ -472,8 +479,10 @@ def write_study_report(study: Study, out: Path, report_dir: Path | None = None) 
         "# Convergence study",
         "",
         f"{base.steps} steps at a global batch of {base.batch_size} sequences of {base.seq_len} "
-        f"tokens; {base.layers} layers, hidden {base.hidden}, vocabulary {base.vocab_size}. "
-        f"Unigram cross-entropy of the validation tokens under the training counts: "
+        f"tokens ({facts['train_sequences']:,} training and {facts['validation_sequences']:,} "
+        f"validation sequences, vocabulary of {facts['vocabulary']} tokens); {base.layers} "
+        f"layers, hidden {base.hidden}, {base.heads} heads. Unigram cross-entropy of the "
+        "validation tokens under the training counts: "
         f"**{entropy:.4f} nats** (25% below it: {0.75 * entropy:.4f}).",
         "",
     ]
@@ -502,9 +511,7 @@ def write_study_report(study: Study, out: Path, report_dir: Path | None = None) 
     path = report_dir / REPORT_FILE
     path.write_text("\n".join(lines))
     with (report_dir / RESULTS_FILE).open("w") as f:
-        json.dump(
-            {"unigram_entropy": entropy, "arms": results, "downstream": downstream}, f, indent=1
-        )
+        json.dump({**facts, "arms": results, "downstream": downstream}, f, indent=1)
     return path
 
 
