@@ -164,6 +164,51 @@ def test_dense_optimizer_without_ddp(workspace: Path) -> None:
     assert metrics.validation[-1]["loss"] < metrics.validation[0]["loss"]
 
 
+def test_onebit_adam_per_tensor_compression(workspace: Path) -> None:
+    """1-bit Adam with DeepSpeed's per-tensor compression: it trains, at 1 bit per element."""
+    out = workspace / "onebit-adam-per-tensor"
+    options = ("--optimizer", "onebit-adam", "--onebit-adam-compression", "per_tensor")
+    assert train(*tiny(workspace, out, *options, "--lr", "0.01")) == 0
+    config = json.loads((out / "config.json").read_text())["train"]
+    assert config["onebit_adam_compression"] == "per_tensor"
+    compression = json.loads((out / "summary.json").read_text())["bytes_sent"]["by_stage"][
+        "compression"
+    ]
+    assert 0 < compression["bytes"] * 16 < compression["lamb_bytes"]
+    metrics = report.read_metrics(out)
+    assert metrics.validation[-1]["loss"] < metrics.validation[0]["loss"]
+
+
+ZERO_ONE = [
+    "--optimizer", "zero-one-adam", "--lr", "0.01", "--var-freeze-step", "6",
+    "--var-update-scaler", "2", "--local-step-scaler", "2", "--local-step-clipper", "4",
+    "--checkpoint-every", "3",
+]  # fmt: skip
+
+
+def test_zero_one_adam_job_resumes_inside_a_local_interval(workspace: Path) -> None:
+    """0/1 Adam through every kind of step: variance updates 1, 2, 4, 6, 1-bit gradients 3, 5,
+    synchronisations 7, 8, 10, 12, local steps 9, 11. Under DDP; then without DDP, killed
+    after step 10 and restarted from the checkpoint of step 9 (inside a local interval, where
+    the ranks' weights differ): the same trajectory bit for bit."""
+    out = workspace / "zero-one-adam"
+    assert train(*tiny(workspace, out, *ZERO_ONE)) == 0
+    variance, one_bit = "variance_update", "gradient_1bit"
+    assert [r["stage"] for r in report.read_metrics(out).train] == [
+        *(variance, variance, one_bit, variance, one_bit, variance),
+        *("sync", "sync", "local", "sync", "local", "sync"),
+    ]
+    stages = json.loads((out / "summary.json").read_text())["bytes_sent"]["by_stage"]
+    assert stages["variance_update"]["bytes"] == stages["variance_update"]["lamb_bytes"] > 0
+    assert stages["local"]["bytes"] == 0
+    for kind in ("gradient_1bit", "sync"):
+        assert 0 < stages[kind]["bytes"] * 8 < stages[kind]["lamb_bytes"]
+    killed = workspace / "zero-one-adam-killed"
+    extra = ("--no-ddp", "--max-restarts", "1", "--kill-at-step", "10")
+    assert train(*tiny(workspace, killed, *ZERO_ONE, *extra)) == 0
+    assert_same_trajectory(killed, out)
+
+
 def test_hierarchical_exchange_on_two_nodes_of_two(
     workspace: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -203,6 +248,11 @@ def test_hierarchical_exchange_on_two_nodes_of_two(
         (["--workers", "0"], "--workers must be at least 1"),
         (["--workers", "4", "--node-size", "3"], "--node-size 3 does not divide --workers 4"),
         (["--node-size", "0"], "--node-size must be a positive integer"),
+        (
+            ["--optimizer", "onebit-adam", "--onebit-adam-compression", "per_tensor"]
+            + ["--workers", "4", "--node-size", "2"],
+            "not offered with --onebit-adam-compression per_tensor",
+        ),
         (["--no-launch"], "needs torchrun's environment variables; ['RANK'"),
         (
             ["--steps", "50", "--lr-warmup-steps", "50"],

@@ -26,6 +26,7 @@ from onebit.optim._common import (
     check_positive,
     check_unit_interval,
 )
+from onebit.optim.onebit_adam import COMPRESSIONS as ONEBIT_ADAM_COMPRESSIONS
 from onebit.train.atomic import write_json_atomic
 
 OPTIMIZERS = ("onebit-lamb", "lamb", "onebit-adam", "adam", "zero-one-adam")
@@ -142,6 +143,14 @@ class TrainConfig:
     factor_threshold: float = option(
         0.1, group=_HYPER, help="1-bit LAMB: largest relative change of the factor per step"
     )
+    onebit_adam_compression: str = option(
+        "fused",
+        group=_HYPER,
+        choices=ONEBIT_ADAM_COMPRESSIONS,
+        help="1-bit Adam: how the momentum is exchanged: fused (one buffer of all tensors, "
+        "scaled per tensor as 1-bit LAMB does) or per_tensor (each tensor compressed alone, "
+        "DeepSpeed's scheme)",
+    )
     var_freeze_step: int | None = option(
         None,
         group=_HYPER,
@@ -232,6 +241,13 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
+        _choice("onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS)
+        if self.optimizer == "onebit-adam" and self.node_size > 1:
+            if self.onebit_adam_compression == "per_tensor":
+                raise ValueError(
+                    "--node-size > 1 (the hierarchical exchange) is not offered with "
+                    "--onebit-adam-compression per_tensor"
+                )
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
         for name in ("steps", "batch_size", "layers", "hidden", "heads", "keep_checkpoints"):

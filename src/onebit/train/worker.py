@@ -121,7 +121,11 @@ def build_optimizer(
         )
     if config.optimizer == "onebit-adam":
         return onebit.OneBitAdam(
-            params, freeze_step=config.freeze_step, node_groups=node_groups, **common
+            params,
+            freeze_step=config.freeze_step,
+            node_groups=node_groups,
+            compression=config.onebit_adam_compression,
+            **common,
         )
     return torch.optim.AdamW(params, **common)
 
@@ -238,13 +242,22 @@ class _Trainer:
         self.kill_at_step = kill_at_step
         self.checkpoints = run_dir / CHECKPOINT_DIR
         self.traffic: dict[str, int] = {}
+        self.workers = rank.world  # data-parallel workers
+
+    def _launch(self) -> dict[str, Any]:
+        """What the run folder records of how the run was launched."""
+        return {"world_size": self.workers}
+
+    def _report_extra(self) -> dict[str, Any]:
+        """Entries of ``summary.json`` beyond :func:`report.summarize`'s."""
+        return {}
 
     # ----------------------------------------------------------------- setup
     def _prepare(self) -> tuple[data.MLMData, str]:
         error = None
         if self.rank.is_main:
             try:
-                prepare_run_dir(self.run_dir, self.config, {"world_size": self.rank.world})
+                prepare_run_dir(self.run_dir, self.config, self._launch())
             except (ValueError, OSError) as exc:
                 error = str(exc)
         _collective_ok(error, "preparing the run folder")
@@ -280,23 +293,7 @@ class _Trainer:
             self.model.load_state_dict(resumed.model["model"])
         # Identical initial (or restored) weights on every rank.
         onebit.broadcast_parameters(self.model.state_dict().values())
-
-        groups = onebit.node_groups(config.node_size) if config.hierarchical else None
-        self.optimizer = build_optimizer(config, self.params, groups)
-        self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
-        self.forward: nn.Module = self.model
-        if config.ddp:
-            from torch.nn.parallel import DistributedDataParallel
-
-            device_ids = [self.rank.local_rank] if self.rank.device.type == "cuda" else None
-            self.forward = DistributedDataParallel(self.model, device_ids=device_ids)
-            if config.uses_onebit:
-                onebit.ddp.register_comm_hook(self.forward, self.optimizer)
-            else:
-                self.forward.register_comm_hook(self.dense_traffic, counted_allreduce_hook)
-        elif config.uses_onebit:
-            # The job averages the warm-up gradients itself (see _train_step).
-            self.optimizer.gradients_averaged_by_ddp = True
+        self._parallelize()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda i: lr_factor(i, config.lr_warmup_steps, config.steps),
@@ -312,6 +309,27 @@ class _Trainer:
             if resumed.model is not None:
                 self.metrics_bytes = int(resumed.model["metrics_bytes"])
             logger.info("Resuming at step %d from %s", resumed.step, resumed.path)
+
+    def _parallelize(self) -> None:
+        """The optimizer, how gradients are averaged (``self.dense_traffic`` counts the dense
+        averaging's bytes) and the module the forward pass runs through."""
+        config = self.config
+        groups = onebit.node_groups(config.node_size) if config.hierarchical else None
+        self.optimizer = build_optimizer(config, self.params, groups)
+        self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
+        self.forward: nn.Module = self.model
+        if config.ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.rank.local_rank] if self.rank.device.type == "cuda" else None
+            self.forward = DistributedDataParallel(self.model, device_ids=device_ids)
+            if config.uses_onebit:
+                onebit.ddp.register_comm_hook(self.forward, self.optimizer)
+            else:
+                self.forward.register_comm_hook(self.dense_traffic, counted_allreduce_hook)
+        elif config.uses_onebit:
+            # The job averages the warm-up gradients itself (see _gradient_step).
+            self.optimizer.gradients_averaged_by_ddp = True
 
     def _link_bytes(self) -> dict[str, int]:
         """Bytes this rank has sent in the hierarchical exchange so far, per link kind."""
@@ -368,7 +386,11 @@ class _Trainer:
                     self._save(step, metrics)
         if self.rank.is_main:
             summary = report.write_run_report(
-                self.run_dir, config, world_size=self.rank.world, numel=self.numel
+                self.run_dir,
+                config,
+                world_size=self.workers,
+                numel=self.numel,
+                extra=self._report_extra(),
             )
             print(report.format_summary(summary), flush=True)
 
@@ -392,7 +414,7 @@ class _Trainer:
         return restarts == 0 and self.rank.rank == self.rank.world - 1
 
     def _train_step(self, step: int, mlm: data.MLMData, indices: torch.Tensor) -> dict[str, Any]:
-        config, rank = self.config, self.rank
+        config = self.config
         started = time.perf_counter()
         inputs, labels = data.mask_tokens(
             mlm.train[indices],
@@ -401,15 +423,50 @@ class _Trainer:
             special_ids=mlm.special_ids,
             mask_id=mlm.mask_id,
         )
-        inputs = data.rank_slice(inputs, rank.rank, rank.world).to(rank.device)
-        labels = data.rank_slice(labels, rank.rank, rank.world).to(rank.device)
-        torch.manual_seed(step_seed(config.seed, step, rank.rank))  # dropout
         stage = self._stage()
-        averaged = not config.uses_onebit or self.optimizer.needs_averaged_gradients
         lr = self.optimizer.param_groups[0]["lr"]
         sent_before = self._bytes_sent()
         links_before = self._link_bytes() if config.hierarchical else None
-        loss = self.forward(inputs, labels)
+        loss_sum, masked = self._gradient_step(step, inputs, labels)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sent = self._bytes_sent() - sent_before
+        self.traffic[stage] = self.traffic.get(stage, 0) + sent
+        links = {}
+        if links_before is not None:
+            links = {f"bytes_{k}": n - links_before[k] for k, n in self._link_bytes().items()}
+        return {
+            "kind": "train",
+            "step": step,
+            "stage": stage,
+            "loss": loss_sum / max(masked, 1),
+            "lr": lr,
+            "samples": step * config.batch_size,
+            "bytes": sent,
+            "bytes_total": sum(self.traffic.values()),
+            **links,
+            "step_time": time.perf_counter() - started,
+        }
+
+    def _worker_loss(
+        self, step: int, worker: int, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """Worker ``worker``'s MLM loss on its slice of the global batch, and its number of
+        masked tokens (dropout seeded by the step and the worker)."""
+        inputs = data.rank_slice(inputs, worker, self.workers).to(self.rank.device)
+        labels = data.rank_slice(labels, worker, self.workers).to(self.rank.device)
+        torch.manual_seed(step_seed(self.config.seed, step, worker))  # dropout
+        return self.forward(inputs, labels), int((labels != data.IGNORE_INDEX).sum())
+
+    def _gradient_step(
+        self, step: int, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[float, int]:
+        """This rank's forward and backward pass on its slice of the global batch, gradient
+        averaging (in uncompressed steps), clipping and the optimizer step; returns the
+        global batch's summed MLM loss and number of masked tokens."""
+        config = self.config
+        averaged = not config.uses_onebit or self.optimizer.needs_averaged_gradients
+        loss, masked = self._worker_loss(step, self.rank.rank, inputs, labels)
         loss.backward()
         if not config.ddp and averaged:
             # Averaged before they are clipped, as under DDP: clipping each rank's own
@@ -418,28 +475,9 @@ class _Trainer:
         if config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, config.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        sent = self._bytes_sent() - sent_before
-        self.traffic[stage] = self.traffic.get(stage, 0) + sent
-        links = {}
-        if links_before is not None:
-            links = {f"bytes_{k}": n - links_before[k] for k, n in self._link_bytes().items()}
-        masked = int((labels != data.IGNORE_INDEX).sum())
         totals = torch.tensor([loss.item() * masked, masked], dtype=torch.float64)
         dist.all_reduce(totals)
-        return {
-            "kind": "train",
-            "step": step,
-            "stage": stage,
-            "loss": float(totals[0] / totals[1].clamp(min=1)),
-            "lr": lr,
-            "samples": step * config.batch_size,
-            "bytes": sent,
-            "bytes_total": sum(self.traffic.values()),
-            **links,
-            "step_time": time.perf_counter() - started,
-        }
+        return float(totals[0]), int(totals[1])
 
     @torch.no_grad()
     def _evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -508,7 +546,7 @@ class _Trainer:
             tqdm(
                 total=self.config.steps,
                 initial=self.start_step,
-                desc=f"{self.config.optimizer} x{self.rank.world}",
+                desc=f"{self.config.optimizer} x{self.workers}",
                 unit="step",
                 mininterval=1.0,
                 dynamic_ncols=True,
