@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from onebit.bench.cluster import parse_bandwidth, parse_latency
+from onebit.bench.settings import bandwidth_option
 from onebit.cli import add_options, given_options, option
 from onebit.estimate.model import (
     COMPRESSION_THROUGHPUT,
@@ -74,10 +75,6 @@ def _bandwidth_option(text: str) -> str:
     return text
 
 
-def _intra_bandwidth_option(text: str) -> str | None:
-    return None if text.lower() == "none" else _bandwidth_option(text)
-
-
 def _latency_option(text: str) -> str:
     parse_latency(text)
     return text
@@ -132,7 +129,7 @@ class EstimateSettings:
     )
     intra_bandwidth: str | None = option(
         None,
-        parse=_intra_bandwidth_option,
+        parse=bandwidth_option,
         group="network",
         help="rate between two ranks of a node (NVLink, PCIe); 'none': only the host "
         "throughput limits it",
