@@ -1,0 +1,238 @@
+"""The many-worker simulation (onebit.simulate): bit for bit what real processes compute.
+
+Equality of a simulated and a real run needs equal averaged gradients in the warm-up. gloo's
+allreduce sums the ranks' gradients in an order of its own (and DDP divides before summing),
+so the test model rounds every gradient to a multiple of 2^-12 below 2^8 in magnitude
+(:func:`dyadic`): then every partial sum of up to 4 gradients is exact in float32, and so is
+the division by 2 or 4, whatever the order. Everything after the averaging (moments, trust
+ratios, the compressed exchange, clipping) is ordinary float arithmetic and must agree to the
+last bit, which the tests check with ``torch.equal`` on the parameters after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import onebit
+from onebit.collectives import TrafficCounter, compressed_allreduce_bytes
+from onebit.compression import (
+    simulate_compressed_allreduce,
+    simulate_hierarchical_compressed_allreduce,
+)
+from onebit.simulate import SimulatedDataParallel, SimulatedExchange, SimulationDiverged
+from onebit.testing import spawn_workers
+
+STEPS = 8
+FREEZE = 3
+MICRO_BATCH = 4
+GRID = 2.0**12  # gradients are multiples of 1 / GRID
+
+
+def dyadic(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` rounded to the grid, so that sums of a few of them are exact in float32."""
+    return torch.round(grad.clamp(-200, 200) * GRID) / GRID
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
+    for param in model.parameters():
+        param.register_hook(dyadic)
+    return model
+
+
+def micro_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    inputs = torch.randn(MICRO_BATCH, 8, generator=generator)
+    return inputs, torch.randn(MICRO_BATCH, 4, generator=generator) + inputs[:, :4]
+
+
+def build_optimizer(name: str, params, kernels: str, node_groups=None) -> torch.optim.Optimizer:
+    if name == "lamb":
+        return onebit.Lamb(params, lr=0.02, weight_decay=0.01, kernels=kernels)
+    if name == "onebit-adam":
+        return onebit.OneBitAdam(
+            params, lr=0.01, freeze_step=FREEZE, kernels=kernels, node_groups=node_groups
+        )
+    return onebit.OneBitLamb(
+        params,
+        lr=0.02,
+        freeze_step=FREEZE,
+        weight_decay=0.01,
+        max_coeff=0.5,
+        kernels=kernels,
+        node_groups=node_groups,
+    )
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+# (optimizer, workers per node, gradient clipping, kernels); clipping uses the main job's loop.
+CASES = {
+    2: [
+        ("onebit-lamb", 1, 0.0, "numba"),
+        ("onebit-adam", 1, 0.0, "numba"),
+        ("onebit-lamb", 1, 0.05, "torch"),
+    ],
+    4: [
+        ("onebit-lamb", 1, 0.0, "numba"),
+        ("onebit-adam", 1, 0.0, "numba"),
+        ("onebit-lamb", 2, 0.05, "numba"),
+        ("onebit-adam", 2, 0.0, "torch"),
+        ("lamb", 1, 0.05, "numba"),
+    ],
+}
+
+
+def _real_runs(rank: int, world: int, cases) -> list[list[torch.Tensor]]:
+    """On each of ``world`` gloo processes: every case, the parameters after every step."""
+    from onebit.train.worker import average_gradients
+
+    trajectories = []
+    for name, local, clip, kernels in cases:
+        model = build_model()
+        params = list(model.parameters())
+        groups = onebit.node_groups(local) if local > 1 else None
+        optimizer = build_optimizer(name, params, kernels, groups)
+        job_loop = clip > 0 or name == "lamb"  # the main job's: average, clip, step
+        if isinstance(optimizer, onebit.OneBitLamb | onebit.OneBitAdam):
+            optimizer.gradients_averaged_by_ddp = job_loop
+        traffic, trajectory = TrafficCounter(), []
+        for step in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            inputs, targets = micro_batch(step, rank)
+            nn.functional.mse_loss(model(inputs), targets).backward()
+            compressing = getattr(optimizer, "stage", None) == "compression"
+            if job_loop and not compressing:
+                average_gradients(params, traffic)
+            if clip:
+                nn.utils.clip_grad_norm_(params, clip)
+            optimizer.step()
+            trajectory.append(flat_params(model))
+        trajectories.append(trajectory)
+    return trajectories
+
+
+def worker_backward(model: nn.Module, step: int):
+    """Worker ``rank``'s forward and backward pass at ``step``; returns its loss."""
+
+    def backward(rank: int) -> float:
+        inputs, targets = micro_batch(step, rank)
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss.item()
+
+    return backward
+
+
+def _simulated_run(name: str, workers: int, local: int, clip: float, kernels: str):
+    model = build_model()
+    optimizer = build_optimizer(name, model.parameters(), kernels)
+    simulation = SimulatedDataParallel(optimizer, workers, local, max_grad_norm=clip)
+    trajectory = []
+    for step in range(STEPS):
+        losses = simulation.step(worker_backward(model, step))
+        assert len(losses) == workers
+        trajectory.append(flat_params(model))
+    return trajectory, optimizer, simulation
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_simulation_equals_real_processes_bit_for_bit(workers: int) -> None:
+    real = spawn_workers(_real_runs, workers, args=(CASES[workers],), timeout_s=180)
+    for index, (name, local, clip, kernels) in enumerate(CASES[workers]):
+        case = f"{name}, {workers} workers in nodes of {local}, clip {clip}, {kernels}"
+        ranks = [trajectories[index] for trajectories in real]
+        simulated, optimizer, _ = _simulated_run(name, workers, local, clip, kernels)
+        for step in range(STEPS):
+            for rank, trajectory in enumerate(ranks):
+                assert torch.equal(trajectory[step], ranks[0][step]), (case, step, rank)
+            assert torch.equal(simulated[step], ranks[0][step]), f"{case}: step {step + 1}"
+        assert not torch.equal(simulated[FREEZE], simulated[-1]), case  # it trains
+        if name != "lamb":
+            assert optimizer.stage == "compression"
+
+
+def test_streamed_exchange_equals_the_reference_simulations() -> None:
+    """Flat and hierarchical, over several calls with the error state carried on."""
+    for workers, local in [(3, 1), (4, 1), (4, 2), (6, 3)]:
+        numel = 8 * workers * 29
+        generator = torch.Generator().manual_seed(workers * 10 + local)
+        errors = torch.zeros(workers, numel // local), torch.zeros(workers, numel // workers)
+        streamed = [errors[0].clone(), errors[1].clone()]
+        exchange = SimulatedExchange(workers, local, kernels="torch")
+        for _ in range(3):
+            buffers = torch.randn(workers, numel, generator=generator)
+            if local == 1:
+                expected, *errors = simulate_compressed_allreduce(buffers, *errors, kernels="torch")
+            else:
+                expected, *errors = simulate_hierarchical_compressed_allreduce(
+                    buffers, *errors, local, kernels="torch"
+                )
+            for rank in range(workers):
+                exchange.add_worker(rank, buffers[rank].clone(), streamed[0])
+            result = exchange.exchange(*streamed).decode(torch.empty(numel))
+            assert torch.equal(result, expected), (workers, local)
+            assert torch.equal(streamed[0], errors[0]) and torch.equal(streamed[1], errors[1])
+
+
+def test_state_traffic_and_memory_model() -> None:
+    _, optimizer, simulation = _simulated_run("onebit-lamb", 4, 1, 0.0, "numba")
+    numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    padded = onebit.padded_size(numel, 4)
+    worker_error, server_error = optimizer.error_feedback
+    assert worker_error.numel() == 4 * padded and server_error.numel() == padded
+    compressed = compressed_allreduce_bytes(padded, 4, torch.float32)
+    assert optimizer.bytes_sent["compression"] == (STEPS - FREEZE) * compressed
+    assert simulation.traffic.bytes_sent["allreduce"] == FREEZE * 2 * 3 * 4 * numel // 4
+    memory = simulation.memory_bytes()
+    assert memory["worker_errors"] == 4 * 4 * padded and memory["server_errors"] == 4 * padded
+    assert memory["exchange_scratch"] == 4 * padded // 8 + 4 * padded // 8 // 4 + 2 * 4 * 4
+
+    # Checkpoints hold every worker's error state and continue the same trajectory.
+    _, hierarchical, _ = _simulated_run("onebit-adam", 4, 2, 0.0, "numba")
+    state = hierarchical.state_dict()
+    assert state["onebit"]["world_size"] == 4 and state["onebit"]["ranks_per_node"] == 2
+    assert state["onebit"]["worker_error"].numel() == 4 * padded // 2
+
+
+def test_resume_from_a_checkpoint_continues_the_same_trajectory() -> None:
+    expected, _, _ = _simulated_run("onebit-lamb", 4, 2, 0.0, "numba")
+    model = build_model()
+    optimizer = build_optimizer("onebit-lamb", model.parameters(), "numba")
+    simulation = SimulatedDataParallel(optimizer, 4, 2)
+    for step in range(STEPS):
+        if step == FREEZE + 2:  # resume into a fresh model, optimizer and simulation
+            state, weights = optimizer.state_dict(), model.state_dict()
+            model = build_model()
+            model.load_state_dict(weights)
+            optimizer = build_optimizer("onebit-lamb", model.parameters(), "numba")
+            simulation = SimulatedDataParallel(optimizer, 4, 2)
+            optimizer.load_state_dict(state)
+        simulation.step(worker_backward(model, step))
+        assert torch.equal(flat_params(model), expected[step]), step
+
+
+def test_bad_input_is_named() -> None:
+    model = build_model()
+    with pytest.raises(ValueError, match="node_size=3 must divide workers=4"):
+        SimulatedDataParallel(build_optimizer("onebit-lamb", model.parameters(), "numba"), 4, 3)
+    with pytest.raises(ValueError, match="workers must be a positive integer"):
+        SimulatedDataParallel(build_optimizer("lamb", model.parameters(), "numba"), 0)
+    optimizer = build_optimizer("onebit-lamb", model.parameters(), "numba")
+    SimulatedDataParallel(optimizer, 2)
+    with pytest.raises(ValueError, match="already simulated"):
+        SimulatedDataParallel(optimizer, 2)
+    exchange = SimulatedExchange(2)
+    with pytest.raises(ValueError, match="rank order: expected 0"):
+        exchange.add_worker(1, torch.zeros(16), torch.zeros(32))
+    with pytest.raises(RuntimeError, match="needs all 2 workers"):
+        exchange.exchange(torch.zeros(32), torch.zeros(16))
+    with pytest.raises(SimulationDiverged, match="simulated worker 0"):
+        exchange.add_worker(0, torch.full((16,), float("nan")), torch.zeros(32))
