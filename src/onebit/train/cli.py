@@ -14,6 +14,7 @@ from onebit.train.config import (
     DEFAULT_ADAM_LR,
     LAMB_OPTIMIZERS,
     OPTIMIZERS,
+    REAL_WORKER_OPTIONS,
     FinetuneConfig,
     TrainConfig,
     default_run_dir,
@@ -45,6 +46,24 @@ examples:
 """
 
 
+SIMULATE_DESCRIPTION = """\
+Run the main job (the same model, data, seeds, schedule, evaluation, metrics, checkpoints and
+report as `onebit train`) with --workers data-parallel workers simulated in this one process:
+worker i computes its gradient on its own slice of the global batch, the warm-up averages the
+workers' gradients, and the compression stage exchanges their momenta through the simulated 1-bit
+exchange (flat, or hierarchical over nodes of --node-size workers), with the optimizers' own code.
+Bit for bit what as many real workers compute when their averaged gradients agree. Memory: the
+error-feedback buffers of all workers, about 4 bytes x parameters x workers / --node-size.
+"""
+
+SIMULATE_EPILOG = """\
+examples:
+  onebit simulate --workers 64 --steps 400 --batch-size 1024
+  onebit simulate --workers 256 --node-size 8 --optimizer onebit-lamb --out runs/sim256
+  onebit simulate --resume runs/sim256
+"""
+
+
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("launch")
     launch.add_argument(
@@ -62,6 +81,19 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_run_folder_options(parser: argparse.ArgumentParser, default_out: str):
+    """``--out`` and ``--resume``; returns their argument group."""
+    out = parser.add_argument_group("run folder")
+    out.add_argument("--out", type=Path, help=f"run folder (default: {default_out})")
+    out.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its newest usable checkpoint with its saved configuration",
+    )
+    return out
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``train``, ``compare`` and ``finetune`` to the ``onebit`` command."""
     train = subparsers.add_parser(
@@ -73,14 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_options(train, TrainConfig)
     _add_launch_options(train)
-    out = train.add_argument_group("run folder")
-    out.add_argument("--out", type=Path, help="run folder (default: runs/<time>-<optimizer>)")
-    out.add_argument(
-        "--resume",
-        type=Path,
-        metavar="RUN_DIR",
-        help="continue RUN_DIR from its newest usable checkpoint with its saved configuration",
-    )
+    out = _add_run_folder_options(train, "runs/<time>-<optimizer>")
     out.add_argument(
         "--no-launch",
         action="store_true",
@@ -89,6 +114,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     train.add_argument("--kill-at-step", type=int, help=argparse.SUPPRESS)
     train.set_defaults(handler=_train)
+
+    simulate = subparsers.add_parser(
+        "simulate",
+        help="the main job with many data-parallel workers simulated in one process",
+        description=SIMULATE_DESCRIPTION,
+        epilog=SIMULATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_options(simulate, TrainConfig, exclude=REAL_WORKER_OPTIONS)
+    workers = simulate.add_argument_group("workers")
+    workers.add_argument(
+        "--workers",
+        type=int,
+        help=f"simulated data-parallel workers (default: {DEFAULT_WORKERS}; with --resume, the "
+        "number the run was started with)",
+    )
+    _add_run_folder_options(simulate, "runs/<time>-<optimizer>-sim<n>")
+    simulate.set_defaults(handler=_simulate)
 
     compare = subparsers.add_parser(
         "compare",
@@ -147,19 +190,22 @@ def _given_config(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+def _resumed_config(args: argparse.Namespace) -> TrainConfig:
+    """The saved configuration of the run ``--resume`` names (no other options allowed)."""
+    given = sorted(_given_config(args))
+    if given or args.out is not None:
+        dropped = [f"--{name.replace('_', '-')}" for name in given] or ["--out"]
+        raise ValueError(f"--resume continues a run with its saved configuration; drop {dropped}")
+    return read_config(args.resume)
+
+
 def _train(args: argparse.Namespace) -> int:
     from onebit.train.launch import launch_job
 
     try:
         if args.resume is not None:
-            given = sorted(_given_config(args))
-            if given or args.out is not None:
-                dropped = [f"--{name.replace('_', '-')}" for name in given] or ["--out"]
-                raise ValueError(
-                    f"--resume continues a run with its saved configuration; drop {dropped}"
-                )
             run_dir = args.resume
-            config = read_config(run_dir)
+            config = _resumed_config(args)
             workers = args.workers
             if workers is None:
                 workers = read_launch(run_dir).get("world_size", DEFAULT_WORKERS)
@@ -186,6 +232,32 @@ def _train(args: argparse.Namespace) -> int:
         )
     except (ValueError, FileNotFoundError) as exc:
         return _error("train", exc)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from onebit.train.config import prepare_run_dir
+    from onebit.train.launch import print_if_complete
+    from onebit.train.simulation import check_simulated, simulate
+
+    try:
+        if args.resume is not None:
+            run_dir, config = args.resume, _resumed_config(args)
+            saved_workers = read_launch(run_dir)["world_size"]
+            workers = saved_workers if args.workers is None else args.workers
+        else:
+            config = TrainConfig(**_given_config(args)).resolved()
+            workers = DEFAULT_WORKERS if args.workers is None else args.workers
+            run_dir = args.out or default_run_dir(f"{config.optimizer}-sim{workers}")
+        if workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {workers}")
+        check_simulated(config)
+        config.check_world_size(workers)
+        continuing = prepare_run_dir(run_dir, config, {"world_size": workers, "simulated": True})
+        if not (continuing and print_if_complete(run_dir, config)):
+            simulate(config, run_dir, workers)
+    except (ValueError, FileNotFoundError) as exc:
+        return _error("simulate", exc)
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -36,6 +36,9 @@ LAMB_OPTIMIZERS = ("onebit-lamb", "lamb")
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 
+#: Options that choose how worker processes communicate (``onebit simulate`` has none).
+REAL_WORKER_OPTIONS = ("ddp", "backend", "timeout")
+
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -444,11 +447,28 @@ def read_launch(run_dir: Path) -> dict[str, Any]:
     return dict(_read_run_file(run_dir)["launch"])
 
 
+def _check_same_kind_of_run(run_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """A simulation (``onebit simulate``) continues only as a simulation of as many workers,
+    a run of worker processes only as one (each keeps its workers' error buffers its way)."""
+    simulated = saved.get("simulated", False)
+    if simulated == now.get("simulated", False) and (
+        not simulated or saved["world_size"] == now["world_size"]
+    ):
+        return
+    kind = (
+        f"a simulation of {saved['world_size']} workers (onebit simulate)"
+        if simulated
+        else "a run of worker processes (onebit train)"
+    )
+    command = "onebit simulate" if simulated else "onebit train"
+    raise ValueError(f"{run_dir} holds {kind}; continue it with `{command} --resume {run_dir}`")
+
+
 def prepare_run_dir(run_dir: Path, config: TrainConfig, launch: dict[str, Any]) -> bool:
     """Create ``run_dir`` with ``config.json``; return True if it continues an earlier run.
 
     Safe to call from every rank at once. Raises ``ValueError`` if the folder holds a run with
-    another configuration, or other files.
+    another configuration, of another kind (``launch["simulated"]``), or other files.
     """
     path = run_dir / CONFIG_FILE
     if path.is_file():
@@ -463,6 +483,7 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, launch: dict[str, Any]) 
                 f"{run_dir} holds a run with another configuration (saved vs now: {changed}); "
                 "choose a new --out, or continue it with --resume RUN_DIR"
             )
+        _check_same_kind_of_run(run_dir, read_launch(run_dir), launch)
         return True
     if run_dir.exists() and any(p for p in run_dir.iterdir() if not p.name.startswith(".")):
         raise ValueError(f"--out {run_dir} exists and is not a run folder; choose a new --out")

@@ -25,6 +25,20 @@ logger = logging.getLogger(__name__)
 SHARED_STORE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
+def print_if_complete(run_dir: Path, config: TrainConfig) -> bool:
+    """Whether the run in ``run_dir`` has finished all its steps; if so its summary is
+    printed again."""
+    summary_path = run_dir / SUMMARY_FILE
+    if not summary_path.is_file():
+        return False
+    summary = json.loads(summary_path.read_text())
+    if summary["steps"] != config.steps:
+        return False
+    logger.info("%s is complete; nothing to train", run_dir)
+    print(format_summary(summary), flush=True)
+    return True
+
+
 def launch_job(
     config: TrainConfig,
     run_dir: Path,
@@ -48,13 +62,8 @@ def launch_job(
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     config.check_world_size(workers)
     continuing = prepare_run_dir(run_dir, config, {"world_size": workers})
-    summary_path = run_dir / SUMMARY_FILE
-    if continuing and summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
-        if summary["steps"] == config.steps:
-            logger.info("%s is complete; nothing to train", run_dir)
-            print(format_summary(summary), flush=True)
-            return 0
+    if continuing and print_if_complete(run_dir, config):
+        return 0
     logger.info("%s run in %s", "Continuing the" if continuing else "New", run_dir)
     load_data(config)  # fill the cache once, before the workers read it
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)

@@ -138,10 +138,16 @@ def plot_loss(run_dir: Path, config: TrainConfig) -> Path:
 
 
 def write_run_report(
-    run_dir: Path, config: TrainConfig, *, world_size: int, numel: int
+    run_dir: Path,
+    config: TrainConfig,
+    *,
+    world_size: int,
+    numel: int,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write ``summary.json`` and ``loss.png``; return the summary."""
-    summary = summarize(run_dir, config, world_size=world_size, numel=numel)
+    """Write ``summary.json`` (with the entries of ``extra``) and ``loss.png``; return the
+    summary."""
+    summary = {**summarize(run_dir, config, world_size=world_size, numel=numel), **(extra or {})}
     plot_loss(run_dir, config)
     write_json_atomic(run_dir / SUMMARY_FILE, summary)
     return summary

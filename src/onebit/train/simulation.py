@@ -1,0 +1,106 @@
+"""``onebit simulate``: the main job with ``n`` data-parallel workers simulated in one process.
+
+The trainer of ``onebit train`` (:mod:`onebit.train.worker`) with its model, data order,
+masking, dropout seeds, learning-rate schedule, evaluation, metrics, checkpoints and report;
+only the workers differ: :class:`onebit.simulate.SimulatedDataParallel` runs worker ``i`` on
+slice ``i`` of the global batch (with worker ``i``'s dropout seed), averages the gradients of
+uncompressed steps in rank order, clips as the job does, and exchanges 1-bit momenta through
+the simulated flat or hierarchical exchange. The process is a torch.distributed world of one
+rank, so checkpoints and evaluation run the job's own code; a checkpoint's one optimizer state
+holds every worker's error-feedback buffers. Options of the real job that choose how workers
+communicate (``--ddp``, ``--backend``, ``--timeout``) have no meaning here.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from onebit.simulate import SimulatedDataParallel
+from onebit.train.config import TrainConfig
+from onebit.train.worker import Rank, _configure_logging, _Trainer, build_optimizer
+
+__all__ = ["SimulatedTrainer", "check_simulated", "simulate"]
+
+#: The optimizers ``onebit simulate`` runs.
+SIMULATED_OPTIMIZERS = ("onebit-lamb", "onebit-adam", "lamb", "adam")
+
+
+class SimulatedTrainer(_Trainer):
+    """The main job's trainer with ``workers`` simulated workers in this process."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, workers: int, rank: Rank) -> None:
+        super().__init__(config, run_dir, rank, kill_at_step=None)
+        self.workers = workers
+
+    def _launch(self) -> dict[str, Any]:
+        return {"world_size": self.workers, "simulated": True}
+
+    def _parallelize(self) -> None:
+        config = self.config
+        self.optimizer = build_optimizer(config, self.params)
+        self.simulation = SimulatedDataParallel(
+            self.optimizer,
+            self.workers,
+            config.node_size if config.hierarchical else 1,
+            max_grad_norm=config.grad_clip,
+        )
+        self.dense_traffic = self.simulation.traffic
+        self.forward = self.model
+
+    def _gradient_step(
+        self, step: int, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[float, int]:
+        def worker_backward(worker: int) -> tuple[float, int]:
+            loss, masked = self._worker_loss(step, worker, inputs, labels)
+            loss.backward()
+            return loss.item() * masked, masked
+
+        totals = self.simulation.step(worker_backward)
+        return sum(loss for loss, _ in totals), sum(masked for _, masked in totals)
+
+    def _report_extra(self) -> dict[str, Any]:
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return {
+            "simulation": {
+                "node_size": self.simulation.exchange.local,
+                "memory_bytes": self.simulation.memory_bytes(),
+                "peak_rss_bytes": 1024 * peak_kib,
+            }
+        }
+
+
+def check_simulated(config: TrainConfig) -> None:
+    """Raise ``ValueError`` if ``config``'s optimizer cannot be simulated."""
+    if config.optimizer not in SIMULATED_OPTIMIZERS:
+        raise ValueError(
+            f"--optimizer {config.optimizer} cannot be simulated; choose one of "
+            f"{list(SIMULATED_OPTIMIZERS)}"
+        )
+    if config.optimizer == "onebit-adam" and config.onebit_adam_compression != "fused":
+        raise ValueError(
+            "--onebit-adam-compression per_tensor is not simulated (the simulation exchanges "
+            "the fused momentum buffer)"
+        )
+
+
+def simulate(config: TrainConfig, run_dir: Path, workers: int) -> None:
+    """Train (or continue) the simulated run in ``run_dir``, then write its report."""
+    check_simulated(config)
+    config.check_world_size(workers)
+    if dist.is_initialized():
+        raise RuntimeError("onebit simulate runs in a process without a torch.distributed group")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but CUDA is not available")
+    device = torch.device(config.device)
+    rank = Rank(rank=0, world=1, local_rank=0, local_world=1, device=device)
+    _configure_logging(rank)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        SimulatedTrainer(config, run_dir, workers, rank).train()
+    finally:
+        dist.destroy_process_group()
