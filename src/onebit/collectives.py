@@ -517,11 +517,16 @@ def compressed_allreduce_per_tensor(
     count, width = len(tensors), sum(sizes)
     worker_errors = worker_error.view(-1).split(sizes)
     server_errors = server_error.view(-1).split([size // n for size in sizes])
-    padded = torch.zeros(width, dtype=dtype, device=device)
-    buffers = padded.split(sizes)
-    for buffer, tensor in zip(buffers, tensors, strict=True):
-        buffer[: tensor.numel()].copy_(tensor.reshape(-1))
-    xs = torch.empty(width, dtype=dtype, device=device).split(sizes)
+    # Each tensor padded alone: the tensor itself where it needs no padding, else a copy.
+    buffers = [
+        tensor.view(-1) if tensor.is_contiguous() and tensor.numel() == size else None
+        for tensor, size in zip(tensors, sizes, strict=True)
+    ]
+    for t, size in enumerate(sizes):
+        if buffers[t] is None:
+            buffers[t] = torch.zeros(size, dtype=dtype, device=device)
+            buffers[t][: tensors[t].numel()].copy_(tensors[t].reshape(-1))
+    xs = torch.empty(width, dtype=dtype, device=device).split(sizes)  # the reference's x
     worker_packed = torch.empty(width // 8, dtype=torch.uint8, device=device)
     packed = worker_packed.split([size // 8 for size in sizes])
     scratch = [backend.scratch(size, n, dtype, device) for size in sizes]
@@ -579,9 +584,10 @@ def compressed_allreduce_per_tensor(
         )
     gathered = torch.empty(n, width // (8 * n), dtype=torch.uint8, device=device)
     all_gather_into(gathered, server_packed, group, n)
-    for t, part in enumerate(gathered.split(chunk_bytes, dim=1)):
-        backend.decode(part.contiguous(), server_scales[:, t].contiguous(), xs[t])
-        tensors[t].copy_(xs[t][: tensors[t].numel()].view_as(tensors[t]))
+    for t, part in enumerate(gathered.split(chunk_bytes, dim=1)):  # the buffers are spent
+        backend.decode(part.contiguous(), server_scales[:, t].contiguous(), buffers[t])
+        if buffers[t].data_ptr() != tensors[t].data_ptr():
+            tensors[t].copy_(buffers[t][: tensors[t].numel()].view_as(tensors[t]))
     if traffic is not None and n > 1:
         traffic.record(
             "compressed_allreduce",
