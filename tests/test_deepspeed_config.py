@@ -22,10 +22,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # - SQuAD fine-tuning, 1-bit Adam: Table 1 of the same tutorial (batch 96, micro-batch 3,
 #   lr 3e-5, weight decay 0, freeze_step 400, nccl), i.e. DeepSpeedExamples
 #   BingBertSquad/deepspeed_onebitadam_bsz96_config.json (type spelled "OnebitAdam").
+# - 0/1 Adam: the example of section 1.4 of the 0/1 Adam tutorial
+#   (deepspeed.ai/tutorials/zero-one-adam, "Configuration of 0/1 Adam").
 TUTORIALS = {
     "deepspeed_bert_pretraining_onebitlamb_seq128.json": onebit.OneBitLamb,
     "deepspeed_bert_pretraining_onebitadam_seq128.json": onebit.OneBitAdam,
     "deepspeed_squad_finetuning_onebitadam.json": onebit.OneBitAdam,
+    "deepspeed_zerooneadam.json": onebit.ZeroOneAdam,
 }
 HYPER_PARAMETERS = (
     "lr",
@@ -56,7 +59,10 @@ def test_tutorial_configs_round_trip(name, caplog):
     with caplog.at_level(logging.INFO, logger="onebit"):
         optimizer = onebit.from_deepspeed_config(path, params())
     assert type(optimizer) is TUTORIALS[name]
-    assert optimizer.freeze_step == given["freeze_step"]
+    assert optimizer.freeze_step == given.get("freeze_step", given.get("var_freeze_step"))
+    for key in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        if key in given:
+            assert getattr(optimizer, key) == given[key], key
     for key in HYPER_PARAMETERS:
         if key in given:
             assert optimizer.defaults[key] == given[key], key
@@ -97,7 +103,8 @@ def test_types_are_case_insensitive_and_options_pass_through():
         (config(factor_maxx=4.0, warmup=3), r"\['factor_maxx', 'warmup'\]"),
         (config("OneBitAdam", max_coeff=0.3), r"\['max_coeff'\]"),
         (config("Lamb", freeze_step=10, bias_correction=False), r"\['freeze_step'\]"),
-        (config("ZeroOneAdam"), "'ZeroOneAdam' has no onebit counterpart"),
+        (config("Adagrad"), "'Adagrad' has no onebit counterpart"),
+        (config("ZeroOneAdam", freeze_step=10), r"\['freeze_step'\]"),
         ({"train_batch_size": 8}, "no optimizer section"),
         (config(lr="auto", weight_decay="auto"), r"\['lr', 'weight_decay'\] are 'auto'"),
         (config(amsgrad=True), "amsgrad"),

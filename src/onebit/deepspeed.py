@@ -1,12 +1,13 @@
 """Build a onebit optimizer from a DeepSpeed JSON config: the migration path off the engine.
 
 :func:`from_deepspeed_config` reads the ``"optimizer"`` section of a DeepSpeed config whose
-type is one of DeepSpeed's ``OneBitLamb``, ``OneBitAdam`` or ``Lamb`` (any case, as DeepSpeed
-reads it) and returns :class:`onebit.OneBitLamb`, :class:`onebit.OneBitAdam` or
-:class:`onebit.Lamb` with the same hyper-parameters; keys it leaves out take the same defaults
-in both. The rest of the config configured DeepSpeed's engine, not the optimizer: what it
-asked for (gradient clipping, loss scaling, batch sizes, the scheduler...) is the training
-loop's job now, and is listed in one log message. docs/MIGRATION.md is the guide.
+type is one of DeepSpeed's ``OneBitLamb``, ``OneBitAdam``, ``ZeroOneAdam`` or ``Lamb`` (any
+case, as DeepSpeed reads it) and returns :class:`onebit.OneBitLamb`, :class:`onebit.OneBitAdam`,
+:class:`onebit.ZeroOneAdam` or :class:`onebit.Lamb` with the same hyper-parameters; keys it
+leaves out take the same defaults in both. The rest of the config configured DeepSpeed's
+engine, not the optimizer: what it asked for (gradient clipping, loss scaling, batch sizes,
+the scheduler...) is the training loop's job now, and is listed in one log message.
+docs/MIGRATION.md is the guide.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.optim import Lamb, OneBitAdam, OneBitLamb
+from onebit.optim import Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __all__ = ["from_deepspeed_config"]
 
@@ -36,6 +37,16 @@ _OPTIMIZERS: dict[str, tuple[type, tuple[str, ...]]] = {
         (*_LAMB_KEYS, "freeze_step", "coeff_beta", "factor_max", "factor_min", "factor_threshold"),
     ),
     "onebitadam": (OneBitAdam, (*_ADAM_KEYS, "freeze_step")),
+    "zerooneadam": (
+        ZeroOneAdam,
+        (
+            *_ADAM_KEYS,
+            "var_freeze_step",
+            "var_update_scaler",
+            "local_step_scaler",
+            "local_step_clipper",
+        ),
+    ),
     "lamb": (Lamb, _LAMB_KEYS),
 }
 
@@ -79,21 +90,24 @@ def from_deepspeed_config(
     config: Mapping[str, Any] | str | os.PathLike[str],
     params: Iterable[Tensor] | Iterable[dict[str, Any]],
     **options: Any,
-) -> OneBitLamb | OneBitAdam | Lamb:
+) -> OneBitLamb | OneBitAdam | ZeroOneAdam | Lamb:
     """The onebit optimizer a DeepSpeed config describes, with the same hyper-parameters.
 
     Args:
         config: a DeepSpeed config as a dict, or the path of its JSON file. Its
-            ``optimizer.type`` must be ``OneBitLamb``, ``OneBitAdam`` or ``Lamb`` (any case).
+            ``optimizer.type`` must be ``OneBitLamb``, ``OneBitAdam``, ``ZeroOneAdam`` or
+            ``Lamb`` (any case).
         params: parameters or parameter groups, as for any torch optimizer.
         **options: onebit's own arguments (``process_group``, ``on_nonfinite``,
             ``verify_every``, ``kernels``...), passed to the optimizer.
 
     Mapped from ``optimizer.params``: ``lr``, ``betas``, ``eps``, ``weight_decay``, and by
     type ``freeze_step``, ``max_coeff``, ``min_coeff``, ``coeff_beta``, ``factor_max``,
-    ``factor_min``, ``factor_threshold``. ``freeze_step`` keeps its value: compression starts
-    at the same ``step()`` call as in DeepSpeed, whose first call makes no update (so its
-    warm-up has one update fewer). Accepted with an info message: ``cuda_aware``,
+    ``factor_min``, ``factor_threshold``, ``var_freeze_step``, ``var_update_scaler``,
+    ``local_step_scaler``, ``local_step_clipper``. ``freeze_step`` keeps its value:
+    compression starts at the same ``step()`` call as in DeepSpeed, whose first call makes no
+    update (so its warm-up has one update fewer); 0/1 Adam's schedules are counted in updates
+    (ALGORITHM.md, "0/1 Adam", difference 1). Accepted with an info message: ``cuda_aware``,
     ``comm_backend_name``, ``max_grad_norm``, and the 1-bit types' ``bias_correction`` and
     ``eps_inside_sqrt`` (which DeepSpeed's 1-bit optimizers never read). Other top-level
     sections (``gradient_clipping``, ``fp16``, ``train_batch_size``, ``scheduler``...) are
@@ -116,7 +130,7 @@ def from_deepspeed_config(
     if name.lower() not in _OPTIMIZERS:
         raise ValueError(
             f"optimizer type {name!r} has no onebit counterpart; onebit builds OneBitLamb, "
-            "OneBitAdam and Lamb (any case)"
+            "OneBitAdam, ZeroOneAdam and Lamb (any case)"
         )
     cls, mapped = _OPTIMIZERS[name.lower()]
     given = dict(section.get("params") or {})
