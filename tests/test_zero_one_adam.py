@@ -8,6 +8,7 @@ with local steps in between.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -278,6 +279,24 @@ def test_resume_from_every_phase_is_bit_identical(tmp_path):
         assert all(
             ("local_param" in state) == inside for state in saved[1]["optimizer"]["state"].values()
         )
+
+
+def test_a_checkpoint_inside_a_local_interval_survives_a_load_and_save():
+    params, opt = build(torch.float32)
+    for t in range(1, 18):  # 17: a local step
+        train_step(params, opt, 0, t)
+    saved = copy.deepcopy(opt.state_dict())  # as saved to a file
+    own = [state["local_param"] for state in saved["state"].values()]
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)  # whatever the model holds, the optimizer state restores them
+    opt.load_state_dict(saved)
+    assert all(torch.equal(p.detach(), weights) for p, weights in zip(params, own, strict=True))
+    again = opt.state_dict()  # before any step
+    assert all(
+        torch.equal(state["local_param"], weights)
+        for state, weights in zip(again["state"].values(), own, strict=True)
+    )
 
 
 # ------------------------------------------------------------------ DDP

@@ -363,12 +363,17 @@ class ZeroOneAdam(OneBitOptimizer):
         """As :meth:`OneBitOptimizer.state_dict`; inside a local interval each parameter's
         state also holds this rank's own weights (``local_param``)."""
         state = super().state_dict()
-        if self._flat is not None and not self._replicas_agree():
-            flat = self._flat
-            index_of = {id(p): i for i, p in enumerate(_common.params_in_order(self.param_groups))}
-            for param, weights in zip(flat.params, flat.views(flat.weights), strict=True):
-                key = index_of[id(param)]
-                state["state"][key] = {**state["state"].get(key, {}), "local_param": weights}
+        if self._replicas_agree():
+            return state
+        params = _common.trainable_params(self)
+        if self._flat is not None:
+            weights = self._flat.views(self._flat.weights)
+        else:  # loaded, not stepped since: the parameters (or their fp32 masters) hold them
+            weights = [self.state[p].get("master_param", p.detach()) for p in params]
+        index_of = {id(p): i for i, p in enumerate(_common.params_in_order(self.param_groups))}
+        for param, own in zip(params, weights, strict=True):
+            key = index_of[id(param)]
+            state["state"][key] = {**state["state"].get(key, {}), "local_param": own}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
