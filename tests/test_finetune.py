@@ -13,7 +13,7 @@ from test_train import write_corpus
 from onebit.cli import main as onebit_main
 from onebit.train import data
 from onebit.train.data import sentiment
-from onebit.train.model import bert_config, build_classifier, build_mlm_model
+from onebit.train.model import bert_config, build_classifier, build_mlm_model, config_from_dict
 
 POSITIVE = ["good", "great", "lovely", "fine", "superb"]
 NEGATIVE = ["bad", "awful", "dull", "poor", "boring"]
@@ -87,14 +87,23 @@ def test_finetune_spelling_task_on_the_runs_corpus(run_dir: Path) -> None:
     assert scratch["train_examples"] == 8 and scratch["test_examples"] > 40  # every window
 
 
-def test_classifier_takes_the_pretrained_encoder() -> None:
-    config = bert_config(vocab_size=100, seq_len=16, layers=1, hidden=32, heads=2, dropout=0.0)
+@pytest.mark.parametrize("architecture", ["bert", "roformer"])
+def test_classifier_takes_the_pretrained_encoder(architecture: str) -> None:
+    sizes = dict(vocab_size=100, seq_len=16, hidden=32, heads=2, dropout=0.0)
+    config = bert_config(**sizes, layers=1, architecture=architecture)
+    assert config_from_dict(config.to_dict()).to_dict() == config.to_dict()
     torch.manual_seed(0)
     mlm = build_mlm_model(config)
+    inputs = torch.randint(5, 100, (2, 16))
+    labels = torch.where(torch.rand(2, 16) < 0.3, inputs, torch.full_like(inputs, -100))
+    logits = mlm.cls(mlm.base_model(input_ids=inputs).last_hidden_state)  # every position
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    assert torch.allclose(mlm(inputs, labels), expected, rtol=1e-5)
     classifier = build_classifier(config, mlm.state_dict())
-    for name, tensor in mlm.bert.state_dict().items():
-        assert torch.equal(classifier.bert.state_dict()[name], tensor), name
-    other = bert_config(vocab_size=100, seq_len=16, layers=2, hidden=32, heads=2, dropout=0.0)
+    assert classifier.base_model_prefix == architecture
+    for name, tensor in mlm.base_model.state_dict().items():
+        assert torch.equal(classifier.base_model.state_dict()[name], tensor), name
+    other = bert_config(**sizes, layers=2, architecture=architecture)
     with pytest.raises(ValueError, match="does not match the model config"):
         build_classifier(other, mlm.state_dict())
     with pytest.raises(ValueError, match="no encoder weights"):

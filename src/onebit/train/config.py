@@ -29,6 +29,9 @@ from onebit.optim._common import (
 from onebit.optim.onebit_adam import COMPRESSIONS as ONEBIT_ADAM_COMPRESSIONS
 from onebit.train.atomic import write_json_atomic
 
+#: The encoder architectures of :mod:`onebit.train.model` (kept here, where the options are
+#: declared, so that ``onebit --help`` imports no ``transformers``).
+ARCHITECTURES = ("bert", "roformer")
 OPTIMIZERS = ("onebit-lamb", "lamb", "onebit-adam", "adam", "zero-one-adam")
 ONEBIT_OPTIMIZERS = ("onebit-lamb", "onebit-adam", "zero-one-adam")
 ZERO_ONE_ADAM = "zero-one-adam"
@@ -119,6 +122,13 @@ class TrainConfig:
     heads: int = option(2, group=_MODEL, help="attention heads")
     vocab_size: int = option(4096, group=_MODEL, help="WordPiece vocabulary")
     dropout: float = option(0.0, group=_MODEL, help="dropout")
+    architecture: str = option(
+        "bert",
+        group=_MODEL,
+        choices=ARCHITECTURES,
+        help="bert: learned absolute position embeddings; roformer: the same encoder with "
+        "rotary position embeddings (learns to attend to neighbouring tokens far sooner)",
+    )
     seed: int = option(0, group=_JOB, help="seed of weights, data order, masking")
     corpus: list[str] | None = option(
         None,
@@ -242,6 +252,7 @@ class TrainConfig:
     def validate_basic(self) -> None:
         """Raise ``ValueError`` naming the first option that is out of range."""
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("architecture", self.architecture, ARCHITECTURES)
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
         _choice("onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS)

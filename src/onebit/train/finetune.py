@@ -115,9 +115,8 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     ``sqrt(a·(1-a)/n_test)``, and the settings) goes to ``RUN_DIR/<config.result_file>``.
     """
     from tokenizers import Tokenizer
-    from transformers import BertConfig
 
-    from onebit.train.model import build_classifier
+    from onebit.train.model import build_classifier, config_from_dict
     from onebit.train.worker import lr_factor
 
     tokenizer_path = run_dir / TOKENIZER_FILE
@@ -126,7 +125,7 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
             f"{run_dir} is not a finished run folder: {TOKENIZER_FILE} is missing"
         )
     step, state = checkpoint.latest_model_state(run_dir / CHECKPOINT_DIR)
-    bert = BertConfig.from_dict(
+    bert = config_from_dict(
         {
             **state["bert_config"],
             "hidden_dropout_prob": config.dropout,

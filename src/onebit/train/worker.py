@@ -282,6 +282,7 @@ class _Trainer:
             hidden=config.hidden,
             heads=config.heads,
             dropout=config.dropout,
+            architecture=config.architecture,
         )
         torch.manual_seed(config.seed)
         self.model = build_mlm_model(self.bert_config).to(self.rank.device)
