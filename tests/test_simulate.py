@@ -257,18 +257,18 @@ def test_cli_simulation_equals_onebit_train_and_resumes(
     corpus = str(write_corpus(tmp_path / "corpus.txt"))
     options = [*TINY, "--corpus", corpus]  # --workers 2
     assert onebit_main(["train", *options, "--out", str(tmp_path / "real")]) == 0
-    # The simulation computes each worker's pass with the threads a real worker has.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))
+    # Each worker's pass on the threads a real worker has (bit-identical results need that).
+    threads = ["--threads", str(max(1, len(os.sched_getaffinity(0)) // 2))]
+    default_threads = torch.get_num_threads()
     try:
-        assert onebit_main(["simulate", *options, "--out", str(tmp_path / "sim")]) == 0
+        assert onebit_main(["simulate", *options, *threads, "--out", str(tmp_path / "sim")]) == 0
         partial = tmp_path / "partial"  # the simulation as if stopped after step 8
         shutil.copytree(tmp_path / "sim", partial)
         shutil.rmtree(partial / "checkpoints" / f"step-{TINY_STEPS:08d}")
         (partial / "summary.json").unlink()
-        assert onebit_main(["simulate", "--resume", str(partial)]) == 0
+        assert onebit_main(["simulate", "--resume", str(partial), *threads]) == 0
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(default_threads)
 
     real, simulated = final_model(tmp_path / "real"), final_model(tmp_path / "sim")
     assert real.keys() == simulated.keys()

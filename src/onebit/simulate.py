@@ -27,7 +27,7 @@ the server errors, ``N_pad``; the packed signs of every worker, ``M N_pad / 8`` 
 node mean of ``N_pad`` when ``L > 1``; the sum of the gradients (``N``); plus the optimizer's
 own state and the model's gradients of one worker at a time. Workers are streamed: at most
 one worker's gradients and momentum exist at once. At ``W = 256`` (flat) and 4M parameters
-that is about 4.1 GiB of worker errors and 128 MiB of signs (:meth:`memory_bytes`).
+that is 4.1 GB of worker errors and 128 MB of signs (:meth:`memory_bytes`).
 
 A compression step cannot be skipped the way a distributed run skips one with a non-finite
 momentum (its worker errors are updated while the workers stream): a non-finite local momentum

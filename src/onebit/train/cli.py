@@ -130,6 +130,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"simulated data-parallel workers (default: {DEFAULT_WORKERS}; with --resume, the "
         "number the run was started with)",
     )
+    workers.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads of the process (default: every core it may use); on a machine "
+        "other jobs keep busy, 1 avoids threads waiting for each other on small micro-batches",
+    )
     _add_run_folder_options(simulate, "runs/<time>-<optimizer>-sim<n>")
     simulate.set_defaults(handler=_simulate)
 
@@ -254,7 +260,7 @@ def _simulate(args: argparse.Namespace) -> int:
         config.check_world_size(workers)
         continuing = prepare_run_dir(run_dir, config, {"world_size": workers, "simulated": True})
         if not (continuing and print_if_complete(run_dir, config)):
-            simulate(config, run_dir, workers)
+            simulate(config, run_dir, workers, threads=args.threads)
     except (ValueError, FileNotFoundError) as exc:
         return _error("simulate", exc)
     return 0

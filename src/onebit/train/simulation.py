@@ -13,6 +13,7 @@ communicate (``--ddp``, ``--backend``, ``--timeout``) have no meaning here.
 
 from __future__ import annotations
 
+import os
 import resource
 from pathlib import Path
 from typing import Any
@@ -88,10 +89,16 @@ def check_simulated(config: TrainConfig) -> None:
         )
 
 
-def simulate(config: TrainConfig, run_dir: Path, workers: int) -> None:
-    """Train (or continue) the simulated run in ``run_dir``, then write its report."""
+def simulate(
+    config: TrainConfig, run_dir: Path, workers: int, *, threads: int | None = None
+) -> None:
+    """Train (or continue) the simulated run in ``run_dir`` on ``threads`` torch threads
+    (default: every core this process may use), then write its report."""
     check_simulated(config)
     config.check_world_size(workers)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     if dist.is_initialized():
         raise RuntimeError("onebit simulate runs in a process without a torch.distributed group")
     if config.device == "cuda" and not torch.cuda.is_available():
