@@ -189,7 +189,7 @@ def test_study_runs_arms_resumes_and_skips(
 
     report_dir = tmp_path / "docs"
     text = write_study_report(tiny_study, out, report_dir).read_text()
-    results = json.loads((report_dir / "study.json").read_text())
+    results = json.loads((report_dir / "results.json").read_text())
     entropy = results["unigram_entropy"]
     assert f"**{entropy:.4f} nats**" in text
     assert "## n = 2" in text and "## n = 4" in text

@@ -53,7 +53,7 @@ DEFAULT_SPEC = Path("docs/convergence/study.json")
 DEFAULT_OUT = Path("runs/study")
 REPORT_FILE = "report.md"
 PLOT_FILE = "study.png"
-RESULTS_FILE = "study.json"
+RESULTS_FILE = "results.json"
 #: The files of an arm's run folder that the report copies next to itself.
 ARM_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)
 #: Settings every arm shares: what the samples, the model and the evaluation are.
@@ -447,7 +447,7 @@ def _downstream_table(study: Study, results: dict[str, dict[str, Any]]) -> list[
 
 
 def write_study_report(study: Study, out: Path, report_dir: Path | None = None) -> Path:
-    """Write ``report.md``, ``study.png`` and ``study.json`` into ``report_dir`` (default:
+    """Write ``report.md``, ``study.png`` and ``results.json`` into ``report_dir`` (default:
     ``out``), with a copy of each arm's config, metrics and summary there; return the report."""
     report_dir = out if report_dir is None else report_dir
     report_dir.mkdir(parents=True, exist_ok=True)
