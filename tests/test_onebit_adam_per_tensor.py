@@ -4,7 +4,6 @@ the float64 model of the spec: trajectories, bytes, resume, the DDP hook, checkp
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -15,9 +14,11 @@ from test_onebit_optimizers import (
     HYPER,
     MASK,
     STEPS,
+    _run_with_checkpoint,
     initial_params,
     set_grads,
 )
+from test_onebit_optimizers import build as build_optimizer
 from test_onebit_optimizers import grad_fn as model_grad_fn
 
 import onebit
@@ -28,20 +29,7 @@ NUMELS = [math.prod(p.shape) for p in initial_params()]
 
 
 def build(dtype, compression="per_tensor"):
-    params = [torch.nn.Parameter(p.clone().to(dtype)) for p in initial_params()]
-    groups = [
-        {"params": params[:2], "lr": 0.02, "weight_decay": 0.01},
-        {
-            "params": params[2:],
-            "lr": 0.01,
-            "weight_decay": 0.0,
-            "exp_avg_mask": [torch.ones(4), MASK],
-        },
-    ]
-    opt = onebit.OneBitAdam(
-        groups, freeze_step=FREEZE, betas=HYPER["betas"], compression=compression
-    )
-    return params, opt
+    return build_optimizer("adam", dtype, compression)
 
 
 def _trajectories(rank, world_size):
@@ -121,37 +109,20 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
         assert saved["compression"] == "per_tensor"
 
 
-def _run_with_checkpoint(rank, world_size, directory, start, stop, save_at):
-    params, opt = build(torch.float32)
-    path = os.path.join(directory, f"rank{rank}.pt")
-    if start > 0:
-        saved = torch.load(path, weights_only=True)
-        with torch.no_grad():
-            for p, value in zip(params, saved["params"], strict=True):
-                p.copy_(value)
-        opt.load_state_dict(saved["optimizer"])
-    for step in range(start, stop):
-        set_grads(params, rank)
-        opt.step()
-        if step + 1 == save_at:
-            torch.save(
-                {"params": [p.detach() for p in params], "optimizer": opt.state_dict()}, path
-            )
-    return [p.detach().clone() for p in params], opt.bytes_sent
-
-
 def test_resume_mid_compression_is_bit_identical(tmp_path):
     save_at = FREEZE + 5
-    args = (str(tmp_path), 0, STEPS, save_at)
+    mode = ("adam", "per_tensor")
+    args = (str(tmp_path), 0, STEPS, save_at, *mode)
     uninterrupted = spawn_workers(_run_with_checkpoint, 2, args=args, timeout_s=120)
-    args = (str(tmp_path), save_at, STEPS, -1)
+    args = (str(tmp_path), save_at, STEPS, -1, *mode)
     resumed = spawn_workers(_run_with_checkpoint, 2, args=args, timeout_s=120)
-    for (a, bytes_a), (b, bytes_b) in zip(uninterrupted, resumed, strict=True):
+    for (a, step_a, bytes_a), (b, step_b, bytes_b) in zip(uninterrupted, resumed, strict=True):
+        assert step_a == step_b == STEPS
         assert bytes_a == bytes_b
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _plain_or_ddp(rank, world_size, use_ddp):
+def _trajectory(rank, use_ddp):
     torch.manual_seed(0)  # identical initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = onebit.OneBitAdam(
@@ -171,13 +142,16 @@ def _plain_or_ddp(rank, world_size, use_ddp):
     return torch.stack(history), opt.bytes_sent
 
 
+def _plain_and_ddp(rank, world_size):
+    return _trajectory(rank, use_ddp=False), _trajectory(rank, use_ddp=True)
+
+
 def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
-    plain = spawn_workers(_plain_or_ddp, 2, args=(False,), timeout_s=120)
-    ddp = spawn_workers(_plain_or_ddp, 2, args=(True,), timeout_s=120)
-    for (a, sent_a), (b, sent_b) in zip(plain, ddp, strict=True):
-        assert torch.equal(a, b)
-        assert torch.equal(a, plain[0][0])  # ranks bit-identical
-        assert sent_a["compression"] == sent_b["compression"] > 0
+    runs = spawn_workers(_plain_and_ddp, 2, timeout_s=120)
+    for (plain, sent_plain), (ddp, sent_ddp) in runs:
+        assert torch.equal(plain, ddp)
+        assert torch.equal(plain, runs[0][0][0])  # ranks bit-identical
+        assert sent_plain["compression"] == sent_ddp["compression"] > 0
 
 
 def test_world_size_one_matches_the_model():
@@ -254,3 +228,14 @@ def test_invalid_compression_and_node_groups_are_clear_errors():
         onebit.OneBitAdam([param], compression="per-tensor")
     with pytest.raises(ValueError, match="does not support node_groups"):
         onebit.OneBitAdam([param], compression="per_tensor", node_groups=(None, None))
+
+
+def test_a_simulated_momentum_exchange_is_refused():
+    params, opt = build(torch.float32)
+    for _ in range(FREEZE):
+        set_grads(params, 0)
+        opt.step()
+    opt.momentum_exchange = object()  # simulates the fused exchange only
+    set_grads(params, 0)
+    with pytest.raises(ValueError, match="compression='per_tensor' exchanges over the process"):
+        opt.step()

@@ -51,7 +51,7 @@ def grad_fn(rank, index, param):
     return a.to(param.dtype) * (param - c.to(param.dtype))
 
 
-def build(kind, dtype):
+def build(kind, dtype, compression="fused"):
     params = [torch.nn.Parameter(p.clone().to(dtype)) for p in initial_params()]
     groups = [
         {"params": params[:2], "lr": 0.02, "weight_decay": 0.01},
@@ -65,7 +65,9 @@ def build(kind, dtype):
     if kind == "lamb":
         opt = onebit.OneBitLamb(groups, freeze_step=FREEZE, **HYPER)
     else:
-        opt = onebit.OneBitAdam(groups, freeze_step=FREEZE, betas=HYPER["betas"])
+        opt = onebit.OneBitAdam(
+            groups, freeze_step=FREEZE, betas=HYPER["betas"], compression=compression
+        )
     return params, opt
 
 
@@ -141,8 +143,10 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
             assert len(run["coeffs"]) == 4
 
 
-def _run_with_checkpoint(rank, world_size, directory, start, stop, save_at):
-    params, opt = build("lamb", torch.float32)
+def _run_with_checkpoint(
+    rank, world_size, directory, start, stop, save_at, kind="lamb", compression="fused"
+):
+    params, opt = build(kind, torch.float32, compression)
     path = os.path.join(directory, f"rank{rank}.pt")
     if start > 0:
         saved = torch.load(path, weights_only=True)
