@@ -21,6 +21,13 @@ from onebit.compression import (
 from onebit.testing import spawn_workers
 
 CPU_BACKENDS = [name for name in kernels.available() if name != "triton"]
+# Without a GPU, triton runs on CPU in Triton's interpreter (see conftest.py): slowly, so in
+# a world of one rank only, against the simulation (the layout is tested on the CPU backends).
+INTERPRETED = [
+    name
+    for name in kernels.available()
+    if name == "triton" and kernels._load(name).supports(torch.zeros(8))
+]
 SHAPES = [(7, 5), (5,), (300,), (1,), (6, 2), (0,)]  # one tensor of each kind of padding
 CALLS = 4
 
@@ -73,6 +80,22 @@ def test_simulation_is_the_flat_exchange_of_each_tensor_padded_alone(n, backend)
             )
             worker_offset, server_offset = worker_offset + size, server_offset + chunk
         assert not results[-1].numel()
+
+
+@pytest.mark.parametrize("backend", INTERPRETED)
+def test_interpreted_triton_in_a_world_of_one_rank_matches_the_simulation(backend):
+    width, server = onebit.per_tensor_error_sizes([math.prod(s) for s in SHAPES], 1)
+    worker_error, server_error = torch.zeros(width), torch.zeros(server)
+    sim_worker, sim_server = torch.zeros(1, width), torch.zeros(1, server)
+    for call in range(2):
+        inputs = _inputs(1, call)
+        tensors = [b[0].reshape(shape).clone() for b, shape in zip(inputs, SHAPES, strict=True)]
+        onebit.compressed_allreduce_per_tensor(tensors, worker_error, server_error, kernels=backend)
+        expected, sim_worker, sim_server = simulate_compressed_allreduce_per_tensor(
+            inputs, sim_worker, sim_server, kernels=backend
+        )
+        assert all(torch.equal(t.reshape(-1), e) for t, e in zip(tensors, expected, strict=True))
+        assert torch.equal(worker_error, sim_worker[0]) and torch.equal(server_error, sim_server[0])
 
 
 def test_per_tensor_scales_differ_from_one_fused_buffer():
