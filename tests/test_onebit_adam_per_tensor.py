@@ -239,3 +239,11 @@ def test_a_simulated_momentum_exchange_is_refused():
     set_grads(params, 0)
     with pytest.raises(ValueError, match="compression='per_tensor' exchanges over the process"):
         opt.step()
+
+
+def test_a_deepspeed_config_can_ask_for_deepspeeds_per_tensor_compression():
+    config = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 5}}}
+    param = torch.nn.Parameter(torch.zeros(3))
+    opt = onebit.from_deepspeed_config(config, [param], compression="per_tensor")
+    assert isinstance(opt, onebit.OneBitAdam) and opt.compression == "per_tensor"
+    assert onebit.from_deepspeed_config(config, [param]).compression == "fused"
