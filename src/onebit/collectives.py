@@ -557,13 +557,14 @@ def compressed_allreduce_per_tensor(
 
     # Phase 1, server side: this rank's chunk of every tensor, averaged and compressed again.
     received_by_tensor = [part.contiguous() for part in received.split(chunk_bytes, dim=1)]
+    worker_scales_by_tensor = worker_scales[:, :count].T.contiguous()  # row t: a_0t ... a_(n-1)t
     server_packed = torch.empty(width // (8 * n), dtype=torch.uint8, device=device)
     server_parts = server_packed.split(chunk_bytes)
     local_server_scales = torch.empty(count, dtype=sdtype, device=device)
     for t in range(count):
         local_server_scales[t] = backend.server_compress(
             received_by_tensor[t],
-            worker_scales[:, t].contiguous(),
+            worker_scales_by_tensor[t],
             server_errors[t],
             server_parts[t],
             scratch[t],
@@ -576,7 +577,7 @@ def compressed_allreduce_per_tensor(
     for t in range(count):
         backend.server_error_update(
             received_by_tensor[t],
-            worker_scales[:, t].contiguous(),
+            worker_scales_by_tensor[t],
             server_errors[t],
             server_parts[t],
             local_server_scales[t],
@@ -584,8 +585,9 @@ def compressed_allreduce_per_tensor(
         )
     gathered = torch.empty(n, width // (8 * n), dtype=torch.uint8, device=device)
     all_gather_into(gathered, server_packed, group, n)
+    server_scales_by_tensor = server_scales.T.contiguous()
     for t, part in enumerate(gathered.split(chunk_bytes, dim=1)):  # the buffers are spent
-        backend.decode(part.contiguous(), server_scales[:, t].contiguous(), buffers[t])
+        backend.decode(part.contiguous(), server_scales_by_tensor[t], buffers[t])
         if buffers[t].data_ptr() != tensors[t].data_ptr():
             tensors[t].copy_(buffers[t][: tensors[t].numel()].view_as(tensors[t]))
     if traffic is not None and n > 1:
