@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps; 0: bytes only")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8, 16, 64])
     return parser.parse_args()
 
@@ -60,7 +60,12 @@ def main() -> None:
         fused = compressed_allreduce_bytes(onebit.padded_size(total, n), n, torch.float32)
         per_tensor = compressed_allreduce_per_tensor_bytes(numels, n, torch.float32)
         print(f"| {n} | {dense} | {fused} | {per_tensor} | {per_tensor / fused:.4f} |")
+    if args.repeats > 0:
+        print_step_times(config, template, numels, args.repeats)
 
+
+def print_step_times(config, template, numels: list[int], repeats: int) -> None:
+    """Median time of a compression-stage ``optimizer.step()`` in each mode."""
     optimizers, params = {}, {}
     for mode in MODES:
         model = build_mlm_model(config)
@@ -70,7 +75,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(n, generator=gen) for n in numels]
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for repeat in range(args.repeats + 2):  # the first two steps: warm-up and the switch
+    for repeat in range(repeats + 2):  # the first two steps: warm-up and the switch
         for mode in MODES:
             for p, g in zip(params[mode], grads, strict=True):
                 p.grad = g.view_as(p)
