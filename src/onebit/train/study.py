@@ -397,7 +397,9 @@ def _plot(results: list[dict[str, Any]], out: Path, entropy: float, path: Path) 
     plt.close(fig)
 
 
-def _table_row(result: dict[str, Any], reference: float | None, entropy: float) -> str:
+def _table_row(result: dict[str, Any], reference: dict[int, float], entropy: float) -> str:
+    """A row of an arm's table; ``reference``: LAMB's validation loss by step, which the
+    arm's latest validation loss is compared with at the same step."""
     state = result["state"]
     if state == UNAVAILABLE:
         return f"| {result['name']} | {result['workers']} | pending: {result['pending']} | | | | |"
@@ -406,14 +408,14 @@ def _table_row(result: dict[str, Any], reference: float | None, entropy: float) 
     if loss is None:
         return f"| {result['name']} | {result['workers']} | {state}, {progress} | | | | |"
     shown = f"{loss:.4f}" if state == FINISHED else f"{loss:.4f} (step {result['validation_step']})"
-    versus = (
-        ""
-        if reference is None or result["name"] == REFERENCE_ARM
-        else f"{100 * (loss / reference - 1):+.2f}%"
-    )
+    versus = ""
+    if result["name"] != REFERENCE_ARM and result["validation_step"] in reference:
+        versus = f"{100 * (loss / reference[result['validation_step']] - 1):+.2f}%"
     traffic = ""
     if state == FINISHED:
-        traffic = f"{human_bytes(result['bytes_sent'])} ({result['reduction_vs_lamb']:.2f}x less)"
+        traffic = human_bytes(result["bytes_sent"])
+        if result["name"] != REFERENCE_ARM:
+            traffic += f" ({result['reduction_vs_lamb']:.2f}x less than LAMB)"
     return (
         f"| {result['name']} | {result['workers']} | {state}, {progress} | {shown} | {versus} "
         f"| {100 * (1 - loss / entropy):.1f}% | {traffic} |"
@@ -467,11 +469,13 @@ def write_study_report(study: Study, out: Path, report_dir: Path | None = None) 
                     shutil.copyfile(source, report_dir / result["name"] / source.name)
     by_name = {result["name"]: result for result in results}
     reference = by_name.get(REFERENCE_ARM, {})
-    reference_loss = (
-        reference.get("validation_loss") if reference.get("state") == FINISHED else None
-    )
+    reference_curve = {}
+    if reference.get("steps_done"):
+        validation = read_metrics(out / REFERENCE_ARM).validation
+        reference_curve = {row["step"]: row["loss"] for row in validation}
     header = [
-        "| arm | workers | state | final validation loss | vs LAMB | below unigram entropy "
+        "| arm | workers | state | final validation loss | vs LAMB (same step) "
+        "| below unigram entropy "
         "| bytes sent per worker |",
         "|---|---:|---|---:|---:|---:|---:|",
     ]
@@ -492,7 +496,7 @@ def write_study_report(study: Study, out: Path, report_dir: Path | None = None) 
         if reference:
             rows.insert(0, reference)
         lines += [f"## n = {n}", "", *header]
-        lines += [_table_row(r, reference_loss, entropy) for r in rows]
+        lines += [_table_row(r, reference_curve, entropy) for r in rows]
         lines.append("")
     lines += [f"![validation loss vs samples]({PLOT_FILE})", ""]
     downstream = downstream_results(study, out)
