@@ -287,13 +287,14 @@ def downstream_models(study: Study, out: Path) -> list[tuple[str, Path, bool]]:
 
 def run_downstream(study: Study, out: Path) -> None:
     """Fine-tune every model of :func:`downstream_models` with every seed of the study's
-    downstream check; results already written are kept."""
+    downstream check, seed by seed; results already written are kept."""
     from onebit.train.finetune import finetune
 
     if study.downstream is None:
         raise ValueError("the study has no 'downstream' check")
-    for label, run_dir, scratch in downstream_models(study, out):
-        for seed in study.downstream.seeds:
+    models = downstream_models(study, out)
+    for seed in study.downstream.seeds:  # every model's first seed before any second one
+        for label, run_dir, scratch in models:
             config = study.downstream.config(seed, from_scratch=scratch)
             if (run_dir / config.result_file).is_file():
                 continue
