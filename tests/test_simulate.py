@@ -91,7 +91,6 @@ CASES = {
     ],
     4: [
         ("onebit-lamb", 1, 0.0, "numba"),
-        ("onebit-adam", 1, 0.0, "numba"),
         ("onebit-lamb", 2, 0.05, "numba"),
         ("onebit-adam", 2, 0.0, "torch"),
         ("lamb", 1, 0.05, "numba"),

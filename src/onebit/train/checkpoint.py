@@ -20,7 +20,6 @@ the whole data position.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import re
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onebit.train.atomic import write_bytes_atomic
+from onebit.train.atomic import atomic_path, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +68,21 @@ def _write(path: Path, payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
-def _serialize(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+def _save(path: Path, obj: Any) -> str:
+    """``torch.save`` ``obj`` to ``path`` atomically, straight to the file (no copy of the
+    state in memory: a simulation's error buffers can be gigabytes); return its SHA-256."""
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+    return _file_digest(path)
+
+
+def _file_digest(path: Path, chunk: int = 1 << 24) -> str:
+    """SHA-256 of the file at ``path``, read in chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def complete_steps(checkpoint_root: Path) -> list[int]:
@@ -100,11 +110,11 @@ def save(
     world = dist.get_world_size()
     folder = step_dir(checkpoint_root, step)
     folder.mkdir(parents=True, exist_ok=True)
-    digests = {rank_file(rank): _write(folder / rank_file(rank), _serialize(rank_state))}
+    digests = {rank_file(rank): _save(folder / rank_file(rank), rank_state)}
     if rank == 0:
         if model_state is None:
             raise ValueError("rank 0 must pass the model state")
-        digests[MODEL_FILE] = _write(folder / MODEL_FILE, _serialize(model_state))
+        digests[MODEL_FILE] = _save(folder / MODEL_FILE, model_state)
     gathered: list[dict[str, str] | None] = [None] * world
     dist.all_gather_object(gathered, digests)
     if rank == 0:
@@ -127,17 +137,16 @@ def _load_verified(folder: Path, name: str, manifest: dict[str, Any]) -> dict[st
     if expected is None:
         raise CheckpointError(f"{folder / MANIFEST_FILE} does not list {name}")
     try:
-        payload = path.read_bytes()
+        actual, size = _file_digest(path), path.stat().st_size
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    actual = hashlib.sha256(payload).hexdigest()
     if actual != expected:
         raise CheckpointError(
-            f"{path} is truncated or corrupt: {len(payload)} bytes with SHA-256 {actual[:12]}..., "
+            f"{path} is truncated or corrupt: {size} bytes with SHA-256 {actual[:12]}..., "
             f"the manifest recorded {expected[:12]}..."
         )
-    try:
-        return torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+    try:  # mapped, not read into memory: a simulation's error buffers can be gigabytes
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
     except Exception as exc:  # torch.load raises many types on a damaged archive
         raise CheckpointError(f"cannot load {path}: {exc}") from exc
 
