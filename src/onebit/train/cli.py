@@ -95,7 +95,7 @@ def _add_run_folder_options(parser: argparse.ArgumentParser, default_out: str):
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``train``, ``compare`` and ``finetune`` to the ``onebit`` command."""
+    """Add ``train``, ``simulate``, ``compare`` and ``finetune`` to the ``onebit`` command."""
     train = subparsers.add_parser(
         "train",
         help="pre-train a small BERT with 1-bit LAMB on local workers (the main job)",
