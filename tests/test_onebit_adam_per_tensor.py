@@ -15,6 +15,7 @@ from test_onebit_optimizers import (
     MASK,
     STEPS,
     _run_with_checkpoint,
+    assert_follows_model_and_ranks_agree,
     initial_params,
     set_grads,
 )
@@ -49,28 +50,20 @@ def _trajectories(rank, world_size):
 def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
     results = spawn_workers(_trajectories, world_size, timeout_s=180)
     masks = [None, None, None, MASK]
-    expected = reference_run(
-        "adam",
-        initial_params(),
-        model_grad_fn,
-        world_size,
-        STEPS,
-        FREEZE,
-        GROUP_HYPER,
-        HYPER,
-        masks,
-        compression="per_tensor",
-    )
-    fused = reference_run(
-        "adam",
-        initial_params(),
-        model_grad_fn,
-        world_size,
-        STEPS,
-        FREEZE,
-        GROUP_HYPER,
-        HYPER,
-        masks,
+    expected, fused = (
+        reference_run(
+            "adam",
+            initial_params(),
+            model_grad_fn,
+            world_size,
+            STEPS,
+            FREEZE,
+            GROUP_HYPER,
+            HYPER,
+            masks,
+            compression=mode,
+        )
+        for mode in ("per_tensor", "fused")
     )
     assert not torch.allclose(expected[-1][0], fused[-1][0], rtol=1e-3), "modes must differ"
     n = world_size
@@ -78,22 +71,8 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
         # As for the fused optimizers: float64 differs from the model by summation order
         # only (1e-9 is far below a formula error); float32 by rounding (2e-4).
         tol = 1e-9 if dtype == torch.float64 else 2e-4
-        for step in range(STEPS):
-            for index, (got, ref) in enumerate(
-                zip(run["history"][step], expected[step], strict=True)
-            ):
-                torch.testing.assert_close(
-                    got.double(),
-                    ref,
-                    rtol=tol,
-                    atol=tol,
-                    msg=lambda m, d=dtype, s=step, i=index: f"{d} step {s + 1} tensor {i}: {m}",
-                )
-            for rank in range(1, n):
-                other = results[rank][dtype]["history"][step]
-                assert all(
-                    torch.equal(a, b) for a, b in zip(run["history"][step], other, strict=True)
-                ), f"{dtype}: rank {rank} differs from rank 0 after step {step + 1}"
+        histories = [results[rank][dtype]["history"] for rank in range(n)]
+        assert_follows_model_and_ranks_agree(histories, expected, tol, str(dtype))
         # The masked column's momentum stays zero: those entries follow weight decay 0.
         assert torch.equal(run["history"][-1][3][:, 1], run["history"][FREEZE - 1][3][:, 1])
         elem = 8 if dtype == torch.float64 else 4

@@ -95,6 +95,24 @@ def _trajectories(rank, world_size):
     return out
 
 
+def assert_follows_model_and_ranks_agree(histories, expected, tol, label):
+    """Rank 0's parameters after every step within ``tol`` of the model's ``expected``, and
+    every other rank's bit-identical to rank 0's (``histories[rank][step]``: the tensors)."""
+    for step, reference in enumerate(expected):
+        for index, (got, ref) in enumerate(zip(histories[0][step], reference, strict=True)):
+            torch.testing.assert_close(
+                got.double(),
+                ref,
+                rtol=tol,
+                atol=tol,
+                msg=lambda m, s=step, i=index: f"{label} step {s + 1} tensor {i}: {m}",
+            )
+        for rank, history in enumerate(histories[1:], start=1):
+            assert all(
+                torch.equal(a, b) for a, b in zip(histories[0][step], history[step], strict=True)
+            ), f"{label}: rank {rank} differs from rank 0 after step {step + 1}"
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
     results = spawn_workers(_trajectories, world_size, timeout_s=180)
@@ -108,24 +126,8 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
         # float32: rounding of ~1e-7 per operation over 32 steps, amplified by the trust
         # ratios; 2e-4 relative is still far below a formula error.
         tol = 1e-9 if dtype == torch.float64 else 2e-4
-        for step in range(STEPS):
-            for index, (got, ref) in enumerate(
-                zip(run["history"][step], expected[step], strict=True)
-            ):
-                torch.testing.assert_close(
-                    got.double(),
-                    ref,
-                    rtol=tol,
-                    atol=tol,
-                    msg=lambda m, k=kind, d=dtype, s=step, i=index: (
-                        f"{k} {d} step {s + 1} tensor {i}: {m}"
-                    ),
-                )
-            for rank in range(1, world_size):
-                other = results[rank][(kind, dtype)]["history"][step]
-                assert all(
-                    torch.equal(a, b) for a, b in zip(run["history"][step], other, strict=True)
-                ), f"{kind}: rank {rank} differs from rank 0 after step {step + 1}"
+        histories = [results[rank][(kind, dtype)]["history"] for rank in range(world_size)]
+        assert_follows_model_and_ranks_agree(histories, expected, tol, f"{kind} {dtype}")
         assert run["stages"] == ["warmup"] * FREEZE + ["compression"] * (STEPS - FREEZE)
         # The masked column's momentum stays zero, so those entries only follow weight decay 0.
         assert torch.equal(run["history"][-1][3][:, 1], run["history"][FREEZE - 1][3][:, 1])
