@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from onebit.bench import analysis, bert, cli, comparison, report
+from onebit.bench import _worker, analysis, bert, cli, comparison, report
 from onebit.bench.cluster import unavailable_reason
-from onebit.bench.settings import METHODS, ComparisonSettings
+from onebit.bench.settings import METHODS, ComparisonSettings, zero_one_adam_arm
 from onebit.cli import main as onebit_main
+from onebit.optim.zero_one_adam import STEP_KINDS
 
 _REASON = unavailable_reason()
 needs_cluster = pytest.mark.skipif(
@@ -126,7 +127,120 @@ def test_analyze_derives_shares_speedups_and_targets(tmp_path: Path, capsys) -> 
     assert "### 2 workers, 100mbit, model tiny" in out  # the full report
     row = out.splitlines()[-1]  # the sweep table's row: 1-bit LAMB plain, fp16, not run
     assert row.startswith("| 2 | 100mbit |") and "| 3.20x / 2.22x |" in row
-    assert "| 1.60x |" in row and row.count("not run") == 5
+    assert "| 1.60x |" in row and row.count("not run") == 6
+
+
+def test_zero_one_adam_arm_holds_every_kind_of_step() -> None:
+    # ALGORITHM.md, "0/1 Adam", with kappa = 2: variance updates at 1, 2 (interval 1), 4, 6
+    # (interval 2), 8, 12 (interval 4), ...; after the freeze T with S = 1 and H = 4 the
+    # interval is 1 at T+1, 2 at T+2, 4 from T+3 on.
+    freeze, kinds = zero_one_adam_arm(3)
+    v, g, s, local = "variance_update", "gradient_1bit", "sync", "local"
+    assert freeze == 7
+    assert kinds == [v, v, g, v, g, v, g, s, local, local, local, s, local, local, local, s]
+    freeze, kinds = zero_one_adam_arm(2)
+    assert freeze == 5 and kinds == [v, v, g, v, g, s, local, s, local]
+
+
+def test_zero_one_adam_schedule_of_the_main_job() -> None:
+    # docs/ZERO-ONE-ADAM.md: `onebit train --optimizer zero-one-adam` (400 steps, freeze 80)
+    # takes 40 variance updates, 40 1-bit gradient steps, 85 synchronisations, 235 local steps.
+    schedule = analysis.zero_one_adam_run_schedule(400, 0.2)
+    assert schedule["steps_by_kind"] == {
+        "variance_update": 40,
+        "gradient_1bit": 40,
+        "local": 235,
+        "sync": 85,
+    }
+    assert (schedule["var_freeze_step"], schedule["local_step_scaler"]) == (80, 40)
+
+
+def test_zero_one_adam_whole_run_is_weighted_by_kind(tmp_path: Path, capsys) -> None:
+    dense, onebit = 3200, 100
+    seconds = {"variance_update": 4.0, "gradient_1bit": 1.0, "local": 0.5, "sync": 1.0}
+    wire = {"variance_update": dense, "gradient_1bit": onebit, "local": 10, "sync": onebit}
+    raw = {
+        "settings": {
+            "workers": 2,
+            "batch_size": 1,
+            "freeze_fraction": 0.2,
+            "run_steps": 400,
+            "bandwidth": "100mbit",
+            "model": "tiny",
+            "seq_len": 16,
+            "skip_steps": 1,
+            "methods": ["lamb", "onebit-adam", "zero-one-adam"],
+        },
+        "info": {"parameters": 1000},
+        "errors": [],
+        "methods": {
+            "lamb": {
+                "label": "",
+                "ok": True,
+                "runs": [_run("lamb", [_block("steady", 4.0, dense, 0)])],
+            },
+            "onebit-adam": {
+                "label": "",
+                "ok": True,
+                "runs": [
+                    _run(
+                        "onebit-adam",
+                        [
+                            _block("warmup", 4.0, dense, dense),
+                            _block("compression", 1.0, onebit, onebit),
+                        ],
+                    )
+                ],
+            },
+            "zero-one-adam": {
+                "label": "",
+                "ok": True,
+                "runs": [
+                    _run(
+                        "zero-one-adam",
+                        [_block(k, seconds[k], wire[k], wire[k]) for k in STEP_KINDS],
+                    ),
+                    _run(  # a slower round: its step times are not used
+                        "zero-one-adam",
+                        [_block(k, 2 * seconds[k], wire[k], wire[k]) for k in STEP_KINDS],
+                        1,
+                    ),
+                ],
+            },
+        },
+    }
+    item = analysis.analyze(raw)["summary"]["zero-one-adam"]
+    # 40 variance updates, 40 1-bit gradient steps, 235 local steps, 85 synchronisations.
+    time = 40 * 4.0 + 40 * 1.0 + 235 * 0.5 + 85 * 1.0
+    sent = 40 * dense + 40 * onebit + 235 * 10 + 85 * onebit
+    assert item["end_to_end_seconds"] == pytest.approx(time)
+    assert item["whole_run_wire_bytes"] == pytest.approx(sent)
+    assert item["stages"]["local"]["speedup_over_lamb_step"] == pytest.approx(8.0)
+    assert item["vs"]["lamb"]["end_to_end_speedup"] == pytest.approx(400 * 4.0 / time)
+    assert item["vs"]["lamb"]["whole_run_bytes_reduction"] == pytest.approx(400 * dense / sent)
+    onebit_adam_time = 80 * 4.0 + 320 * 1.0
+    assert item["vs"]["onebit-adam"]["end_to_end_speedup"] == pytest.approx(onebit_adam_time / time)
+    assert item["vs"]["onebit-adam"]["whole_run_bytes_reduction"] == pytest.approx(
+        (80 * dense + 320 * onebit) / sent
+    )
+    result = analysis.analyze(raw)
+    text = report.format_report(result)
+    assert "| local | 235 | 0.50 s | 8.00x |" in text
+    assert f"| zero-one-adam | {time:.0f} s |" in text
+    path = tmp_path / "cluster-tiny-2w-100mbit.json"
+    report.write_json(result, path)
+    assert onebit_main(["bench", "report", str(path)]) == 0
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert f"| {400 * 4.0 / time:.2f}x |" in row  # the whole run, in the sweep table
+
+
+def test_blocks_of_one_kind_are_joined() -> None:
+    first, second = _block("sync", 1.0, 100, 40, steps=1), _block("sync", 3.0, 300, 40, steps=1)
+    joined = _worker._joined([first, second])
+    assert (joined["stage"], joined["steps"], joined["seconds"]) == ("sync", 2, 4.0)
+    assert joined["rank0_step_seconds"] == [1.0, 3.0]
+    assert joined["library_bytes_by_rank"] == [80, 80]
+    assert joined["interface_tx_bytes_by_host"] == [400, 400]
 
 
 def test_hierarchical_figures_and_targets() -> None:
@@ -244,7 +358,7 @@ def test_presets_count_their_parameters() -> None:
 
 @needs_cluster
 def test_two_worker_comparison_on_emulated_cluster() -> None:
-    methods = ["lamb", "lamb-compute", "onebit-lamb-ddp", "onebit-lamb"]
+    methods = ["lamb", "lamb-compute", "onebit-lamb-ddp", "onebit-lamb", "zero-one-adam"]
     result = comparison.run_comparison(
         ComparisonSettings(
             workers=2,
@@ -283,6 +397,15 @@ def test_two_worker_comparison_on_emulated_cluster() -> None:
         assert 0 < wire < dense / 10  # tiny model: packet headers keep it under 32x
         assert stages["compression"]["library_bytes_per_step"] > 0
         assert stages["warmup"]["wire_tx_bytes_per_step"] == pytest.approx(dense, rel=0.1)
+    zero_one = summary["zero-one-adam"]["stages"]
+    assert set(zero_one) == set(STEP_KINDS)
+    assert all(stage["steps_per_round"] == 1 for stage in zero_one.values())
+    assert zero_one["variance_update"]["wire_tx_bytes_per_step"] == pytest.approx(dense, rel=0.1)
+    assert zero_one["local"]["library_bytes_per_step"] == 0
+    assert zero_one["local"]["wire_tx_bytes_per_step"] < dense / 100  # the barriers only
+    for kind in ("gradient_1bit", "sync"):
+        assert 0 < zero_one[kind]["wire_tx_bytes_per_step"] < dense / 10
+    assert summary["zero-one-adam"]["vs"]["lamb"]["whole_run_bytes_reduction"] > 1
     assert result["derived"]["comm_share"] is not None
     assert "compression_bytes_30x" in result["targets"]
 

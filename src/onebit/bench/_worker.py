@@ -7,7 +7,8 @@ environment ``torchrun`` gives a multi-node job (``MASTER_ADDR``, ``MASTER_PORT`
 
 Every rank builds the same model (same seed) and the same per-rank synthetic batches, then runs
 the methods one after the other on a fresh copy of the initial model. Each method runs
-untimed steps, then timed blocks of steps. Around every timed block all ranks meet at a
+untimed steps, then timed blocks of steps (0/1 Adam: each of its steps timed alone, grouped by
+kind of step afterwards). Around every timed block all ranks meet at a
 barrier and rank 0 asks the parent for the interfaces' byte counters: it writes
 ``@@mark`` on stdout and waits for the parent's answer (the counters of every host, read
 with :meth:`EmulatedCluster.interface_bytes`) on stdin. Rank 0 reports each method as one
@@ -19,6 +20,7 @@ until the process-group timeout, and the parent's deadline ends the run.
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at runtime.
+import collections
 import contextlib
 import copy
 import datetime
@@ -36,7 +38,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onebit.bench.settings import HIERARCHICAL_METHOD, METHODS, ONEBIT_METHODS
+from onebit.bench.settings import (
+    HIERARCHICAL_METHOD,
+    METHODS,
+    ONEBIT_METHODS,
+    ZERO_ONE_ADAM_METHOD,
+    ZERO_ONE_ADAM_SCHEDULE,
+    zero_one_adam_arm,
+)
 
 logger = logging.getLogger("onebit.bench.worker")
 
@@ -76,6 +85,7 @@ class _Method:
 
         self.name = name
         self.freeze_step: int | None = None
+        self.step_kinds: list[str] | None = None  # 0/1 Adam: the kind of each step
         self.untimed_before_steady = cfg["skip_steps"]
         model = copy.deepcopy(template)
         params = list(model.parameters())
@@ -93,6 +103,15 @@ class _Method:
                 optimizer = onebit.OneBitLamb(
                     params, freeze_step=self.freeze_step, node_groups=node_groups, **lamb_kwargs
                 )
+        elif name == ZERO_ONE_ADAM_METHOD:
+            self.freeze_step, self.step_kinds = zero_one_adam_arm(cfg["skip_steps"] + cfg["steps"])
+            optimizer = onebit.ZeroOneAdam(
+                params,
+                lr=cfg["lr"] / 10,
+                weight_decay=0.01,
+                var_freeze_step=self.freeze_step,
+                **ZERO_ONE_ADAM_SCHEDULE,
+            )
         else:
             optimizer = onebit.Lamb(params, **lamb_kwargs)
         if name != "onebit-lamb":
@@ -115,7 +134,7 @@ class _Method:
                 )
             if name == "lamb-compute":
                 model.register_comm_hook(None, _noop_hook)
-            elif name in ONEBIT_METHODS:
+            elif name in (*ONEBIT_METHODS, ZERO_ONE_ADAM_METHOD):
                 onebit.ddp.register_comm_hook(model, optimizer)
             elif name == "fp16":
                 model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -222,12 +241,29 @@ class _Runner:
             ]
         return block
 
+    def run_each_kind(self, method: _Method, kinds: list[str]) -> list[dict[str, Any]]:
+        """Steps of the given kinds, each timed alone except the first ``skip_steps`` of its
+        kind and those after the first ``skip_steps + steps``; one block per kind, of its
+        timed steps."""
+        skip, timed = self.cfg["skip_steps"], self.cfg["steps"]
+        seen: collections.Counter[str] = collections.Counter()
+        by_kind: dict[str, list[dict[str, Any]]] = {}
+        for kind in kinds:
+            seen[kind] += 1
+            if skip < seen[kind] <= skip + timed:
+                by_kind.setdefault(kind, []).append(self.run_timed(method, 1, kind))
+            else:
+                self.run_untimed(method, 1)
+        return [_joined(blocks) for blocks in by_kind.values()]
+
     def run_method(self, name: str, template: torch.nn.Module) -> dict[str, Any]:
         cfg = self.cfg
         method = _Method(name, template, cfg)
         try:
             blocks = []
-            if method.freeze_step is not None:
+            if method.step_kinds is not None:
+                blocks = self.run_each_kind(method, method.step_kinds)
+            elif method.freeze_step is not None:
                 self.run_untimed(method, cfg["skip_steps"])
                 blocks.append(self.run_timed(method, cfg["warm_steps"], "warmup"))
                 self.run_untimed(method, cfg["skip_steps"])
@@ -238,6 +274,20 @@ class _Runner:
             return {"freeze_step": method.freeze_step, "blocks": blocks}
         finally:
             method.close()
+
+
+def _joined(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One block of the steps of ``blocks`` (timed blocks of one stage): step counts, seconds
+    and byte counts added, rank 0's per-step times in order, the last block's loss."""
+    joined = dict(blocks[-1])
+    for key, value in joined.items():
+        if key.startswith("rank0_"):
+            joined[key] = [x for block in blocks for x in block[key]]
+        elif isinstance(value, list):  # per rank or per host
+            joined[key] = [sum(column) for column in zip(*(b[key] for b in blocks), strict=True)]
+        elif key in ("steps", "seconds"):
+            joined[key] = sum(block[key] for block in blocks)
+    return joined
 
 
 def _all_ranks_ok(ok: bool) -> bool:
@@ -259,6 +309,7 @@ def run(cfg: dict[str, Any]) -> None:
         per_method = max(
             2 * cfg["skip_steps"] + cfg["warm_steps"] + cfg["steps"],
             POWERSGD_START_ITER + cfg["skip_steps"] + cfg["steps"],
+            len(zero_one_adam_arm(cfg["skip_steps"] + cfg["steps"])[1]),
         )
         runner.batches = synthetic_batches(
             cfg["model"], cfg["batch_size"], cfg["seq_len"], per_method, runner.rank, cfg["seed"]

@@ -9,6 +9,11 @@ Derived figures:
 * Whole-run traffic reduction ``B(lamb) / (w B_warm + (1 - w) B_comp)`` from the measured bytes.
 * The ideals for 32x compression: ``1 / (w + (1 - w) / 32)`` for traffic and
   ``1 / ((1 - s) + s / 32)`` for the compression-stage speedup.
+* 0/1 Adam: the mean step time and bytes of each kind of step (variance update, 1-bit
+  gradient, local, synchronisation), and its whole run as the sum over the kinds of the steps
+  of that kind times their step time (or bytes), with the number of steps of each kind from
+  the schedule ``onebit train --optimizer zero-one-adam`` uses for a run of ``S`` steps with
+  ``--freeze-step`` ``w S``; against LAMB's and 1-bit Adam's whole runs.
 * On nodes of ``L > 1`` workers, the hierarchical exchange against the flat one
   (``onebit-lamb-ddp``, else ``onebit-lamb``): compression-stage step and ``optimizer.step()``
   time ratios, and the ratio of wire bytes per node per compression step (ideally ``1/L``).
@@ -18,6 +23,7 @@ Wire bytes are per emulated host, that is per node: what crosses its one shaped 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,9 +32,12 @@ from onebit.bench.settings import (
     HIERARCHICAL_METHOD,
     ONEBIT_LAMB_METHODS,
     ONEBIT_METHODS,
+    ZERO_ONE_ADAM_METHOD,
 )
+from onebit.optim.zero_one_adam import STEP_KINDS, step_kind
+from onebit.train.config import ZERO_ONE_ADAM, TrainConfig
 
-__all__ = ["analyze", "ideal_speedup", "ideal_traffic_reduction"]
+__all__ = ["analyze", "ideal_speedup", "ideal_traffic_reduction", "zero_one_adam_run_schedule"]
 
 COMPRESSION_RATIO = 32.0
 TARGET_WARMUP_FRACTIONS = (0.15, 0.20)
@@ -49,6 +58,45 @@ def ideal_speedup(s: float, ratio: float = COMPRESSION_RATIO, w: float = 0.0) ->
     compressed (``w = 0``: the compression stage alone)."""
     compressed = (1.0 - s) + s / ratio
     return 1.0 / (w + (1.0 - w) * compressed)
+
+
+def zero_one_adam_run_schedule(run_steps: int, freeze_fraction: float) -> dict[str, Any]:
+    """0/1 Adam's schedule in a run of ``run_steps`` steps as ``onebit train --optimizer
+    zero-one-adam --steps S --freeze-step wS`` sets it (``var_freeze_step`` = the freeze
+    step, the other settings its defaults), and how many of its steps are of each kind."""
+    config = TrainConfig(
+        optimizer=ZERO_ONE_ADAM,
+        steps=run_steps,
+        freeze_step=max(1, round(freeze_fraction * run_steps)),
+    ).resolved()
+    names = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
+    settings = {name: getattr(config, name) for name in names}
+    kinds = collections.Counter(step_kind(t, **settings) for t in range(1, run_steps + 1))
+    return {**settings, "steps_by_kind": {kind: kinds[kind] for kind in STEP_KINDS}}
+
+
+def _zero_one_adam_summary(
+    stages: dict[str, dict[str, Any]], run_steps: int, freeze_fraction: float
+) -> dict[str, Any]:
+    """0/1 Adam's whole run from the step time and bytes of each kind of step, weighted by
+    the number of steps of that kind in :func:`zero_one_adam_run_schedule`."""
+    missing = [kind for kind in STEP_KINDS if kind not in stages]
+    if missing:
+        raise ValueError(f"{ZERO_ONE_ADAM_METHOD}: no timed steps of kind(s) {missing}")
+    schedule = zero_one_adam_run_schedule(run_steps, freeze_fraction)
+    counts = schedule["steps_by_kind"]
+
+    def whole_run(key: str) -> float | None:
+        if any(stages[kind].get(key) is None for kind in STEP_KINDS):
+            return None
+        return sum(counts[kind] * stages[kind][key] for kind in STEP_KINDS)
+
+    return {
+        "schedule": schedule,
+        "end_to_end_seconds": whole_run("step_seconds"),
+        "whole_run_wire_bytes": whole_run("wire_tx_bytes_per_step"),
+        "whole_run_library_bytes": whole_run("library_bytes_per_step"),
+    }
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -111,6 +159,15 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
             for block in run["blocks"]:
                 by_stage.setdefault(block["stage"], []).append(block)
         stages = {stage: _stage_summary(blocks, world, batch) for stage, blocks in by_stage.items()}
+        peak_rss = max(run.get("peak_rss_bytes") or 0 for run in runs)
+        if name == ZERO_ONE_ADAM_METHOD:
+            summary[name] = {
+                "label": entry["label"],
+                "stages": stages,
+                **_zero_one_adam_summary(stages, steps_run, w),
+                "peak_rss_bytes": peak_rss,
+            }
+            continue
         if "steady" in stages:
             warm = comp = stages["steady"]
         else:
@@ -124,15 +181,20 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
             * (w * warm["step_seconds"] + (1 - w) * comp["step_seconds"]),
             "wire_warm": warm.get("wire_tx_bytes_per_step"),
             "wire_comp": comp.get("wire_tx_bytes_per_step"),
-            "peak_rss_bytes": max(run.get("peak_rss_bytes") or 0 for run in runs),
+            "peak_rss_bytes": peak_rss,
         }
+        if "wire_tx_bytes_per_step" in warm and "wire_tx_bytes_per_step" in comp:
+            summary[name]["whole_run_wire_bytes"] = steps_run * (
+                w * warm["wire_tx_bytes_per_step"] + (1 - w) * comp["wire_tx_bytes_per_step"]
+            )
     derived: dict[str, Any] = {
         "freeze_fraction": w,
         "run_steps": steps_run,
         "end_to_end_note": (
             "end-to-end time is computed, not measured end to end: T = w*S*t_warm + "
             "(1-w)*S*t_comp from the measured per-stage step times (methods without stages: "
-            "their steady step time for both)"
+            "their steady step time for both; 0/1 Adam: the sum over its kinds of step of the "
+            "steps of that kind in the schedule times their measured step time)"
         ),
     }
     if parameters and world > 1:
@@ -148,7 +210,7 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
         derived["ideal_compression_stage_speedup"] = ideal_speedup(s)
         derived["ideal_end_to_end_speedup"] = ideal_speedup(s, w=w)
     for name, item in summary.items():
-        if lamb:
+        if lamb and name != ZERO_ONE_ADAM_METHOD:
             item["compression_stage_speedup"] = lamb["t_comp"] / item["t_comp"]
             item["warmup_stage_speedup"] = lamb["t_comp"] / item["t_warm"]
             item["end_to_end_speedup"] = lamb["end_to_end_seconds"] / item["end_to_end_seconds"]
@@ -161,6 +223,7 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                     for fraction in sorted({*TARGET_WARMUP_FRACTIONS, w})
                 }
     _compare_hierarchical(summary)
+    _compare_zero_one_adam(summary)
     raw["summary"] = summary
     raw["derived"] = derived
     raw["targets"] = {**_targets(raw), **_hierarchical_targets(raw)}
@@ -187,6 +250,32 @@ def _compare_hierarchical(summary: dict[str, Any]) -> None:
     if hier["wire_comp"] and flat["wire_comp"]:
         vs_flat["wire_bytes_ratio"] = hier["wire_comp"] / flat["wire_comp"]
     hier["vs_flat"] = vs_flat
+
+
+def _compare_zero_one_adam(summary: dict[str, Any]) -> None:
+    """Add to 0/1 Adam's summary each kind of step's speedup over LAMB's step (with its
+    allreduce), and ``vs``: its whole run against LAMB's and 1-bit Adam's of the same run,
+    in time (``end_to_end_speedup``) and in wire bytes (``whole_run_bytes_reduction``)."""
+    item = summary.get(ZERO_ONE_ADAM_METHOD)
+    if item is None:
+        return
+    lamb = summary.get("lamb")
+    if lamb:
+        for stage in item["stages"].values():
+            stage["speedup_over_lamb_step"] = lamb["t_comp"] / stage["step_seconds"]
+    item["vs"] = {}
+    for reference in ("lamb", "onebit-adam"):
+        other = summary.get(reference)
+        if other is None or item["end_to_end_seconds"] is None:
+            continue
+        versus = {"end_to_end_speedup": other["end_to_end_seconds"] / item["end_to_end_seconds"]}
+        if other.get("whole_run_wire_bytes") and item["whole_run_wire_bytes"]:
+            versus["whole_run_bytes_reduction"] = (
+                other["whole_run_wire_bytes"] / item["whole_run_wire_bytes"]
+            )
+        item["vs"][reference] = versus
+    if "lamb" in item["vs"]:
+        item["end_to_end_speedup"] = item["vs"]["lamb"]["end_to_end_speedup"]
 
 
 def _target(met: bool | None, detail: str) -> dict[str, Any]:

@@ -8,7 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from onebit.bench.settings import BASELINE_METHODS, METHODS
+from onebit.bench.settings import (
+    BASELINE_METHODS,
+    METHODS,
+    ZERO_ONE_ADAM_METHOD,
+    ZERO_ONE_ADAM_SCHEDULE,
+)
 
 #: The methods compared against LAMB, in table (and plot) order.
 COMPARED_METHODS = tuple(name for name in METHODS if name not in BASELINE_METHODS)
@@ -77,6 +82,9 @@ def format_report(result: dict[str, Any]) -> str:
             error = "; ".join(errors)
             out.append(f"| {name} | skipped: {error} |  |  |  |  |  |  |  |  |")
             continue
+        if name == ZERO_ONE_ADAM_METHOD:
+            out.append(f"| {name} | by kind of step: below |  |  |  |  |  |  |  |  |")
+            continue
         item = summary[name]
         stages = item["stages"]
         staged = "steady" not in stages
@@ -102,6 +110,8 @@ def format_report(result: dict[str, Any]) -> str:
             f"{_num(comp.get('rank0_forward_backward_seconds'), '{:.2f} s')} / "
             f"{_num(comp.get('rank0_optimizer_step_seconds'), '{:.2f} s')} |"
         )
+    if ZERO_ONE_ADAM_METHOD in summary:
+        out += ["", *_zero_one_adam_tables(summary, settings, derived, host)]
     out += ["", "| target | met | detail |", "|---|---|---|"]
     for name, target in result["targets"].items():
         if isinstance(target, dict):
@@ -116,6 +126,58 @@ def format_report(result: dict[str, Any]) -> str:
             *[f"    {line}" for e in result["errors"] for line in e.splitlines()],
         ]
     return "\n".join(out)
+
+
+def _zero_one_adam_tables(
+    summary: dict[str, Any], settings: dict[str, Any], derived: dict[str, Any], host: str
+) -> list[str]:
+    """0/1 Adam's steps by kind, and its whole run against LAMB's and 1-bit Adam's."""
+    item = summary[ZERO_ONE_ADAM_METHOD]
+    schedule = item["schedule"]
+    arm = ", ".join(f"{key} {value}" for key, value in ZERO_ONE_ADAM_SCHEDULE.items())
+    run = ", ".join(
+        f"{key} {schedule[key]}"
+        for key in ("var_freeze_step", "var_update_scaler", "local_step_scaler")
+    )
+    out = [
+        f"{METHODS[ZERO_ONE_ADAM_METHOD].label}, measured with {arm} "
+        f"(each kind's first {settings['skip_steps']} step(s) untimed), by kind of step; "
+        f"steps of each kind in a run of {derived['run_steps']} steps as `onebit train "
+        f"--optimizer zero-one-adam` schedules it ({run}, local_step_clipper "
+        f"{schedule['local_step_clipper']}):",
+        "",
+        f"| kind of step | steps in the run | step time | speedup over LAMB's step | "
+        f"wire MB/step/{host} | library MB/step | fwd+bwd / opt.step (rank 0) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for kind, count in schedule["steps_by_kind"].items():
+        stage = item["stages"][kind]
+        out.append(
+            f"| {kind} | {count} | {stage['step_seconds']:.2f} s | "
+            f"{_num(stage.get('speedup_over_lamb_step'), '{:.2f}x')} | "
+            f"{_mb(stage.get('wire_tx_bytes_per_step'))} | "
+            f"{_mb(stage['library_bytes_per_step'])} | "
+            f"{_num(stage.get('rank0_forward_backward_seconds'), '{:.2f} s')} / "
+            f"{_num(stage.get('rank0_optimizer_step_seconds'), '{:.2f} s')} |"
+        )
+    out += [
+        "",
+        f"| whole run of {derived['run_steps']} steps (computed) | time | wire MB/{host} | "
+        "0/1 Adam faster by | 0/1 Adam sends fewer bytes by |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in ("lamb", "onebit-adam", ZERO_ONE_ADAM_METHOD):
+        other = summary.get(name)
+        if other is None:
+            continue
+        versus = item["vs"].get(name, {})
+        out.append(
+            f"| {name} | {_num(other['end_to_end_seconds'], '{:.0f} s')} | "
+            f"{_mb(other.get('whole_run_wire_bytes'))} | "
+            f"{_num(versus.get('end_to_end_speedup'), '{:.2f}x')} | "
+            f"{_num(versus.get('whole_run_bytes_reduction'), '{:.2f}x')} |"
+        )
+    return out
 
 
 def format_sweep_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -150,6 +212,8 @@ def format_sweep_table(rows: Sequence[dict[str, Any]]) -> str:
             if item is None:
                 requested = row.get("requested_methods")
                 cells.append("not run" if requested and name not in requested else "failed")
+            elif name == ZERO_ONE_ADAM_METHOD:
+                cells.append(_num(item["end_to_end_speedup"], "{:.2f}x"))
             elif name.startswith("onebit"):
                 cells.append(
                     f"{_num(item['compression_stage_speedup'], '{:.2f}x')} / "

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from onebit.bench.bert import PRESETS
 from onebit.bench.cluster import parse_bandwidth, parse_latency
 from onebit.cli import option
+from onebit.optim.zero_one_adam import GRADIENT_1BIT, LOCAL, SYNC, VARIANCE_UPDATE, step_kind
 
 
 class Method(NamedTuple):
@@ -42,6 +44,7 @@ METHODS: dict[str, Method] = {
         "1-bit LAMB (hier.)",
     ),
     "onebit-adam": Method("1-bit Adam, DDP hook path", "1-bit Adam"),
+    "zero-one-adam": Method("0/1 Adam, DDP hook path", "0/1 Adam (whole run)"),
     "fp16": Method("LAMB + DDP fp16_compress_hook", "fp16 hook"),
     "powersgd-1": Method("LAMB + DDP PowerSGD rank 1", "PowerSGD r1"),
     "powersgd-4": Method("LAMB + DDP PowerSGD rank 4", "PowerSGD r4"),
@@ -53,8 +56,33 @@ ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-lamb-hier")
 #: The flat 1-bit LAMB methods, against which the hierarchical one is compared.
 FLAT_ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb")
 HIERARCHICAL_METHOD = "onebit-lamb-hier"
+#: 0/1 Adam, whose steps are of four kinds (:data:`onebit.optim.zero_one_adam.STEP_KINDS`),
+#: each timed apart.
+ZERO_ONE_ADAM_METHOD = "zero-one-adam"
+ZERO_ONE_ADAM_SCHEDULE = {"var_update_scaler": 2, "local_step_scaler": 1, "local_step_clipper": 4}
+"""0/1 Adam's schedule in the comparison, short enough for every kind of step to occur within
+a few steps: two variance updates at each interval (steps 1, 2, 4, 6, 8, 12, ... before the
+freeze, 1-bit gradients in between), and after the freeze a local interval that doubles at
+every step up to 4 (a synchronisation, then three local steps and a synchronisation)."""
 #: Workers when neither ``workers`` nor ``nodes`` is given.
 DEFAULT_WORKERS = 4
+
+
+def zero_one_adam_arm(occurrences: int) -> tuple[int, list[str]]:
+    """0/1 Adam's ``var_freeze_step`` in the comparison (with :data:`ZERO_ONE_ADAM_SCHEDULE`)
+    and the kinds of its steps 1, 2, ...: the variance freezes at the first step by which
+    variance updates and 1-bit gradient steps have each occurred ``occurrences`` times, and the
+    steps end when local and synchronisation steps have too."""
+
+    def extend_until(schedule: list[str], wanted: tuple[str, str], freeze: int) -> None:
+        while min(schedule.count(kind) for kind in wanted) < occurrences:
+            schedule.append(step_kind(len(schedule) + 1, freeze, **ZERO_ONE_ADAM_SCHEDULE))
+
+    schedule: list[str] = []
+    extend_until(schedule, (VARIANCE_UPDATE, GRADIENT_1BIT), sys.maxsize)  # no freeze yet
+    freeze = len(schedule)
+    extend_until(schedule, (LOCAL, SYNC), freeze)
+    return freeze, schedule
 
 
 def bandwidth_option(text: str) -> str | None:
@@ -133,7 +161,9 @@ class ComparisonSettings:
     )
     timeout: float = option(1800.0, help="seconds before a configuration is abandoned")
     seed: int = option(0, help="seed of the initial weights and the batches")
-    lr: float = option(1e-3, help="learning rate of the LAMB methods (1-bit Adam: a tenth)")
+    lr: float = option(
+        1e-3, help="learning rate of the LAMB methods (1-bit Adam, 0/1 Adam: a tenth)"
+    )
     rounds: int = option(
         2,
         help="run every method this many times, alternating the order; a stage's step time "

@@ -89,8 +89,8 @@ def sweep_row(result: dict[str, Any]) -> dict[str, Any]:
         "parameters": result.get("info", {}).get("parameters"),
         "methods": {
             name: {
-                "t_warm": item["t_warm"],
-                "t_comp": item["t_comp"],
+                "t_warm": item.get("t_warm"),
+                "t_comp": item.get("t_comp"),
                 "compression_stage_speedup": item.get("compression_stage_speedup"),
                 "end_to_end_speedup": item.get("end_to_end_speedup"),
                 "compression_stage_bytes_reduction": item.get("compression_stage_bytes_reduction"),
@@ -132,7 +132,7 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
             pts = [
                 (x, r["methods"][name]["compression_stage_speedup"])
                 for x, r in zip(xs, data, strict=False)
-                if name in r["methods"]
+                if r["methods"].get(name, {}).get("compression_stage_speedup") is not None
             ]
             if pts:
                 style = "-o" if name.startswith("onebit") else "--s"
