@@ -232,6 +232,9 @@ def test_zero_one_adam_whole_run_is_weighted_by_kind(tmp_path: Path, capsys) -> 
     assert onebit_main(["bench", "report", str(path)]) == 0
     row = capsys.readouterr().out.splitlines()[-1]
     assert f"| {400 * 4.0 / time:.2f}x |" in row  # the whole run, in the sweep table
+    # The same measurements for a run of 10000 steps (freeze 2000): 112 variance updates.
+    assert onebit_main(["bench", "report", "--full", "--run-steps", "10000", str(path)]) == 0
+    assert "| variance_update | 112 | 4.00 s |" in capsys.readouterr().out
 
 
 def test_blocks_of_one_kind_are_joined() -> None:

@@ -28,6 +28,13 @@ def _int_list(text: str) -> list[int]:
     return [int(n) for n in text.split(",") if n.strip()]
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    return value
+
+
 def _settings(args: argparse.Namespace) -> ComparisonSettings:
     return ComparisonSettings(**given_options(ComparisonSettings, args))
 
@@ -78,6 +85,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
 
 
 def _report_command(args: argparse.Namespace) -> int:
+    from onebit.bench.analysis import analyze
     from onebit.bench.report import format_report, format_sweep_table
     from onebit.bench.sweep import plot_sweep, sweep_row, x_of
 
@@ -87,6 +95,9 @@ def _report_command(args: argparse.Namespace) -> int:
         if "rows" in result:  # a sweep summary
             rows.extend(result["rows"])
             continue
+        if args.run_steps is not None:  # the computed whole runs, for another length
+            result["settings"]["run_steps"] = args.run_steps
+            result = analyze(result)
         if args.full:
             print(f"<!-- {path} -->")
             print(format_report(result))
@@ -152,4 +163,11 @@ def register(subparsers: Any) -> None:
     report.add_argument("files", nargs="+", help="cluster-*.json or sweep-*.json files")
     report.add_argument("--full", action="store_true", help="also each comparison's full report")
     report.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
+    report.add_argument(
+        "--run-steps",
+        type=checked_type(_positive_int),
+        default=None,
+        help="compute the whole runs of the comparison files for this many steps "
+        "(default: the --run-steps each was run with)",
+    )
     report.set_defaults(handler=_report_command)
