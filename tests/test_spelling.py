@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import string
+from collections import Counter
 
 import pytest
 
@@ -12,6 +13,7 @@ from onebit.train.data.spelling import (
     build_spelling_task,
     labelled_windows,
     misspell,
+    replaced_letter_windows,
     text_windows,
 )
 
@@ -29,9 +31,9 @@ def test_misspell_replaces_one_letter_by_another() -> None:
     rng = random.Random(0)
     text = "It's 1 Test, OK?"
     for _ in range(200):
-        changed = misspell(text, rng)
+        changed, position = misspell(text, rng)
         diff = [i for i, (a, b) in enumerate(zip(text, changed, strict=True)) if a != b]
-        assert len(diff) == 1
+        assert diff == [position]
         before, after = text[diff[0]], changed[diff[0]]
         assert before in string.ascii_letters and after in string.ascii_letters
         assert before.lower() != after.lower() and before.isupper() == after.isupper()
@@ -63,3 +65,42 @@ def test_build_spelling_task_tests_on_the_held_out_documents() -> None:
     assert again == (train, test)
     with pytest.raises(ValueError, match="needs text"):
         build_spelling_task(train_docs, ["1 2 3 4 5 6 7 8 9 10 11"], max_chars=20)
+
+
+def test_replaced_letter_windows_give_the_replaced_position() -> None:
+    windows = ["Word, other!"] * 900 + ["123 456", "x"]
+    rows = replaced_letter_windows(windows, random.Random(4))
+    assert len(rows) == 901  # the window without a letter is left out
+    for (text, position), window in zip(rows, windows[:900] + ["x"], strict=True):
+        diff = [i for i, (a, b) in enumerate(zip(window, text, strict=True)) if a != b]
+        assert diff == [position]
+    # Each of the 9 letters is replaced in binomial(900, 1/9) windows: 100 ± 9.4.
+    counts = Counter(position for _, position in rows[:900])
+    assert sorted(counts) == [0, 1, 2, 3, 6, 7, 8, 9, 10]
+    assert all(60 < count < 140 for count in counts.values()), counts
+
+
+def test_build_spelling_task_with_replaced_positions_is_seeded() -> None:
+    train_docs = [" ".join(f"tr{i}x{j}" for j in range(50)) for i in range(20)]
+    test_docs = [" ".join(f"te{i}y{j}" for j in range(50)) for i in range(3)]
+
+    def build(seed: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        return build_spelling_task(
+            train_docs, test_docs, max_chars=20, seed=seed, max_train=40,
+            rows=replaced_letter_windows,
+        )  # fmt: skip
+
+    train, test = build(3)
+    assert len(train) == 40 and build(3) == (train, test)
+    assert build(4) != (train, test)
+    windows = text_windows(test_docs, 20)
+    for (text, position), window in zip(test, windows, strict=True):  # every held-out window
+        assert (
+            text != window and text[:position] + window[position] + text[position + 1 :] == window
+        )
+    train_windows = set(text_windows(train_docs, 20))
+    for text, position in train:
+        assert any(
+            text[:position] + letter + text[position + 1 :] in train_windows
+            for letter in string.ascii_letters
+        )

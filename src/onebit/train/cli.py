@@ -176,7 +176,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Fine-tune the newest checkpoint of RUN_DIR as a sentence classifier in one "
         "process with AdamW, on the movie-review snippets (--task sentiment: positive vs "
         "negative, 80/20 split) or on text windows of the run's corpus (--task spelling: has one "
-        "letter been replaced?), and write RUN_DIR/finetune[-scratch][-TASK][-seedN].json.",
+        "letter been replaced?), or as a token classifier on those windows each with one "
+        "replaced letter (--task replaced-letter: which one?), and write "
+        "RUN_DIR/finetune[-scratch][-TASK][-seedN].json.",
     )
     finetune.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run folder")
     add_options(finetune, FinetuneConfig)
@@ -319,7 +321,8 @@ def _finetune(args: argparse.Namespace) -> int:
     )
     print(
         f"{config.task} test accuracy {100 * result['test_accuracy']:.2f}% "
-        f"(standard error {100 * result['test_accuracy_se']:.2f} points, "
-        f"{result['test_examples']} test examples, {origin}); written to {result['path']}"
+        f"(standard error {100 * result['test_accuracy_se']:.2f} points, chance "
+        f"{100 * result['chance_accuracy']:.2f}%, {result['test_examples']} test examples, "
+        f"{origin}); written to {result['path']}"
     )
     return 0

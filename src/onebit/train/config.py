@@ -48,7 +48,9 @@ SUMMARY_FILE = "summary.json"
 TOKENIZER_FILE = "tokenizer.json"
 LOSS_PLOT_FILE = "loss.png"
 CHECKPOINT_DIR = "checkpoints"
-FINETUNE_TASKS = ("sentiment", "spelling")
+FINETUNE_TASKS = ("sentiment", "spelling", "replaced-letter")
+#: The tasks labelled per token (the others: per sequence).
+TOKEN_TASKS = ("replaced-letter",)
 #: Training windows of the spelling task when ``max_train`` is not given.
 SPELLING_TRAIN_WINDOWS = 10_000
 
@@ -374,7 +376,9 @@ class FinetuneConfig:
         choices=FINETUNE_TASKS,
         help="sentiment: movie-review snippets, positive or negative; spelling: has one letter "
         "of a text window from the run's corpus been replaced (test windows from the documents "
-        "held out of pre-training)",
+        "held out of pre-training); replaced-letter: the same windows, each with one letter "
+        "replaced, every token labelled replaced or not, scored by how often the token "
+        "predicted most likely replaced is the replaced one",
     )
     epochs: int = option(3, help="epochs")
     lr: float = option(3e-4, help="AdamW peak learning rate")
@@ -385,7 +389,7 @@ class FinetuneConfig:
     max_train: int | None = option(
         None,
         help="use at most this many training examples",
-        default_help=f"all for sentiment, {SPELLING_TRAIN_WINDOWS} for spelling",
+        default_help=f"all for sentiment, {SPELLING_TRAIN_WINDOWS} for the others",
     )
     max_test: int | None = option(
         None, help="use at most this many test sentences", default_help="all"

@@ -2,12 +2,16 @@
 check).
 
 The tasks: ``sentiment``, the movie-review snippets of :func:`onebit.train.data.load_sentiment`
-(positive vs negative, seeded 80/20 split), and ``spelling``, text windows of the run's own
+(positive vs negative, seeded 80/20 split); ``spelling``, text windows of the run's own
 corpus with or without one replaced letter (:mod:`onebit.train.data.spelling`; test windows
-from the documents held out of pre-training). The classifier is
-``BertForSequenceClassification`` built from the run's BERT config, its encoder loaded from the
-run's newest usable checkpoint, and it is trained in one process with AdamW under a linear
-warm-up/decay schedule.
+from the documents held out of pre-training); and ``replaced-letter``, the same windows each
+with one replaced letter, every token labelled replaced or not (ELECTRA's replaced-token
+detection). The classifier is the run's architecture with a sequence head (a token head for
+``replaced-letter``), its encoder loaded from the run's newest usable checkpoint, trained in
+one process with AdamW under a linear warm-up/decay schedule on the cross-entropy of the
+labels. A sequence task scores the fraction of test texts whose most likely class is their
+label; ``replaced-letter`` the fraction of test windows whose token with the largest
+``logit(replaced) - logit(original)`` is the replaced one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,29 +33,40 @@ from onebit.train.atomic import write_json_atomic
 from onebit.train.config import (
     CHECKPOINT_DIR,
     SPELLING_TRAIN_WINDOWS,
+    TOKEN_TASKS,
     TOKENIZER_FILE,
     FinetuneConfig,
     read_config,
 )
-from onebit.train.data.spelling import build_spelling_task
+from onebit.train.data.spelling import (
+    build_spelling_task,
+    labelled_windows,
+    letter_positions,
+    replaced_letter_windows,
+)
 
 logger = logging.getLogger(__name__)
 
 EVAL_BATCH = 256
 #: Fraction of the fine-tuning steps with a linearly rising learning rate.
 WARMUP_FRACTION = 0.1
+#: Token label of the replaced letter in the ``replaced-letter`` task (0: as written).
+REPLACED = 1
 
 
 @dataclass
 class Sentences:
-    """Token ids of sentences (``[CLS] ... [SEP]``, truncated) and their labels."""
+    """Token ids of sentences (``[CLS] ... [SEP]``, truncated) and their labels: one per
+    sentence, or, for a per-token task, a row per sentence of one per token
+    (``IGNORE_INDEX`` at special tokens and padding)."""
 
     ids: list[list[int]]
     labels: torch.Tensor
     pad_id: int
 
-    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids, attention_mask)`` of ``rows``, padded to their longest sentence."""
+    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(input_ids, attention_mask, labels)`` of ``rows``, padded to their longest
+        sentence."""
         chosen = [self.ids[i] for i in rows.tolist()]
         width = max(map(len, chosen))
         ids = torch.full((len(chosen), width), self.pad_id, dtype=torch.int64)
@@ -58,28 +74,78 @@ class Sentences:
         for row, tokens in enumerate(chosen):
             ids[row, : len(tokens)] = torch.tensor(tokens)
             mask[row, : len(tokens)] = 1
-        return ids, mask
+        labels = self.labels[rows]
+        return ids, mask, labels[:, :width] if labels.dim() == 2 else labels
 
 
-def encode(tokenizer: Any, rows: list[tuple[str, int]], max_len: int) -> Sentences:
-    """Tokenize ``(sentence, label)`` rows, truncating to ``max_len`` tokens."""
+def replaced_token_labels(encodings: list[Any], positions: list[int]) -> torch.Tensor:
+    """Per encoding, ``REPLACED`` at the token whose character span holds ``positions[i]``, 0 at
+    its other tokens and ``IGNORE_INDEX`` at special tokens and past its end.
+
+    Raises ``ValueError`` if no token holds the position (a truncated text)."""
+    labels = torch.full((len(encodings), max(len(e.ids) for e in encodings)), data.IGNORE_INDEX)
+    for row, (encoding, position) in enumerate(zip(encodings, positions, strict=True)):
+        found = False
+        for i, ((start, end), special) in enumerate(
+            zip(encoding.offsets, encoding.special_tokens_mask, strict=True)
+        ):
+            if not special:
+                labels[row, i] = REPLACED if start <= position < end else 1 - REPLACED
+                found |= start <= position < end
+        if not found:
+            raise ValueError(
+                f"no token of text {row} holds its replaced character {position} (truncated?)"
+            )
+    return labels
+
+
+def encode(
+    tokenizer: Any, rows: list[tuple[str, int]], max_len: int, *, per_token: bool = False
+) -> Sentences:
+    """Tokenize ``(sentence, label)`` rows (``per_token``: ``(text, replaced position)``, labelled
+    by :func:`replaced_token_labels`), truncating to ``max_len`` tokens."""
     tokenizer.enable_truncation(max_length=max_len)
     encodings = tokenizer.encode_batch([sentence for sentence, _ in rows])
-    labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
+    values = [value for _, value in rows]
+    labels = (
+        replaced_token_labels(encodings, values)
+        if per_token
+        else torch.tensor(values, dtype=torch.int64)
+    )
     return Sentences([e.ids for e in encodings], labels, tokenizer.token_to_id(data.PAD_TOKEN))
+
+
+def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per sentence, whether the prediction is right: its most likely class is its label, or
+    (per-token labels) its token with the largest ``logit(replaced) - logit(original)`` is the
+    replaced one."""
+    if labels.dim() == 1:
+        return logits.argmax(-1) == labels
+    replaced = logits[..., REPLACED] - logits[..., 1 - REPLACED]
+    replaced = replaced.masked_fill(labels == data.IGNORE_INDEX, -math.inf)
+    return labels.gather(1, replaced.argmax(1, keepdim=True)).squeeze(1) == REPLACED
 
 
 @torch.no_grad()
 def accuracy(model: torch.nn.Module, sentences: Sentences) -> float:
-    """Fraction of ``sentences`` whose predicted class is their label."""
+    """Fraction of ``sentences`` predicted right (:func:`correct_predictions`)."""
     model.eval()
     correct = 0
     for rows in torch.arange(len(sentences.ids)).split(EVAL_BATCH):
-        ids, mask = sentences.batch(rows)
+        ids, mask, labels = sentences.batch(rows)
         logits = model(input_ids=ids, attention_mask=mask).logits
-        correct += int((logits.argmax(-1) == sentences.labels[rows]).sum())
+        correct += int(correct_predictions(logits, labels).sum())
     model.train()
     return correct / len(sentences.ids)
+
+
+def chance_accuracy(task: str, test_rows: list[tuple[str, int]]) -> float:
+    """The test accuracy of guessing: the most frequent class's share, or for
+    ``replaced-letter`` a letter of the window chosen uniformly (the mean of 1/letters)."""
+    if task in TOKEN_TASKS:
+        return statistics.fmean(1 / len(letter_positions(text)) for text, _ in test_rows)
+    labels = [label for _, label in test_rows]
+    return max(map(labels.count, set(labels))) / len(labels)
 
 
 def load_task(
@@ -104,6 +170,7 @@ def load_task(
             max_chars=max_tokens - 2,  # [CLS] and [SEP]; a character is at most one token
             seed=config.seed,
             max_train=config.max_train or SPELLING_TRAIN_WINDOWS,
+            rows=replaced_letter_windows if config.task in TOKEN_TASKS else labelled_windows,
         )
     return train_rows, test_rows[: config.max_test]
 
@@ -112,7 +179,8 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune the newest checkpoint of ``run_dir``; write and return the result.
 
     The result (``test_accuracy``, its binomial standard error
-    ``sqrt(a·(1-a)/n_test)``, and the settings) goes to ``RUN_DIR/<config.result_file>``.
+    ``sqrt(a·(1-a)/n_test)``, the ``chance_accuracy`` of guessing, and the settings) goes to
+    ``RUN_DIR/<config.result_file>``.
     """
     from tokenizers import Tokenizer
 
@@ -134,12 +202,16 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     )
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch.manual_seed(config.seed)
-    model = build_classifier(bert, None if config.from_scratch else state["model"])
+    per_token = config.task in TOKEN_TASKS
+    encoder_state = None if config.from_scratch else state["model"]
+    model = build_classifier(bert, encoder_state, per_token=per_token)
 
     train_rows, test_rows = load_task(run_dir, config, bert.max_position_embeddings)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    train_set = encode(tokenizer, train_rows, bert.max_position_embeddings)
-    test_set = encode(tokenizer, test_rows, bert.max_position_embeddings)
+    train_set, test_set = (
+        encode(tokenizer, rows, bert.max_position_embeddings, per_token=per_token)
+        for rows in (train_rows, test_rows)
+    )
 
     batches_per_epoch = -(-len(train_rows) // config.batch_size)
     total = config.epochs * batches_per_epoch
@@ -159,9 +231,10 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     for epoch in range(config.epochs):
         order = torch.randperm(len(train_rows), generator=generator)
         for rows in order.split(config.batch_size):
-            ids, mask = train_set.batch(rows)
+            ids, mask, labels = train_set.batch(rows)
             logits = model(input_ids=ids, attention_mask=mask).logits
-            loss = F.cross_entropy(logits, train_set.labels[rows])
+            # Per sentence or per token; IGNORE_INDEX (-100, cross_entropy's default) is left out.
+            loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
             loss.backward()
             optimizer.step()
             scheduler.step()
@@ -174,6 +247,7 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
         "checkpoint_step": step,
         "test_accuracy": test_accuracy,
         "test_accuracy_se": math.sqrt(test_accuracy * (1 - test_accuracy) / len(test_rows)),
+        "chance_accuracy": chance_accuracy(config.task, test_rows),
         "train_accuracy": accuracy(model, train_set),
         "train_examples": len(train_rows),
         "test_examples": len(test_rows),

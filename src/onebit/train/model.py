@@ -18,10 +18,12 @@ from transformers import (
     BertConfig,
     BertForMaskedLM,
     BertForSequenceClassification,
+    BertForTokenClassification,
     PretrainedConfig,
     RoFormerConfig,
     RoFormerForMaskedLM,
     RoFormerForSequenceClassification,
+    RoFormerForTokenClassification,
 )
 
 from onebit.train.config import ARCHITECTURES
@@ -90,9 +92,12 @@ class RoFormerForMaskedPositions(_MaskedPositionsLoss, RoFormerForMaskedLM):
 
 
 _MLM_MODELS = {"bert": BertForMaskedPositions, "roformer": RoFormerForMaskedPositions}
+#: The classifiers by ``(model type, per token)``.
 _CLASSIFIERS = {
-    "bert": BertForSequenceClassification,
-    "roformer": RoFormerForSequenceClassification,
+    ("bert", False): BertForSequenceClassification,
+    ("roformer", False): RoFormerForSequenceClassification,
+    ("bert", True): BertForTokenClassification,
+    ("roformer", True): RoFormerForTokenClassification,
 }
 
 
@@ -104,15 +109,20 @@ def build_mlm_model(
 
 
 def build_classifier(
-    config: PretrainedConfig, encoder_state: dict[str, torch.Tensor] | None, num_labels: int = 2
-) -> BertForSequenceClassification | RoFormerForSequenceClassification:
-    """A sequence classifier whose encoder takes ``encoder_state`` (an MLM model's state dict).
+    config: PretrainedConfig,
+    encoder_state: dict[str, torch.Tensor] | None,
+    num_labels: int = 2,
+    *,
+    per_token: bool = False,
+) -> torch.nn.Module:
+    """A sequence classifier (``per_token``: a token classifier, logits at every position)
+    whose encoder takes ``encoder_state`` (an MLM model's state dict).
 
     Only the encoder weights (``bert.*`` or ``roformer.*``) are copied; the pooler and the
     classifier are new. ``encoder_state=None`` keeps the random initialisation (the
     no-pre-training baseline).
     """
-    classifier = _CLASSIFIERS[config.model_type](
+    classifier = _CLASSIFIERS[config.model_type, per_token](
         type(config)(**{**config.to_dict(), "num_labels": num_labels})
     )
     if encoder_state is None:

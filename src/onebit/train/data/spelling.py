@@ -8,13 +8,18 @@ windows come from the documents held out of pre-training (the validation documen
 :func:`~onebit.train.data.split_documents`), training windows from the others. A model that
 knows only letter frequencies cannot tell a window from its misspelt copy; one that knows
 spelling can.
+
+The same windows serve a per-token version of the task (ELECTRA's replaced-token detection):
+every window has one letter replaced, and the task is to say which;
+:func:`build_spelling_task` with ``rows=replaced_letter_windows`` gives each window with the
+position of its replaced letter.
 """
 
 from __future__ import annotations
 
 import random
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 #: Label of a window with a replaced letter (0: the text as written).
 MISSPELT = 1
@@ -43,12 +48,18 @@ def text_windows(documents: Sequence[str], max_chars: int) -> list[str]:
     return windows
 
 
-def misspell(text: str, rng: random.Random) -> str:
-    """``text`` with one ASCII letter, chosen uniformly, replaced by another letter (same case).
+def letter_positions(text: str) -> list[int]:
+    """Positions of the ASCII letters of ``text``."""
+    return [i for i, char in enumerate(text) if char in string.ascii_letters]
+
+
+def misspell(text: str, rng: random.Random) -> tuple[str, int]:
+    """``(text with one ASCII letter replaced, its position)``: the letter chosen uniformly,
+    its replacement uniformly among the 25 other letters (same case).
 
     Raises ``ValueError`` if ``text`` has no ASCII letter.
     """
-    positions = [i for i, char in enumerate(text) if char in string.ascii_letters]
+    positions = letter_positions(text)
     if not positions:
         raise ValueError(f"no ASCII letter to replace in {text!r}")
     i = rng.choice(positions)
@@ -56,21 +67,25 @@ def misspell(text: str, rng: random.Random) -> str:
     replacement = rng.choice([c for c in string.ascii_lowercase if c != original])
     if text[i].isupper():
         replacement = replacement.upper()
-    return text[:i] + replacement + text[i + 1 :]
+    return text[:i] + replacement + text[i + 1 :], i
 
 
 def labelled_windows(windows: Sequence[str], rng: random.Random) -> list[tuple[str, int]]:
     """Each window with an ASCII letter, as ``(window, 0)`` or, with probability 1/2,
     ``(misspelt window, 1)``."""
     rows = []
-    for window in windows:
-        if not any(char in string.ascii_letters for char in window):
-            continue
+    for window in filter(letter_positions, windows):
         if rng.random() < 0.5:
-            rows.append((misspell(window, rng), MISSPELT))
+            rows.append((misspell(window, rng)[0], MISSPELT))
         else:
             rows.append((window, 1 - MISSPELT))
     return rows
+
+
+def replaced_letter_windows(windows: Sequence[str], rng: random.Random) -> list[tuple[str, int]]:
+    """Each window with an ASCII letter, misspelt: ``(misspelt window, position of the replaced
+    letter)``."""
+    return [misspell(window, rng) for window in filter(letter_positions, windows)]
 
 
 def build_spelling_task(
@@ -80,15 +95,18 @@ def build_spelling_task(
     max_chars: int,
     seed: int = 0,
     max_train: int | None = None,
+    rows: Callable[[Sequence[str], random.Random], list[tuple[str, int]]] = labelled_windows,
 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """``(train, test)`` rows of ``(text, label)``: labelled windows of the training documents
-    (a seeded sample of ``max_train`` of them, or all) and of every test document."""
+    """``(train, test)``: ``rows`` (:func:`labelled_windows`: ``(text, label)``, or
+    :func:`replaced_letter_windows`: ``(text, replaced position)``) of the windows of the
+    training documents (a seeded sample of ``max_train`` of them, or all) and of every test
+    document."""
     rng = random.Random(seed)
     train_windows = text_windows(train_documents, max_chars)
     if max_train is not None and max_train < len(train_windows):
         train_windows = rng.sample(train_windows, max_train)
-    train = labelled_windows(train_windows, rng)
-    test = labelled_windows(text_windows(test_documents, max_chars), rng)
+    train = rows(train_windows, rng)
+    test = rows(text_windows(test_documents, max_chars), rng)
     if not train or not test:
         raise ValueError(
             f"the spelling task needs text: {len(train)} training and {len(test)} test windows "
