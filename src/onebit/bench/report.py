@@ -23,8 +23,9 @@ def bandwidth_label(bandwidth: str | None) -> str:
     return bandwidth or "unshaped"
 
 
-def _mb(value: float | None) -> str:
-    return "-" if value is None else f"{value / 1e6:.2f}"
+def _mb(value: float | None, unit: float = 1e6) -> str:
+    """Bytes in MB (or in ``unit`` bytes), two decimals."""
+    return "-" if value is None else f"{value / unit:.2f}"
 
 
 def _num(value: float | None, fmt: str = "{:.2f}") -> str:
@@ -162,7 +163,7 @@ def _zero_one_adam_tables(
         )
     out += [
         "",
-        f"| whole run of {derived['run_steps']} steps (computed) | time | wire MB/{host} | "
+        f"| whole run of {derived['run_steps']} steps (computed) | time | wire GB/{host} | "
         "0/1 Adam faster by | 0/1 Adam sends fewer bytes by |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -173,7 +174,7 @@ def _zero_one_adam_tables(
         versus = item["vs"].get(name, {})
         out.append(
             f"| {name} | {_num(other['end_to_end_seconds'], '{:.0f} s')} | "
-            f"{_mb(other.get('whole_run_wire_bytes'))} | "
+            f"{_mb(other.get('whole_run_wire_bytes'), unit=1e9)} | "
             f"{_num(versus.get('end_to_end_speedup'), '{:.2f}x')} | "
             f"{_num(versus.get('whole_run_bytes_reduction'), '{:.2f}x')} |"
         )
