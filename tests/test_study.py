@@ -133,7 +133,9 @@ def tiny_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Study:
                 simulated,
             ],
             "downstream": {
-                "finetune": {"task": "spelling", "epochs": 1, "max_train": 32, "max_test": 24},
+                "finetune": {
+                    "task": "replaced-letter", "epochs": 1, "max_train": 32, "max_test": 24,
+                },
                 "seeds": [0, 1],
             },
         }
@@ -182,7 +184,7 @@ def test_study_runs_arms_resumes_and_skips(
     assert (out / "lamb" / "summary.json").stat().st_mtime_ns == finished
 
     run_downstream(tiny_study, out)
-    scratch = out / "lamb" / "finetune-scratch-spelling-seed1.json"
+    scratch = out / "lamb" / "finetune-scratch-replaced-letter-seed1.json"
     written = scratch.stat().st_mtime_ns
     run_downstream(tiny_study, out)  # nothing left to do
     assert scratch.stat().st_mtime_ns == written
@@ -208,9 +210,10 @@ def test_study_runs_arms_resumes_and_skips(
     assert lamb["se_over_seeds"] == pytest.approx(
         abs(lamb["accuracies"][0] - lamb["accuracies"][1]) / 2
     )
-    assert "## Downstream: spelling" in text
+    assert "## Downstream: replaced-letter" in text
+    assert f"guessing scores {100 * lamb['chance_accuracy']:.2f}%" in text
     assert f"{100 * (adam['mean'] - lamb['mean']):+.2f} pt" in text
-    assert (report_dir / "lamb" / "finetune-scratch-spelling-seed1.json").is_file()
+    assert (report_dir / "lamb" / "finetune-scratch-replaced-letter-seed1.json").is_file()
 
 
 def test_trajectory_difference_of_different_runs(tmp_path: Path) -> None:

@@ -304,8 +304,9 @@ def run_downstream(study: Study, out: Path) -> None:
 
 def downstream_results(study: Study, out: Path) -> dict[str, dict[str, Any]]:
     """Per fine-tuned model: the test accuracy of each seed run so far, their mean, the
-    standard error of that mean over seeds (``stdev / sqrt(k)``, two seeds or more) and the
-    mean binomial standard error of one run (``sqrt(a·(1-a)/n_test)``)."""
+    standard error of that mean over seeds (``stdev / sqrt(k)``, two seeds or more), the
+    mean binomial standard error of one run (``sqrt(a·(1-a)/n_test)``) and the accuracy of
+    guessing."""
     if study.downstream is None:
         return {}
     results = {}
@@ -326,6 +327,7 @@ def downstream_results(study: Study, out: Path) -> dict[str, dict[str, Any]]:
             else None,
             "se_binomial": statistics.fmean(r["test_accuracy_se"] for r in runs),
             "test_examples": runs[0]["test_examples"],
+            "chance_accuracy": runs[0]["chance_accuracy"],
         }
     return results
 
@@ -427,11 +429,13 @@ def _downstream_table(study: Study, results: dict[str, dict[str, Any]]) -> list[
     assert study.downstream is not None
     settings = study.downstream.config(study.downstream.seeds[0])
     reference = results.get(REFERENCE_ARM)
+    first = next(iter(results.values()))
     lines = [
         f"## Downstream: {settings.task}",
         "",
         f"Fine-tuned with seeds {list(study.downstream.seeds)}; "
-        f"{next(iter(results.values()))['test_examples']} test examples.",
+        f"{first['test_examples']} test examples; guessing scores "
+        f"{100 * first['chance_accuracy']:.2f}%.",
         "",
         "| model | seeds | test accuracy (mean) | standard error over seeds | binomial standard "
         "error of one run | vs LAMB |",
