@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,9 +53,10 @@ def _run(method: str, blocks: list[dict], round_: int = 0) -> dict:
     return {"method": method, "label": method, "round": round_, "ok": True, "blocks": blocks}
 
 
-def test_analyze_derives_shares_speedups_and_targets(tmp_path: Path, capsys) -> None:
-    dense, onebit = 3200, 100
-    raw = {
+def _raw(methods: dict[str, list[list[dict]]], **settings: Any) -> dict:
+    """A comparison's raw result with each method's rounds of blocks, on 2 workers at
+    100 Mbit/s unless ``settings`` say otherwise."""
+    return {
         "settings": {
             "workers": 2,
             "batch_size": 1,
@@ -63,44 +65,38 @@ def test_analyze_derives_shares_speedups_and_targets(tmp_path: Path, capsys) -> 
             "bandwidth": "100mbit",
             "model": "tiny",
             "seq_len": 16,
-            "methods": ["lamb", "lamb-compute", "onebit-lamb", "fp16"],
+            "skip_steps": 1,
+            "methods": list(methods),
+            **settings,
         },
         "info": {"parameters": 1000},
         "errors": [],
         "methods": {
-            "lamb": {
+            name: {
                 "label": "",
                 "ok": True,
-                "runs": [
-                    _run("lamb", [_block("steady", 4.0, dense, 0)]),
-                    _run("lamb", [_block("steady", 5.0, dense, 0)], 1),  # slower round: ignored
-                ],
-            },
-            "lamb-compute": {
-                "label": "",
-                "ok": True,
-                "runs": [_run("lamb-compute", [_block("steady", 1.0, 10, 0)])],
-            },
-            "onebit-lamb": {
-                "label": "",
-                "ok": True,
-                "runs": [
-                    _run(
-                        "onebit-lamb",
-                        [
-                            _block("warmup", 4.0, dense, dense),
-                            _block("compression", 1.25, onebit, onebit),
-                        ],
-                    )
-                ],
-            },
-            "fp16": {
-                "label": "",
-                "ok": True,
-                "runs": [_run("fp16", [_block("steady", 2.5, dense // 2, 0)])],
-            },
+                "runs": [_run(name, blocks, round_) for round_, blocks in enumerate(rounds)],
+            }
+            for name, rounds in methods.items()
         },
     }
+
+
+def test_analyze_derives_shares_speedups_and_targets(tmp_path: Path, capsys) -> None:
+    dense, onebit = 3200, 100
+    raw = _raw(
+        {
+            "lamb": [
+                [_block("steady", 4.0, dense, 0)],
+                [_block("steady", 5.0, dense, 0)],  # a slower round: ignored
+            ],
+            "lamb-compute": [[_block("steady", 1.0, 10, 0)]],
+            "onebit-lamb": [
+                [_block("warmup", 4.0, dense, dense), _block("compression", 1.25, onebit, onebit)]
+            ],
+            "fp16": [[_block("steady", 2.5, dense // 2, 0)]],
+        }
+    )
     result = analysis.analyze(raw)
     summary, derived = result["summary"], result["derived"]
     assert summary["lamb"]["t_comp"] == 4.0  # the fastest round
@@ -159,56 +155,20 @@ def test_zero_one_adam_whole_run_is_weighted_by_kind(tmp_path: Path, capsys) -> 
     dense, onebit = 3200, 100
     seconds = {"variance_update": 4.0, "gradient_1bit": 1.0, "local": 0.5, "sync": 1.0}
     wire = {"variance_update": dense, "gradient_1bit": onebit, "local": 10, "sync": onebit}
-    raw = {
-        "settings": {
-            "workers": 2,
-            "batch_size": 1,
-            "freeze_fraction": 0.2,
-            "run_steps": 400,
-            "bandwidth": "100mbit",
-            "model": "tiny",
-            "seq_len": 16,
-            "skip_steps": 1,
-            "methods": ["lamb", "onebit-adam", "zero-one-adam"],
+    raw = _raw(
+        {
+            "lamb": [[_block("steady", 4.0, dense, 0)]],
+            "onebit-adam": [
+                [_block("warmup", 4.0, dense, dense), _block("compression", 1.0, onebit, onebit)]
+            ],
+            "zero-one-adam": [
+                [_block(kind, seconds[kind], wire[kind], wire[kind]) for kind in STEP_KINDS],
+                # a slower round: its step times are not used
+                [_block(kind, 2 * seconds[kind], wire[kind], wire[kind]) for kind in STEP_KINDS],
+            ],
         },
-        "info": {"parameters": 1000},
-        "errors": [],
-        "methods": {
-            "lamb": {
-                "label": "",
-                "ok": True,
-                "runs": [_run("lamb", [_block("steady", 4.0, dense, 0)])],
-            },
-            "onebit-adam": {
-                "label": "",
-                "ok": True,
-                "runs": [
-                    _run(
-                        "onebit-adam",
-                        [
-                            _block("warmup", 4.0, dense, dense),
-                            _block("compression", 1.0, onebit, onebit),
-                        ],
-                    )
-                ],
-            },
-            "zero-one-adam": {
-                "label": "",
-                "ok": True,
-                "runs": [
-                    _run(
-                        "zero-one-adam",
-                        [_block(k, seconds[k], wire[k], wire[k]) for k in STEP_KINDS],
-                    ),
-                    _run(  # a slower round: its step times are not used
-                        "zero-one-adam",
-                        [_block(k, 2 * seconds[k], wire[k], wire[k]) for k in STEP_KINDS],
-                        1,
-                    ),
-                ],
-            },
-        },
-    }
+        run_steps=400,
+    )
     item = analysis.analyze(raw)["summary"]["zero-one-adam"]
     # 40 variance updates, 40 1-bit gradient steps, 235 local steps, 85 synchronisations.
     time = 40 * 4.0 + 40 * 1.0 + 235 * 0.5 + 85 * 1.0
@@ -248,35 +208,16 @@ def test_blocks_of_one_kind_are_joined() -> None:
 
 def test_hierarchical_figures_and_targets() -> None:
     flat, hier = 1000, 520
-    raw = {
-        "settings": {
-            "workers": 4,
-            "nodes": 2,
-            "workers_per_node": 2,
-            "batch_size": 1,
-            "freeze_fraction": 0.2,
-            "run_steps": 100,
-            "bandwidth": "100mbit",
-            "model": "tiny",
-            "seq_len": 16,
-            "methods": ["onebit-lamb-ddp", "onebit-lamb-hier"],
-        },
-        "info": {"parameters": 1000},
-        "errors": [],
-        "methods": {
-            name: {
-                "label": "",
-                "ok": True,
-                "runs": [
-                    _run(
-                        name,
-                        [_block("warmup", 3.0, 9000, 9000), _block("compression", t, tx, tx)],
-                    )
-                ],
-            }
+    raw = _raw(
+        {
+            name: [[_block("warmup", 3.0, 9000, 9000), _block("compression", t, tx, tx)]]
             for name, t, tx in (("onebit-lamb-ddp", 2.0, flat), ("onebit-lamb-hier", 1.0, hier))
         },
-    }
+        workers=4,
+        nodes=2,
+        workers_per_node=2,
+        run_steps=100,
+    )
     result = analysis.analyze(raw)
     vs_flat = result["summary"]["onebit-lamb-hier"]["vs_flat"]
     assert vs_flat["method"] == "onebit-lamb-ddp"

@@ -129,7 +129,7 @@ def _cluster_and_machine(result: dict[str, Any], machine: Machine) -> tuple[Clus
 
 def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[Prediction]:
     """A prediction for every step time of ``result`` the model covers (not ``lamb-compute``,
-    its input, nor PowerSGD, which it does not model)."""
+    its input, nor PowerSGD or 0/1 Adam, which it does not model)."""
     cluster, run_machine = _cluster_and_machine(result, machine)
     local = local_compression_seconds(cluster, run_machine)
     costs: dict[str, tuple[Exchange, float]] = {
