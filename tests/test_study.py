@@ -85,6 +85,10 @@ def test_options_argv_gives_the_config_back() -> None:
             {"arms": [{"name": "a", "optimizer": "lamb", "workers": 1, "runner": "train"}] * 2},
             "unique",
         ),
+        ({"downstream": {"finetune": {"seed": 1}}}, r"must not set \['seed'\]"),
+        ({"downstream": {"finetune": {"lr": 0.1}, "lrs": [0.1]}}, r"must not set \['lr'\]"),
+        ({"downstream": {"finetune": {}, "lrs": [0.1, 0.1]}}, "lrs must be distinct"),
+        ({"downstream": {"finetune": {}, "lrs": [-1.0]}}, "--lr"),
     ],
 )  # fmt: skip
 def test_study_rejects_bad_specs(change: dict, message: str) -> None:
@@ -137,6 +141,7 @@ def tiny_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Study:
                     "task": "replaced-letter", "epochs": 1, "max_train": 32, "max_test": 24,
                 },
                 "seeds": [0, 1],
+                "lrs": [0.001, 0.003],
             },
         }
     )  # fmt: skip
@@ -184,7 +189,7 @@ def test_study_runs_arms_resumes_and_skips(
     assert (out / "lamb" / "summary.json").stat().st_mtime_ns == finished
 
     run_downstream(tiny_study, out)
-    scratch = out / "lamb" / "finetune-scratch-replaced-letter-seed1.json"
+    scratch = out / "lamb" / "finetune-scratch-replaced-letter-lr0.003-seed1.json"
     written = scratch.stat().st_mtime_ns
     run_downstream(tiny_study, out)  # nothing left to do
     assert scratch.stat().st_mtime_ns == written
@@ -213,7 +218,12 @@ def test_study_runs_arms_resumes_and_skips(
     assert "## Downstream: replaced-letter" in text
     assert f"guessing scores {100 * lamb['chance_accuracy']:.2f}%" in text
     assert f"{100 * (adam['mean'] - lamb['mean']):+.2f} pt" in text
-    assert (report_dir / "lamb" / "finetune-scratch-replaced-letter-seed1.json").is_file()
+    assert (report_dir / "lamb" / "finetune-scratch-replaced-letter-lr0.003-seed1.json").is_file()
+    by_lr = lamb["by_lr"]
+    assert sorted(by_lr) == ["0.001", "0.003"] and len(by_lr["0.001"]["accuracies"]) == 2
+    assert lamb["mean"] == max(r["mean"] for r in by_lr.values())
+    assert by_lr[str(lamb["lr"])]["accuracies"] == lamb["accuracies"]
+    assert "| lamb | " in text and "| lr 0.001 | lr 0.003 |" in text
 
 
 def test_trajectory_difference_of_different_runs(tmp_path: Path) -> None:

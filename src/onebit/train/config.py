@@ -53,6 +53,8 @@ FINETUNE_TASKS = ("sentiment", "spelling", "replaced-letter")
 TOKEN_TASKS = ("replaced-letter",)
 #: Training windows of the spelling task when ``max_train`` is not given.
 SPELLING_TRAIN_WINDOWS = 10_000
+#: AdamW's peak learning rate when fine-tuning, when ``lr`` is not given.
+DEFAULT_FINETUNE_LR = 3e-4
 
 #: Peak learning rate when ``lr`` is not given: LAMB's was tuned on a short run of the
 #: convergence setup (docs/CONVERGENCE.md); Adam's is the usual one for small BERTs (untuned).
@@ -381,7 +383,7 @@ class FinetuneConfig:
         "predicted most likely replaced is the replaced one",
     )
     epochs: int = option(3, help="epochs")
-    lr: float = option(3e-4, help="AdamW peak learning rate")
+    lr: float = option(DEFAULT_FINETUNE_LR, help="AdamW peak learning rate")
     batch_size: int = option(32, help="batch size")
     dropout: float = option(0.1, help="dropout while fine-tuning")
     weight_decay: float = option(0.01, help="AdamW weight decay")
@@ -402,13 +404,15 @@ class FinetuneConfig:
 
     @property
     def result_file(self) -> str:
-        """``finetune[-scratch][-<task>][-seed<seed>].json``: the task named unless it is
-        sentiment, the seed unless it is 0."""
+        """``finetune[-scratch][-<task>][-lr<lr>][-seed<seed>].json``: the task named unless it
+        is sentiment, the learning rate unless it is the default, the seed unless it is 0."""
         parts = ["finetune"]
         if self.from_scratch:
             parts.append("scratch")
         if self.task != "sentiment":
             parts.append(self.task)
+        if self.lr != DEFAULT_FINETUNE_LR:
+            parts.append(f"lr{self.lr:g}")
         if self.seed != 0:
             parts.append(f"seed{self.seed}")
         return "-".join(parts) + ".json"

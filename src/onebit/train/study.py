@@ -106,24 +106,35 @@ class Arm:
 @dataclass(frozen=True)
 class Downstream:
     """The fine-tuning check: ``finetune`` (:class:`FinetuneConfig` fields) repeated with each
-    of ``seeds`` on every finished arm, and on a model without pre-training."""
+    of ``seeds`` and each peak learning rate of ``lrs`` (default: ``finetune``'s) on every
+    finished arm, and on a model without pre-training; each model is reported at the learning
+    rate with its best mean test accuracy."""
 
     finetune: dict[str, Any]
     seeds: tuple[int, ...] = (0,)
+    lrs: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seeds", tuple(self.seeds))
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"downstream seeds must be distinct and not empty, got {self.seeds}")
         forbidden = sorted(set(self.finetune) & {"seed", "from_scratch"})
+        if self.lrs and "lr" in self.finetune:
+            forbidden.append("lr")
         if forbidden:
             raise ValueError(
                 f"downstream 'finetune' must not set {forbidden} (the check sets them)"
             )
-        self.config(self.seeds[0])  # unknown or invalid settings fail here
+        lrs = tuple(self.lrs) or (FinetuneConfig(**self.finetune).lr,)
+        if len(set(lrs)) != len(lrs):
+            raise ValueError(f"downstream lrs must be distinct, got {list(lrs)}")
+        object.__setattr__(self, "lrs", lrs)
+        for lr in lrs:  # unknown or invalid settings fail here
+            self.config(self.seeds[0], lr)
 
-    def config(self, seed: int, *, from_scratch: bool = False) -> FinetuneConfig:
-        return FinetuneConfig(**self.finetune, seed=seed, from_scratch=from_scratch)
+    def config(self, seed: int, lr: float, *, from_scratch: bool = False) -> FinetuneConfig:
+        settings = {**self.finetune, "lr": lr}
+        return FinetuneConfig(**settings, seed=seed, from_scratch=from_scratch)
 
 
 @dataclass(frozen=True)
@@ -286,49 +297,59 @@ def downstream_models(study: Study, out: Path) -> list[tuple[str, Path, bool]]:
 
 
 def run_downstream(study: Study, out: Path) -> None:
-    """Fine-tune every model of :func:`downstream_models` with every seed of the study's
-    downstream check, seed by seed; results already written are kept."""
+    """Fine-tune every model of :func:`downstream_models` with every seed and learning rate
+    of the study's downstream check, seed by seed; results already written are kept."""
     from onebit.train.finetune import finetune
 
     if study.downstream is None:
         raise ValueError("the study has no 'downstream' check")
     models = downstream_models(study, out)
     for seed in study.downstream.seeds:  # every model's first seed before any second one
-        for label, run_dir, scratch in models:
-            config = study.downstream.config(seed, from_scratch=scratch)
-            if (run_dir / config.result_file).is_file():
-                continue
-            logger.info("=== fine-tuning %s, seed %d ===", label, seed)
-            finetune(run_dir, config)
+        for lr in study.downstream.lrs:
+            for label, run_dir, scratch in models:
+                config = study.downstream.config(seed, lr, from_scratch=scratch)
+                if (run_dir / config.result_file).is_file():
+                    continue
+                logger.info("=== fine-tuning %s, seed %d, lr %g ===", label, seed, lr)
+                finetune(run_dir, config)
+
+
+def _seed_statistics(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    accuracies = [r["test_accuracy"] for r in runs]
+    return {
+        "accuracies": accuracies,
+        "mean": statistics.fmean(accuracies),
+        "se_over_seeds": statistics.stdev(accuracies) / math.sqrt(len(runs))
+        if len(runs) > 1
+        else None,
+        "se_binomial": statistics.fmean(r["test_accuracy_se"] for r in runs),
+        "test_examples": runs[0]["test_examples"],
+        "chance_accuracy": runs[0]["chance_accuracy"],
+    }
 
 
 def downstream_results(study: Study, out: Path) -> dict[str, dict[str, Any]]:
-    """Per fine-tuned model: the test accuracy of each seed run so far, their mean, the
-    standard error of that mean over seeds (``stdev / sqrt(k)``, two seeds or more), the
-    mean binomial standard error of one run (``sqrt(a·(1-a)/n_test)``) and the accuracy of
-    guessing."""
+    """Per fine-tuned model, at the learning rate ``lr`` of the grid with the best mean test
+    accuracy: the test accuracy of each seed run so far, their mean, the standard error of
+    that mean over seeds (``stdev / sqrt(k)``, two seeds or more), the mean binomial standard
+    error of one run (``sqrt(a·(1-a)/n_test)``) and the accuracy of guessing; ``by_lr``: the
+    same at every learning rate run so far."""
     if study.downstream is None:
         return {}
     results = {}
     for label, run_dir, scratch in downstream_models(study, out):
-        runs = []
-        for seed in study.downstream.seeds:
-            path = run_dir / study.downstream.config(seed, from_scratch=scratch).result_file
-            if path.is_file():
-                runs.append(json.loads(path.read_text()))
-        if not runs:
-            continue
-        accuracies = [r["test_accuracy"] for r in runs]
-        results[label] = {
-            "accuracies": accuracies,
-            "mean": statistics.fmean(accuracies),
-            "se_over_seeds": statistics.stdev(accuracies) / math.sqrt(len(runs))
-            if len(runs) > 1
-            else None,
-            "se_binomial": statistics.fmean(r["test_accuracy_se"] for r in runs),
-            "test_examples": runs[0]["test_examples"],
-            "chance_accuracy": runs[0]["chance_accuracy"],
-        }
+        by_lr = {}
+        for lr in study.downstream.lrs:
+            runs = []
+            for seed in study.downstream.seeds:
+                config = study.downstream.config(seed, lr, from_scratch=scratch)
+                if (run_dir / config.result_file).is_file():
+                    runs.append(json.loads((run_dir / config.result_file).read_text()))
+            if runs:
+                by_lr[lr] = _seed_statistics(runs)
+        if by_lr:
+            best = max(by_lr, key=lambda lr: by_lr[lr]["mean"])
+            results[label] = {**by_lr[best], "lr": best, "by_lr": by_lr}
     return results
 
 
@@ -427,19 +448,21 @@ def _table_row(result: dict[str, Any], reference: dict[int, float], entropy: flo
 
 def _downstream_table(study: Study, results: dict[str, dict[str, Any]]) -> list[str]:
     assert study.downstream is not None
-    settings = study.downstream.config(study.downstream.seeds[0])
+    lrs = study.downstream.lrs
+    task = study.downstream.config(study.downstream.seeds[0], lrs[0]).task
     reference = results.get(REFERENCE_ARM)
     first = next(iter(results.values()))
     lines = [
-        f"## Downstream: {settings.task}",
+        f"## Downstream: {task}",
         "",
-        f"Fine-tuned with seeds {list(study.downstream.seeds)}; "
+        f"Fine-tuned with seeds {list(study.downstream.seeds)} at peak learning rates "
+        f"{', '.join(f'{lr:g}' for lr in lrs)}, each model shown at the one with its best mean; "
         f"{first['test_examples']} test examples; guessing scores "
         f"{100 * first['chance_accuracy']:.2f}%.",
         "",
-        "| model | seeds | test accuracy (mean) | standard error over seeds | binomial standard "
-        "error of one run | vs LAMB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| model | lr | seeds | test accuracy (mean) | standard error over seeds | binomial "
+        "standard error of one run | vs LAMB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in results.items():
         over_seeds = "" if r["se_over_seeds"] is None else f"{100 * r['se_over_seeds']:.2f}"
@@ -447,9 +470,22 @@ def _downstream_table(study: Study, results: dict[str, dict[str, Any]]) -> list[
         if reference is not None and label != REFERENCE_ARM:
             versus = f"{100 * (r['mean'] - reference['mean']):+.2f} pt"
         lines.append(
-            f"| {label} | {len(r['accuracies'])} | {100 * r['mean']:.2f}% | {over_seeds} "
-            f"| {100 * r['se_binomial']:.2f} | {versus} |"
+            f"| {label} | {r['lr']:g} | {len(r['accuracies'])} | {100 * r['mean']:.2f}% "
+            f"| {over_seeds} | {100 * r['se_binomial']:.2f} | {versus} |"
         )
+    if len(lrs) > 1:
+        lines += [
+            "",
+            "Mean test accuracy at each learning rate:",
+            "",
+            "| model | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+            "|---|" + "---:|" * len(lrs),
+        ]
+        for label, r in results.items():
+            cells = [
+                f"{100 * r['by_lr'][lr]['mean']:.2f}%" if lr in r["by_lr"] else "" for lr in lrs
+            ]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
