@@ -1,6 +1,7 @@
 """The first steps of a main-job run, one line per step: the kind of step, the training loss
-and the tensors whose weights moved most relative to their norm. It shows where 0/1 Adam's
-first 1-bit gradient steps throw a tensor far from where it was.
+and the tensors whose weights moved most relative to their norm (with their gradients' norms,
+after clipping). It shows where 0/1 Adam's first 1-bit gradient steps throw a tensor far from
+where it was.
 
     .venv/bin/python scripts/zero_one_adam_first_steps.py runs/study/zero-one-adam-n4-k16 \
         [--steps 24] [--set var_update_scaler=64]
@@ -83,7 +84,7 @@ def trace(config: TrainConfig, steps: int, top: int) -> None:
         optimizer, lambda i: worker.lr_factor(i, config.lr_warmup_steps, config.steps)
     )
     batches = data.global_batches(mlm.train.shape[0], config.batch_size, config.steps, config.seed)
-    print("step  kind              loss    largest |Δp| / |p| (tensor: ratio)")
+    print("step  kind              loss    largest |Δp| / |p| (tensor: ratio (|g| gradient norm))")
     for step, indices in enumerate(itertools.islice(batches, steps), start=1):
         inputs, labels = data.mask_tokens(
             mlm.train[indices],
@@ -98,18 +99,19 @@ def trace(config: TrainConfig, steps: int, top: int) -> None:
         if config.grad_clip:
             torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
         before = [p.detach().clone() for p in params]
+        gradient_norms = [0.0 if p.grad is None else float(p.grad.norm()) for p in params]
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         moved = sorted(
             (
-                (float((p.detach() - old).norm() / old.norm()), name)
-                for (name, p), old in zip(named, before, strict=True)
+                (float((p.detach() - old).norm() / old.norm()), name, gradient)
+                for (name, p), old, gradient in zip(named, before, gradient_norms, strict=True)
                 if old.norm() > 0  # zero-initialised biases have no scale yet
             ),
             reverse=True,
         )
-        listed = ", ".join(f"{name}: {ratio:.3g}" for ratio, name in moved[:top])
+        listed = ", ".join(f"{name}: {ratio:.3g} (|g| {g:.2g})" for ratio, name, g in moved[:top])
         print(f"{step:4d}  {kind:16s}  {loss.item():.4f}  {listed}", flush=True)
 
 
