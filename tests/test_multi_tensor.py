@@ -85,6 +85,11 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
         "lamb": lambda: onebit.Lamb(groups, max_coeff=0.3),
         "onebit-lamb": lambda: onebit.OneBitLamb(groups, freeze_step=4, max_coeff=0.3),
         "onebit-adam": lambda: onebit.OneBitAdam(groups, freeze_step=4),
+        # every kind of step within 12: variance updates 1, 2, 4, 6; 1-bit gradients 3, 5;
+        # after the freeze at 6, synchronisations 7, 8, 10, 12 and local steps 9, 11
+        "zero-one-adam": lambda: onebit.ZeroOneAdam(
+            groups, var_freeze_step=6, var_update_scaler=2, local_step_scaler=2
+        ),
     }[kind]()
     history = []
     for step in range(12):
@@ -98,7 +103,7 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
 
 
 @pytest.mark.skipif(len(BACKENDS) < 2, reason="needs the numba backend")
-@pytest.mark.parametrize("kind", ["lamb", "onebit-lamb", "onebit-adam"])
+@pytest.mark.parametrize("kind", ["lamb", "onebit-lamb", "onebit-adam", "zero-one-adam"])
 def test_fused_backend_follows_the_torch_reference(kind, monkeypatch):
     """float64: the backends differ only in summation order (~1e-16), so 1e-10 would catch
     any difference in the maths, which shows at >= 1e-4."""

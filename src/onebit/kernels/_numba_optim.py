@@ -180,6 +180,15 @@ def _step_block(m, v, p, eps, wd, step):
 
 
 @njit(error_model="numpy", cache=True)
+def _momentum_step_block(m, g, v, p, b1, omb1, eps, wd, step):
+    """``m = b1 m + (1 - b1) g``; ``p += step * (m / (sqrt(v) + eps) + wd p)``."""
+    for i in range(m.size):
+        m[i] = b1 * m[i] + omb1 * g[i]
+        _, u, _ = _direction(m[i], v[i], p[i], eps, wd)
+        p[i] += step * u
+
+
+@njit(error_model="numpy", cache=True)
 def _onebit_adam_chunk(decoded, mask, m, v, p, eps, wd, step):
     for i in range(m.size):
         new = _masked(decoded, mask, i)
@@ -302,6 +311,16 @@ def apply_step(blocks, active, m, v, p, eps, wd, step):
             _step_block(m[s:e], v[s:e], p[s:e], eps[seg], wd[seg], step[seg])
 
 
+def momentum_step(blocks, active, m, grads, offsets, v, p, b1, omb1, eps, wd, step):
+    for b in prange(blocks.shape[0]):
+        seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
+        if active[seg]:
+            g = grads[seg][s - offsets[seg] : e - offsets[seg]]
+            _momentum_step_block(
+                m[s:e], g, v[s:e], p[s:e], b1[seg], omb1[seg], eps[seg], wd[seg], step[seg]
+            )
+
+
 def onebit_adam(blocks, active, signs, values, mask, m, v, p, eps, wd, step):
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
@@ -329,6 +348,7 @@ _KERNELS = Compiled(
         "momentum",
         "onebit_lamb_a",
         "apply_step",
+        "momentum_step",
         "onebit_adam",
     ),
 )
@@ -433,6 +453,25 @@ def scaled_momentum(
         omb1,
         _np(scaling.to(flat.dtype)),
         _np(out),
+    )
+
+
+def adam_momentum_step_(flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool]) -> None:
+    hyper = _Hyper(flat)
+    b1, omb1, _, _ = hyper.betas()
+    _KERNELS("momentum_step")(
+        flat.blocks,
+        _active(active),
+        _np(flat.exp_avg),
+        _grad_list(flat, grads),
+        flat.offsets,
+        _np(flat.exp_avg_sq),
+        _np(flat.weights),
+        b1,
+        omb1,
+        hyper.key("eps"),
+        hyper.key("weight_decay"),
+        -hyper.key("lr"),
     )
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "onebit_lamb_compressed_step_",
     "onebit_adam_compressed_step_",
     "onebit_adam_per_tensor_step_",
+    "adam_momentum_step_",
     "trust_ratio",
     "compression_factor",
 ]
@@ -367,6 +368,28 @@ def onebit_adam_compressed_step_(
         return
     new = _decode_momentum(flat, packed, scaling, mask, scratch)
     _frozen_adam_update_(flat, new, _active_indices(active))
+
+
+def adam_momentum_step_(
+    flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool], *, backend: str
+) -> None:
+    """For every active parameter: ``m = b1 m + (1 - b1) g``;
+    ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``; ``v`` unchanged (0/1 Adam's steps that do
+    not update the variance)."""
+    kernels = _numba(flat, backend)
+    if kernels is not None:
+        kernels.adam_momentum_step_(flat, grads, active)
+        return
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
+    for group, idx in _by_group(flat, _active_indices(active)):
+        beta1 = group["betas"][0]
+        momentum = _pick(m, idx)
+        torch._foreach_mul_(momentum, beta1)
+        torch._foreach_add_(momentum, _pick(grads, idx), alpha=1 - beta1)
+        direction = _pick(update, idx)
+        _adam_direction(direction, _pick(denom, idx), momentum, _pick(v, idx), _pick(p, idx), group)
+        torch._foreach_add_(_pick(p, idx), direction, alpha=-group["lr"])
 
 
 def onebit_adam_per_tensor_step_(

@@ -19,7 +19,7 @@ from onebit.collectives import (
 from onebit.optim import _common, functional
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
-from onebit.optim.functional import _active_indices, _adam_direction, _by_group, _pick
+from onebit.optim.functional import _active_indices, _by_group, _pick
 
 __all__ = [
     "ZeroOneAdam",
@@ -78,21 +78,6 @@ def step_kind(
 
 
 # --------------------------------------------------------------------------- the maths
-def momentum_step_(flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool]) -> None:
-    """For every active parameter: ``m = b1 m + (1 - b1) g``;
-    ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``; ``v`` unchanged."""
-    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
-    update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
-    for group, idx in _by_group(flat, _active_indices(active)):
-        beta1 = group["betas"][0]
-        momentum = _pick(m, idx)
-        torch._foreach_mul_(momentum, beta1)
-        torch._foreach_add_(momentum, _pick(grads, idx), alpha=1 - beta1)
-        direction = _pick(update, idx)
-        _adam_direction(direction, _pick(denom, idx), momentum, _pick(v, idx), _pick(p, idx), group)
-        torch._foreach_add_(_pick(p, idx), direction, alpha=-group["lr"])
-
-
 def _denominators(flat: FlatState, idx: list[int], group: dict) -> list[Tensor]:
     """``d = sqrt(v) + eps`` of the listed parameters, in scratch buffer 1."""
     denom = _pick(flat.views(flat.scratch(1)), idx)
@@ -274,7 +259,9 @@ class ZeroOneAdam(OneBitOptimizer):
                 self._exchange_per_tensor(flat, flat.grad)
             except NonFiniteError:
                 return self._skip("a rank's local gradients")
-            momentum_step_(flat, flat.views(flat.grad), self._has_state)
+            functional.adam_momentum_step_(
+                flat, flat.views(flat.grad), self._has_state, backend=self._backend
+            )
             return True
         if flat.synced_param is None:  # the first step after the freeze
             self._start_local_steps(flat)
@@ -283,7 +270,7 @@ class ZeroOneAdam(OneBitOptimizer):
             for p, g in zip(flat.params, grads, strict=True)
         ]
         if _common.all_finite(_pick(local, _active_indices(self._has_state))):
-            momentum_step_(flat, local, self._has_state)
+            functional.adam_momentum_step_(flat, local, self._has_state, backend=self._backend)
         else:
             self._ignore_local_gradients()
         lr_sum = flat.scalars["lr_sum"]
