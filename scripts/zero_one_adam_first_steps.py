@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from onebit.train import data, worker
 from onebit.train.config import TrainConfig
-from onebit.train.model import bert_config, build_mlm_model
+from onebit.train.model import build_mlm_model
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,17 +66,7 @@ def main() -> None:
 def trace(config: TrainConfig, steps: int, top: int) -> None:
     mlm, _ = worker.load_data(config)
     torch.manual_seed(config.seed)
-    model = build_mlm_model(
-        bert_config(
-            vocab_size=mlm.vocab_size,
-            seq_len=config.seq_len,
-            layers=config.layers,
-            hidden=config.hidden,
-            heads=config.heads,
-            dropout=config.dropout,
-            architecture=config.architecture,
-        )
-    )
+    model = build_mlm_model(worker.model_config(config, mlm.vocab_size))
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     optimizer = worker.build_optimizer(config, params)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ from onebit.train.config import (
     prepare_run_dir,
     read_config,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger("onebit.train.worker")  # also when run as __main__
 
@@ -83,6 +86,22 @@ def load_data(config: TrainConfig) -> tuple[data.MLMData, str]:
     tokenizer = data.train_tokenizer(documents, config.vocab_size)
     mlm = data.build_mlm_dataset(documents, tokenizer, config.seq_len, seed=config.seed)
     return mlm, tokenizer.to_str()
+
+
+def model_config(config: TrainConfig, vocab_size: int) -> PretrainedConfig:
+    """The job's model configuration: ``config``'s architecture and sizes for a tokenizer of
+    ``vocab_size`` tokens."""
+    from onebit.train.model import bert_config
+
+    return bert_config(
+        vocab_size=vocab_size,
+        seq_len=config.seq_len,
+        layers=config.layers,
+        hidden=config.hidden,
+        heads=config.heads,
+        dropout=config.dropout,
+        architecture=config.architecture,
+    )
 
 
 def build_optimizer(
@@ -272,18 +291,10 @@ class _Trainer:
         return loaded
 
     def _build(self, mlm: data.MLMData) -> None:
-        from onebit.train.model import bert_config, build_mlm_model
+        from onebit.train.model import build_mlm_model
 
         config = self.config
-        self.bert_config = bert_config(
-            vocab_size=mlm.vocab_size,
-            seq_len=config.seq_len,
-            layers=config.layers,
-            hidden=config.hidden,
-            heads=config.heads,
-            dropout=config.dropout,
-            architecture=config.architecture,
-        )
+        self.bert_config = model_config(config, mlm.vocab_size)
         torch.manual_seed(config.seed)
         self.model = build_mlm_model(self.bert_config).to(self.rank.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
