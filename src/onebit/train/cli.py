@@ -178,7 +178,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "negative, 80/20 split) or on text windows of the run's corpus (--task spelling: has one "
         "letter been replaced?), or as a token classifier on those windows each with one "
         "replaced letter (--task replaced-letter: which one?), and write "
-        "RUN_DIR/finetune[-scratch][-TASK][-seedN].json.",
+        "RUN_DIR/finetune[-scratch][-TASK][-lrLR][-seedN].json.",
     )
     finetune.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run folder")
     add_options(finetune, FinetuneConfig)
