@@ -438,41 +438,29 @@ def adam_step_(
     return True
 
 
+def _momentum_inputs(flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool]):
+    """The arguments every momentum driver starts with: the block table, the active flags,
+    ``m``, the gradients and their offsets, then ``b1`` and ``1 - b1``."""
+    b1, omb1, _, _ = _Hyper(flat).betas()
+    return (
+        (flat.blocks, _active(active), _np(flat.exp_avg), _grad_list(flat, grads), flat.offsets),
+        (b1, omb1),
+    )
+
+
 def scaled_momentum(
     flat: FlatState, grads: Sequence[Tensor], scaling: Tensor, out: Tensor, active: Sequence[bool]
 ) -> None:
-    hyper = _Hyper(flat)
-    b1, omb1, _, _ = hyper.betas()
-    _KERNELS("momentum")(
-        flat.blocks,
-        _active(active),
-        _np(flat.exp_avg),
-        _grad_list(flat, grads),
-        flat.offsets,
-        b1,
-        omb1,
-        _np(scaling.to(flat.dtype)),
-        _np(out),
-    )
+    arrays, betas = _momentum_inputs(flat, grads, active)
+    _KERNELS("momentum")(*arrays, *betas, _np(scaling.to(flat.dtype)), _np(out))
 
 
 def adam_momentum_step_(flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool]) -> None:
     hyper = _Hyper(flat)
-    b1, omb1, _, _ = hyper.betas()
-    _KERNELS("momentum_step")(
-        flat.blocks,
-        _active(active),
-        _np(flat.exp_avg),
-        _grad_list(flat, grads),
-        flat.offsets,
-        _np(flat.exp_avg_sq),
-        _np(flat.weights),
-        b1,
-        omb1,
-        hyper.key("eps"),
-        hyper.key("weight_decay"),
-        -hyper.key("lr"),
-    )
+    arrays, betas = _momentum_inputs(flat, grads, active)
+    state = (_np(flat.exp_avg_sq), _np(flat.weights))
+    constants = (hyper.key("eps"), hyper.key("weight_decay"), -hyper.key("lr"))
+    _KERNELS("momentum_step")(*arrays, *state, *betas, *constants)
 
 
 def _mask_array(flat: FlatState, mask: Tensor | None) -> np.ndarray:
