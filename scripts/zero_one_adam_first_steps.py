@@ -76,13 +76,7 @@ def trace(config: TrainConfig, steps: int, top: int) -> None:
     batches = data.global_batches(mlm.train.shape[0], config.batch_size, config.steps, config.seed)
     print("step  kind              loss    largest |Δp| / |p| (tensor: ratio (|g| gradient norm))")
     for step, indices in enumerate(itertools.islice(batches, steps), start=1):
-        inputs, labels = data.mask_tokens(
-            mlm.train[indices],
-            torch.Generator().manual_seed(worker.step_seed(config.seed, step)),
-            vocab_size=mlm.vocab_size,
-            special_ids=mlm.special_ids,
-            mask_id=mlm.mask_id,
-        )
+        inputs, labels = worker.masked_batch(config, mlm, step, indices)
         kind = getattr(optimizer, "stage", "dense")
         loss = model(inputs, labels)
         loss.backward()

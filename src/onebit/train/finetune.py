@@ -90,8 +90,9 @@ def replaced_token_labels(encodings: list[Any], positions: list[int]) -> torch.T
             zip(encoding.offsets, encoding.special_tokens_mask, strict=True)
         ):
             if not special:
-                labels[row, i] = REPLACED if start <= position < end else 1 - REPLACED
-                found |= start <= position < end
+                holds = start <= position < end
+                labels[row, i] = REPLACED if holds else 1 - REPLACED
+                found |= holds
         if not found:
             raise ValueError(
                 f"no token of text {row} holds its replaced character {position} (truncated?)"

@@ -342,9 +342,9 @@ def downstream_results(study: Study, out: Path) -> dict[str, dict[str, Any]]:
         for lr in study.downstream.lrs:
             runs = []
             for seed in study.downstream.seeds:
-                config = study.downstream.config(seed, lr, from_scratch=scratch)
-                if (run_dir / config.result_file).is_file():
-                    runs.append(json.loads((run_dir / config.result_file).read_text()))
+                path = run_dir / study.downstream.config(seed, lr, from_scratch=scratch).result_file
+                if path.is_file():
+                    runs.append(json.loads(path.read_text()))
             if runs:
                 by_lr[lr] = _seed_statistics(runs)
         if by_lr:

@@ -88,6 +88,21 @@ def load_data(config: TrainConfig) -> tuple[data.MLMData, str]:
     return mlm, tokenizer.to_str()
 
 
+def masked_batch(
+    config: TrainConfig, mlm: data.MLMData, step: int, indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of step ``step`` (1, 2, ...): the training sequences ``indices``
+    with BERT's masks, seeded by the run's seed and the step alone (the same at any number of
+    workers), as ``(inputs, labels)``."""
+    return data.mask_tokens(
+        mlm.train[indices],
+        torch.Generator().manual_seed(step_seed(config.seed, step)),
+        vocab_size=mlm.vocab_size,
+        special_ids=mlm.special_ids,
+        mask_id=mlm.mask_id,
+    )
+
+
 def model_config(config: TrainConfig, vocab_size: int) -> PretrainedConfig:
     """The job's model configuration: ``config``'s architecture and sizes for a tokenizer of
     ``vocab_size`` tokens."""
@@ -428,13 +443,7 @@ class _Trainer:
     def _train_step(self, step: int, mlm: data.MLMData, indices: torch.Tensor) -> dict[str, Any]:
         config = self.config
         started = time.perf_counter()
-        inputs, labels = data.mask_tokens(
-            mlm.train[indices],
-            torch.Generator().manual_seed(step_seed(config.seed, step)),
-            vocab_size=mlm.vocab_size,
-            special_ids=mlm.special_ids,
-            mask_id=mlm.mask_id,
-        )
+        inputs, labels = masked_batch(config, mlm, step, indices)
         stage = self._stage()
         lr = self.optimizer.param_groups[0]["lr"]
         sent_before = self._bytes_sent()
