@@ -12,6 +12,7 @@ last bit, which the tests check with ``torch.equal`` on the parameters after eve
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -98,8 +99,9 @@ CASES = {
 }
 
 
-def _real_runs(rank: int, world: int, cases) -> list[list[torch.Tensor]]:
-    """On each of ``world`` gloo processes: every case, the parameters after every step."""
+def _real_runs(rank: int, world: int, cases) -> list[tuple[list[torch.Tensor], int]]:
+    """On each of ``world`` gloo processes: every case, the parameters after every step and
+    the number of compression steps that clipped this rank's own gradient."""
     from onebit.train.worker import average_gradients
 
     trajectories = []
@@ -111,7 +113,7 @@ def _real_runs(rank: int, world: int, cases) -> list[list[torch.Tensor]]:
         job_loop = clip > 0 or name == "lamb"  # the main job's: average, clip, step
         if isinstance(optimizer, onebit.OneBitLamb | onebit.OneBitAdam):
             optimizer.gradients_averaged_by_ddp = job_loop
-        traffic, trajectory = TrafficCounter(), []
+        traffic, trajectory, clipped_locally = TrafficCounter(), [], 0
         for step in range(STEPS):
             optimizer.zero_grad(set_to_none=True)
             inputs, targets = micro_batch(step, rank)
@@ -120,10 +122,11 @@ def _real_runs(rank: int, world: int, cases) -> list[list[torch.Tensor]]:
             if job_loop and not compressing:
                 average_gradients(params, traffic)
             if clip:
-                nn.utils.clip_grad_norm_(params, clip)
+                norm = onebit.clip_grad_norm_(params, clip, optimizer)
+                clipped_locally += compressing and bool(norm > clip * math.sqrt(world))
             optimizer.step()
             trajectory.append(flat_params(model))
-        trajectories.append(trajectory)
+        trajectories.append((trajectory, clipped_locally))
     return trajectories
 
 
@@ -156,7 +159,9 @@ def test_simulation_equals_real_processes_bit_for_bit(workers: int) -> None:
     real = spawn_workers(_real_runs, workers, args=(CASES[workers],), timeout_s=180)
     for index, (name, local, clip, kernels) in enumerate(CASES[workers]):
         case = f"{name}, {workers} workers in nodes of {local}, clip {clip}, {kernels}"
-        ranks = [trajectories[index] for trajectories in real]
+        ranks = [trajectories[index][0] for trajectories in real]
+        if clip and name != "lamb":  # the case tests clipping at clip·√W in compression steps
+            assert all(trajectories[index][1] > 0 for trajectories in real), case
         simulated, optimizer, _ = _simulated_run(name, workers, local, clip, kernels)
         for step in range(STEPS):
             for rank, trajectory in enumerate(ranks):

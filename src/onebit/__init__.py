@@ -14,10 +14,13 @@ Public API:
 * :func:`hierarchical_compressed_allreduce`, :func:`node_groups`: the exchange for nodes of
   several ranks (dense inside a node, 1 bit between nodes).
 * :func:`from_deepspeed_config`: the optimizer a DeepSpeed JSON config describes.
+* :func:`clip_grad_norm_`: gradient clipping that knows whether ``step()`` averages the
+  gradients or uses each rank's own.
 * :mod:`onebit.integrations`: HF Trainer, Accelerate and Lightning (optional extras).
 """
 
 from onebit import ddp
+from onebit.clipping import clip_grad_norm_
 from onebit.collectives import (
     CompressionWorkspace,
     KernelMismatchError,
@@ -48,6 +51,7 @@ from onebit.optim import (
 __all__ = [
     "CommunicationError",
     "Lamb",
+    "clip_grad_norm_",
     "ddp",
     "from_deepspeed_config",
     "OneBitAdam",

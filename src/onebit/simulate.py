@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from onebit import kernels as backends
+from onebit.clipping import clip_grad_norm_
 from onebit.collectives import (
     PackedResult,
     TrafficCounter,
@@ -223,8 +224,9 @@ class SimulatedDataParallel:
             optimizer gets the workers' averaged gradients at every step.
         workers: ``W``, the number of simulated workers.
         node_size: ``L``, workers per node of the hierarchical exchange (1: flat).
-        max_grad_norm: if positive, clip the gradient norm where a data-parallel job does: the
-            averaged gradient in averaged steps, each worker's own in compression steps.
+        max_grad_norm: if positive, clip with :func:`onebit.clip_grad_norm_` where a
+            data-parallel job does: the averaged gradient at ``max_grad_norm`` in averaged
+            steps, each worker's own at ``max_grad_norm·√W`` in compression steps.
 
     Use: ``losses = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
     worker ``rank``'s forward and backward pass on its micro-batch (leaving its gradients in
@@ -302,7 +304,7 @@ class SimulatedDataParallel:
 
     def _clip(self) -> None:
         if self.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            clip_grad_norm_(self.params, self.max_grad_norm, self.optimizer, workers=self.workers)
 
     def _average_gradients(self, worker_backward: Callable[[int], Result]) -> list[Result]:
         """``.grad = (1/W) sum_i g_i``, summed in rank order into one flat buffer (a missing

@@ -188,7 +188,7 @@ class TrainConfig:
         1.0,
         group=_HYPER,
         help="clip the gradient norm before each step, 0 = off: the averaged gradient in "
-        "uncompressed steps, each worker's own in the compression stage",
+        "uncompressed steps, each worker's own at this times sqrt(workers) in the others",
     )
     ddp: bool = option(
         True,

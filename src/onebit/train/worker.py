@@ -494,7 +494,7 @@ class _Trainer:
             # gradients would give another update than clipping their mean.
             average_gradients(self.params, self.dense_traffic)
         if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, config.grad_clip)
+            onebit.clip_grad_norm_(self.params, config.grad_clip, self.optimizer)
         self.optimizer.step()
         totals = torch.tensor([loss.item() * masked, masked], dtype=torch.float64)
         dist.all_reduce(totals)
