@@ -24,7 +24,8 @@ def reference_run(
     """Return the parameters after each step, as lists of float64 tensors.
 
     groups[i] = (lr, weight_decay) of tensor i; hyper holds betas, eps and the LAMB bounds;
-    masks[i] is tensor i's exp_avg_mask or None; grad_fn(rank, i, p) is worker rank's
+    masks[i] is tensor i's exp_avg_mask or None (the elements whose variance is 0 are masked
+    too); grad_fn(rank, i, p) is worker rank's
     gradient of tensor i at parameter value p. compression="per_tensor" (1-bit Adam only)
     exchanges each tensor alone, as DeepSpeed's OnebitAdam does.
     """
@@ -51,6 +52,12 @@ def reference_run(
         (torch.zeros(n, size, dtype=torch.float64), torch.zeros(n, size // n, dtype=torch.float64))
         for size in alone
     ]
+
+    def mask(i):
+        """Tensor i's exp_avg_mask (if any) times [v > 0]: what a decoded value is kept at."""
+        kept = (v[i] > 0).double()
+        return kept if masks is None or masks[i] is None else kept * masks[i].double()
+
     history = []
     for t in range(1, steps + 1):
         if t <= freeze:
@@ -84,9 +91,7 @@ def reference_run(
                 exchanged.append(result[: sizes[i]].reshape(params[i].shape))
             for i in range(k):
                 lr, wd = groups[i]
-                m[i] = (
-                    exchanged[i] if masks is None or masks[i] is None else exchanged[i] * masks[i]
-                )
+                m[i] = exchanged[i] * mask(i)
                 params[i] = params[i] - lr * (m[i] / (v[i].sqrt() + eps) + wd * params[i])
         else:
             if scaling is None:
@@ -106,8 +111,7 @@ def reference_run(
                 lr, wd = groups[i]
                 m_prev = m[i]
                 m[i] = result[offset : offset + sizes[i]].reshape(params[i].shape) / scaling[i]
-                if masks is not None and masks[i] is not None:
-                    m[i] = m[i] * masks[i].double()
+                m[i] = m[i] * mask(i)
                 offset += sizes[i]
                 d = v[i].sqrt() + eps
                 u0 = m[i] / d

@@ -57,7 +57,8 @@ def reference_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
     ``hyper``: betas, eps, weight_decay (per tensor, a list), var_freeze_step,
     var_update_scaler, local_step_scaler, local_step_clipper. ``lr_fn(t, i)``: the learning
     rate of tensor i at step t; ``grad_fn(r, i, p)``: worker r's gradient of tensor i at its
-    weights p; ``masks[i]``: tensor i's exp_avg_mask or None.
+    weights p; ``masks[i]``: tensor i's exp_avg_mask or None (the elements whose variance is 0
+    are masked too).
     """
     b1, b2 = hyper["betas"]
     eps, decay = hyper["eps"], hyper["weight_decay"]
@@ -75,7 +76,9 @@ def reference_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
     se = [torch.zeros(n, size // n, dtype=torch.float64) for size in sizes]
 
     def masked(x, i):
-        return x if masks[i] is None else x * masks[i].double()
+        """x where tensor i's exp_avg_mask (if any) and [v > 0] keep it, else 0."""
+        kept = x * (v[i] > 0).double()
+        return kept if masks[i] is None else kept * masks[i].double()
 
     history = []
     for t in range(1, steps + 1):

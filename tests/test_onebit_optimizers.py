@@ -44,11 +44,15 @@ def _coefficients(rank, index):
 
 def grad_fn(rank, index, param):
     """Worker rank's gradient of tensor index: a per-rank quadratic; tensor 2 gets zeros,
-    so its momentum is all zeros at the switch (s_p = 1)."""
+    so its momentum is all zeros at the switch (s_p = 1), and so does tensor 0's last row (a
+    row that no input reads): their variance is 0, so they are masked after the switch."""
     if index == 2:
         return torch.zeros_like(param)
     a, c = _coefficients(rank, index)
-    return a.to(param.dtype) * (param - c.to(param.dtype))
+    grad = a.to(param.dtype) * (param - c.to(param.dtype))
+    if index == 0:
+        grad[-1] = 0
+    return grad
 
 
 def build(kind, dtype, compression="fused"):
@@ -280,6 +284,32 @@ def test_parameters_without_gradients_are_left_alone():
         opt.step()
     assert torch.equal(unused, before[0]) and torch.equal(frozen, before[1])
     assert opt.stage == "compression" and opt.step_count == 8
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: onebit.OneBitLamb(ps, lr=0.01, freeze_step=4),
+        lambda ps: onebit.OneBitAdam(ps, lr=0.01, freeze_step=4),
+        lambda ps: onebit.OneBitAdam(ps, lr=0.01, freeze_step=4, compression="per_tensor"),
+        lambda ps: onebit.ZeroOneAdam(ps, lr=0.01, var_freeze_step=8, var_update_scaler=2),
+    ],
+)
+def test_an_embedding_row_no_input_reads_stays_where_it_is(make):
+    """Its gradient, and so its variance, is always 0; the 1-bit exchange gives it ±scale,
+    which the mask [v > 0] keeps out (without it the row moves by scale/eps: ~1e5 here)."""
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(5, 8)
+    read, unread = embedding.weight.detach()[:4].clone(), embedding.weight.detach()[4].clone()
+    optimizer = make(embedding.parameters())
+    for _ in range(16):
+        optimizer.zero_grad()
+        embedding(torch.randint(0, 4, (32,))).square().sum().backward()
+        optimizer.step()
+    assert optimizer.step_count == 16
+    assert torch.equal(embedding.weight.detach()[4], unread)
+    moved = (embedding.weight.detach()[:4] - read).norm()
+    assert 0 < moved < 100  # the read rows learn, by ordinary steps
 
 
 def test_bf16_parameters_track_fp32_parameters():

@@ -52,11 +52,15 @@ def initial_params():
 
 
 def grad_fn(rank, index, param):
-    """Worker rank's gradient of tensor index at its own weights: a per-rank quadratic."""
+    """Worker rank's gradient of tensor index at its own weights: a per-rank quadratic, zero
+    in tensor 0's last row (a row that no input reads: variance 0, masked)."""
     gen = torch.Generator().manual_seed(1000 + 10 * rank + index)
     a = torch.rand(param.shape, generator=gen, dtype=torch.float64) + 0.5
     c = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-    return a.to(param.dtype) * (param - c.to(param.dtype))
+    grad = a.to(param.dtype) * (param - c.to(param.dtype))
+    if index == 0:
+        grad[-1] = 0
+    return grad
 
 
 def build(dtype, **options):

@@ -469,17 +469,20 @@ class OneBitOptimizer(FlatOptimizer):
         return self._exchange_buffer
 
     def _flat_mask(self, flat: FlatState) -> Tensor | None:
-        """The groups' ``exp_avg_mask`` as one flat buffer (ones elsewhere), if any."""
-        if not any("exp_avg_mask" in group for group in self.param_groups):
-            return None
-        mask = torch.ones(flat.numel, dtype=flat.dtype, device=flat.device)
+        """The tensors' masks as one flat buffer: ``[v > 0]`` times the groups'
+        ``exp_avg_mask`` (ALGORITHM.md, "Elements whose variance is 0"); ``None`` where that
+        is 1 everywhere. Tensors left out of the exchange count as ones."""
+        mask = (flat.exp_avg_sq > 0).to(flat.dtype)
+        for index, active in enumerate(self._has_state):
+            if not active:
+                flat.view(mask, index).fill_(1)
         index_of = {id(param): index for index, param in enumerate(flat.params)}
         for group in self.param_groups:
             if "exp_avg_mask" in group:
                 for param, param_mask in zip(group["params"], self._masks_of(group), strict=True):
                     if id(param) in index_of:
-                        flat.view(mask, index_of[id(param)]).copy_(param_mask)
-        return mask
+                        flat.view(mask, index_of[id(param)]).mul_(param_mask)
+        return None if bool((mask == 1).all()) else mask
 
     def _start_compression(self, flat: FlatState) -> None:
         """At the first compression step: ``s_p = mean_q rms(m_q) / rms(m_p)`` (1 if 0; stays 1

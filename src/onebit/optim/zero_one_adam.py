@@ -283,10 +283,12 @@ class ZeroOneAdam(OneBitOptimizer):
         return True
 
     def _prepare_exchange(self, flat: FlatState) -> Tensor:
-        """The buffer of the accumulated update (``N`` elements), the masks and the
-        error-feedback state."""
+        """The buffer of the accumulated update (``N`` elements), the masks (anew at every
+        step up to the freeze: the variance may have changed) and the error-feedback state."""
         if self._exchange_buffer is None:
             self._exchange_buffer = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
+            self._mask = self._flat_mask(flat)
+        elif self.step_count < self.freeze_step:
             self._mask = self._flat_mask(flat)
         worker_size, server_size = self._error_sizes(flat.numel)
         if self._worker_error is None or self._worker_error.numel() != worker_size:
