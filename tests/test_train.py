@@ -369,3 +369,35 @@ def test_checkpoint_rotation_and_fallback(
     assert checkpoint.load_latest(root) is None
     with pytest.raises(FileNotFoundError, match="no usable checkpoint"):
         checkpoint.latest_model_state(root)
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_worker_that_aborts_after_the_run_finished_is_no_failure(
+    workspace: Path, reference_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    finished: bool,
+) -> None:  # fmt: skip
+    """torch sometimes aborts a worker as it exits ("terminate called without an active
+    exception"): once the summary of the last step is written the job has succeeded, and
+    before that it has failed."""
+    import shutil
+
+    import torch.distributed.launcher.api as launcher
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from onebit.train.config import read_config
+    from onebit.train.launch import launch_job
+
+    out = tmp_path / "run"
+
+    def aborting_launch(launch_config, entrypoint):
+        def run(*args):
+            if finished:
+                shutil.copy(reference_run / "summary.json", out / "summary.json")
+            failure = ProcessFailure(local_rank=1, pid=1, exitcode=-6, error_file="")
+            raise ChildFailedError("onebit.train.worker", {1: failure})
+
+        return run
+
+    monkeypatch.setattr(launcher, "elastic_launch", aborting_launch)
+    status = launch_job(read_config(reference_run), out, workers=2, max_restarts=0)
+    assert status == (0 if finished else 1)

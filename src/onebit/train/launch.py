@@ -25,14 +25,21 @@ logger = logging.getLogger(__name__)
 SHARED_STORE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
+def complete_summary(run_dir: Path, config: TrainConfig) -> dict | None:
+    """The summary of the run in ``run_dir`` if it has finished all its steps (rank 0 writes
+    it after the last step's collectives and the final checkpoint), else None."""
+    summary_path = run_dir / SUMMARY_FILE
+    if not summary_path.is_file():
+        return None
+    summary = json.loads(summary_path.read_text())
+    return summary if summary["steps"] == config.steps else None
+
+
 def print_if_complete(run_dir: Path, config: TrainConfig) -> bool:
     """Whether the run in ``run_dir`` has finished all its steps; if so its summary is
     printed again."""
-    summary_path = run_dir / SUMMARY_FILE
-    if not summary_path.is_file():
-        return False
-    summary = json.loads(summary_path.read_text())
-    if summary["steps"] != config.steps:
+    summary = complete_summary(run_dir, config)
+    if summary is None:
         return False
     logger.info("%s is complete; nothing to train", run_dir)
     print(format_summary(summary), flush=True)
@@ -86,6 +93,12 @@ def launch_job(
     try:
         elastic_launch(launch_config, sys.executable)(*args)
     except ChildFailedError as exc:
+        if complete_summary(run_dir, config) is not None:
+            # Every step, the final checkpoint and the summary are written; torch sometimes
+            # aborts a worker while it exits ("terminate called without an active
+            # exception"), which changes none of them.
+            logger.warning("The run finished, but a worker then exited abnormally:\n%s", exc)
+            return 0
         logger.error(
             "Training failed after %d restart(s); the run folder keeps its checkpoints, continue "
             "with `onebit train --resume %s`.\n%s",
