@@ -1,9 +1,12 @@
 """The optimizers on CUDA against the same run on CPU (part of scripts/gpu_check.sh).
 
-1. World size 1: Lamb, OneBitLamb and OneBitAdam on float64 CUDA parameters (triton for the
-   exchange, the torch reference for the update) against float64 CPU parameters (numba where
-   installed): same gradients, 12 steps across the switch to compression. float64 leaves only
-   summation-order differences (~1e-15), so 1e-9 catches any error in the maths.
+1. World size 1: Lamb, OneBitLamb, OneBitAdam and ZeroOneAdam on float64 CUDA parameters
+   (triton for the exchange, the torch reference for the update) against float64 CPU
+   parameters (numba where installed): same gradients, clipped with onebit.clip_grad_norm_,
+   one row that never gets a gradient (the variance-0 mask), 12 steps across the switch to
+   compression (0/1 Adam: dense and 1-bit gradient steps, the freeze, local intervals of 1
+   and 2 steps). float64 leaves only summation-order differences (~1e-15), so 1e-9 catches
+   any error in the maths.
 2. Two NCCL ranks (one GPU each) against two gloo ranks on CPU, OneBitLamb: ranks
    bit-identical on each backend, and the two trajectories within 1e-9 (float64). Skipped with
    exit status 77 when fewer than two GPUs are visible.
@@ -22,6 +25,8 @@ from onebit.testing import spawn_workers
 
 SHAPES = [(64, 48), (48,), (33, 7), (5,)]
 STEPS, FREEZE = 12, 5
+NEVER_READ_ROW = 7  # of the first tensor: its gradient is always 0
+MAX_NORM = 40.0  # below the gradients' norm (about 58), so clipping acts at every step
 
 
 def trajectory(kind: str, device: str, rank: int = 0) -> list[torch.Tensor]:
@@ -36,6 +41,15 @@ def trajectory(kind: str, device: str, rank: int = 0) -> list[torch.Tensor]:
             params, lr=0.01, freeze_step=FREEZE, weight_decay=0.01, max_coeff=0.3
         ),
         "onebit-adam": lambda: onebit.OneBitAdam(params, lr=0.01, freeze_step=FREEZE),
+        "zero-one-adam": lambda: onebit.ZeroOneAdam(
+            params,
+            lr=0.01,
+            weight_decay=0.01,
+            var_freeze_step=FREEZE,
+            var_update_scaler=2,
+            local_step_scaler=3,
+            local_step_clipper=2,
+        ),
     }
     optimizer = build[kind]()
     grads = torch.Generator().manual_seed(100 + rank)
@@ -43,6 +57,8 @@ def trajectory(kind: str, device: str, rank: int = 0) -> list[torch.Tensor]:
     for _ in range(STEPS):
         for p in params:
             p.grad = torch.randn(p.shape, generator=grads, dtype=torch.float64).to(device)
+        params[0].grad[NEVER_READ_ROW] = 0
+        onebit.clip_grad_norm_(params, MAX_NORM, optimizer)
         optimizer.step()
         history.append(torch.cat([p.detach().reshape(-1).cpu() for p in params]))
     return history
@@ -61,12 +77,12 @@ def _rank(rank: int, world: int, device: str) -> list[torch.Tensor]:
 
 def main() -> int:
     failed = False
-    for kind in ("lamb", "onebit-lamb", "onebit-adam"):
+    for kind in ("lamb", "onebit-lamb", "onebit-adam", "zero-one-adam"):
         difference = max_difference(trajectory(kind, "cuda"), trajectory(kind, "cpu"))
         ok = difference < 1e-9
         failed |= not ok
         print(
-            f"{kind:12} world size 1, CUDA vs CPU: max relative difference {difference:.2e} "
+            f"{kind:13} world size 1, CUDA vs CPU: max relative difference {difference:.2e} "
             f"({'PASS' if ok else 'FAIL'})"
         )
     if torch.cuda.device_count() < 2:
@@ -81,7 +97,7 @@ def main() -> int:
     ok = identical and difference < 1e-9
     failed |= not ok
     print(
-        f"onebit-lamb  2 NCCL ranks vs 2 gloo ranks: ranks identical {identical}, max "
+        f"onebit-lamb   2 NCCL ranks vs 2 gloo ranks: ranks identical {identical}, max "
         f"relative difference {difference:.2e} ({'PASS' if ok else 'FAIL'})"
     )
     return 1 if failed else 0
