@@ -1,4 +1,4 @@
-"""The ``onebit`` command: ``train``, ``compare``, ``finetune`` and ``bench ...``.
+"""The ``onebit`` command: ``train``, ``compare``, ``finetune``, ``probe`` and ``bench ...``.
 
 Each sub-command lives in its own module, which exposes ``register(subparsers)`` adding its
 parser(s) with ``set_defaults(handler=...)``; the handler takes the parsed arguments and

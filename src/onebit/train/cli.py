@@ -1,4 +1,4 @@
-"""``onebit train``, ``onebit compare`` and ``onebit finetune``: the main job and its checks."""
+"""``onebit train``, ``compare``, ``finetune`` and ``probe``: the main job and its checks."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from onebit.train.config import (
     OPTIMIZERS,
     REAL_WORKER_OPTIONS,
     FinetuneConfig,
+    ProbeConfig,
     TrainConfig,
     default_run_dir,
     read_config,
@@ -95,7 +96,8 @@ def _add_run_folder_options(parser: argparse.ArgumentParser, default_out: str):
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``train``, ``simulate``, ``compare`` and ``finetune`` to the ``onebit`` command."""
+    """Add ``train``, ``simulate``, ``compare``, ``finetune`` and ``probe`` to the ``onebit``
+    command."""
     train = subparsers.add_parser(
         "train",
         help="pre-train a small BERT with 1-bit LAMB on local workers (the main job)",
@@ -183,6 +185,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     finetune.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run folder")
     add_options(finetune, FinetuneConfig)
     finetune.set_defaults(handler=_finetune)
+
+    probe = subparsers.add_parser(
+        "probe",
+        help="linear probes of pre-trained runs' frozen models on a task of onebit finetune, "
+        "compared on the same test examples",
+        description="Fit a logistic regression on the frozen masked-language model of each "
+        "RUN_DIR (its final hidden states and the log-probability of the token at each "
+        "position) for a task of onebit finetune, deterministically (L-BFGS from zero), write "
+        "RUN_DIR/probe-TASK[-seedN].json, and print each run's test accuracy and its "
+        "difference from the first run's over the same test examples, with standard errors.",
+    )
+    probe.add_argument(
+        "run_dirs",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help="training run folders; the first is the one the others are compared with",
+    )
+    probe.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also probe a random initialisation of the first run's architecture (the "
+        "no-pre-training baseline; written to RUN_DIR/probe-scratch-TASK[-seedN].json)",
+    )
+    add_options(probe, ProbeConfig)
+    probe.set_defaults(handler=_probe)
 
 
 def _error(command: str, exc: BaseException) -> int:
@@ -325,4 +353,37 @@ def _finetune(args: argparse.Namespace) -> int:
         f"{100 * result['chance_accuracy']:.2f}%, {result['test_examples']} test examples, "
         f"{origin}); written to {result['path']}"
     )
+    return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from onebit.train.probe import paired_difference, probe
+
+    try:
+        config = ProbeConfig(**given_options(ProbeConfig, args))
+        results = [probe(run_dir, config) for run_dir in args.run_dirs]
+        if args.baseline:
+            results.append(probe(args.run_dirs[0], config, pretrained=False))
+    except (ValueError, FileNotFoundError) as exc:
+        return _error("probe", exc)
+    reference = results[0]
+    print(
+        f"{config.task}: linear probe, {reference['train_examples']} training examples, "
+        f"{reference['test_windows']} test windows x {reference['test_variants']} versions "
+        f"(guessing scores {100 * reference['chance_accuracy']:.2f}%)\n"
+    )
+    print(
+        f"| model | test accuracy | standard error | vs {args.run_dirs[0]} (paired standard "
+        "error) |\n|---|---:|---:|---:|"
+    )
+    for result in results:
+        name = result["run_dir"] if result["pretrained"] else "no pre-training"
+        versus = ""
+        if result is not reference:
+            difference, se = paired_difference(result, reference)
+            versus = f"{100 * difference:+.2f} pt ({100 * se:.2f})"
+        print(
+            f"| {name} | {100 * result['test_accuracy']:.2f}% "
+            f"| {100 * result['test_accuracy_se']:.2f} | {versus} |"
+        )
     return 0

@@ -430,6 +430,60 @@ class FinetuneConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
 
 
+#: The L2 penalty of a linear probe when ``l2`` is not given (on standardised features).
+DEFAULT_PROBE_L2 = 1e-4
+#: Versions of every test window (each with its own replaced letter) a probe scores.
+DEFAULT_TEST_VARIANTS = 8
+
+
+@dataclass
+class ProbeConfig:
+    """Linear-probe settings (the same for every model that is compared); each field is also
+    an option of ``onebit probe``."""
+
+    task: str = option(
+        "replaced-letter",
+        choices=FINETUNE_TASKS,
+        help="the task of onebit finetune to probe: sentiment, spelling or replaced-letter",
+    )
+    seed: int = option(0, help="seed of the training sample and of the replaced letters")
+    max_train: int | None = option(
+        None,
+        help="use at most this many training examples",
+        default_help=f"all for sentiment, {SPELLING_TRAIN_WINDOWS} for the others",
+    )
+    test_variants: int | None = option(
+        None,
+        help="spelling tasks: score every test window this many times, each with its own "
+        "replaced letter (standard errors treat the variants of a window as one cluster)",
+        default_help=f"{DEFAULT_TEST_VARIANTS} for the spelling tasks, 1 for sentiment",
+    )
+    l2: float = option(DEFAULT_PROBE_L2, help="L2 penalty of the probe's weights")
+    max_iter: int = option(200, help="L-BFGS iterations of the probe's fit")
+
+    @property
+    def result_file(self) -> str:
+        """``probe-<task>[-seed<seed>].json``."""
+        return f"probe-{self.task}" + (f"-seed{self.seed}" if self.seed else "") + ".json"
+
+    def __post_init__(self) -> None:
+        _choice("task", self.task, FINETUNE_TASKS)
+        _positive_int("max_iter", self.max_iter)
+        for name in ("max_train", "test_variants"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        check_non_negative("--l2", self.l2)
+        if self.task == "sentiment":
+            if self.test_variants not in (None, 1):
+                raise ValueError(
+                    "--test-variants applies to the spelling tasks: sentiment's test set has "
+                    f"one version of each text, got {self.test_variants}"
+                )
+            self.test_variants = 1
+        elif self.test_variants is None:
+            self.test_variants = DEFAULT_TEST_VARIANTS
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 

@@ -149,6 +149,29 @@ def chance_accuracy(task: str, test_rows: list[tuple[str, int]]) -> float:
     return max(map(labels.count, set(labels))) / len(labels)
 
 
+def pretraining_split(run_dir: Path) -> tuple[list[str], list[str]]:
+    """The run's pre-training documents and those held out of it (build_mlm_dataset's split):
+    the spelling tasks train on windows of the first and test on windows of the second."""
+    from onebit.train.worker import load_documents
+
+    pretraining = read_config(run_dir)
+    return data.split_documents(load_documents(pretraining), seed=pretraining.seed)
+
+
+def load_run(run_dir: Path) -> tuple[int, dict[str, Any], Any]:
+    """``(step, model.pt contents, tokenizer)`` of the newest usable checkpoint of
+    ``run_dir``; ``FileNotFoundError`` if it is not a finished run folder."""
+    from tokenizers import Tokenizer
+
+    tokenizer_path = run_dir / TOKENIZER_FILE
+    if not tokenizer_path.is_file():
+        raise FileNotFoundError(
+            f"{run_dir} is not a finished run folder: {TOKENIZER_FILE} is missing"
+        )
+    step, state = checkpoint.latest_model_state(run_dir / CHECKPOINT_DIR)
+    return step, state, Tokenizer.from_file(str(tokenizer_path))
+
+
 def load_task(
     run_dir: Path, config: FinetuneConfig, max_tokens: int
 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -159,12 +182,7 @@ def load_task(
         train_rows, test_rows = data.load_sentiment(seed=config.seed)
         train_rows = train_rows[: config.max_train]
     else:
-        from onebit.train.worker import load_documents
-
-        pretraining = read_config(run_dir)
-        documents = load_documents(pretraining)
-        # The split of build_mlm_dataset: test windows come from the held-out documents.
-        train_docs, test_docs = data.split_documents(documents, seed=pretraining.seed)
+        train_docs, test_docs = pretraining_split(run_dir)
         train_rows, test_rows = build_spelling_task(
             train_docs,
             test_docs,
@@ -183,17 +201,10 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     ``sqrt(a·(1-a)/n_test)``, the ``chance_accuracy`` of guessing, and the settings) goes to
     ``RUN_DIR/<config.result_file>``.
     """
-    from tokenizers import Tokenizer
-
     from onebit.train.model import build_classifier, config_from_dict
     from onebit.train.worker import lr_factor
 
-    tokenizer_path = run_dir / TOKENIZER_FILE
-    if not tokenizer_path.is_file():
-        raise FileNotFoundError(
-            f"{run_dir} is not a finished run folder: {TOKENIZER_FILE} is missing"
-        )
-    step, state = checkpoint.latest_model_state(run_dir / CHECKPOINT_DIR)
+    step, state, tokenizer = load_run(run_dir)
     bert = config_from_dict(
         {
             **state["bert_config"],
@@ -208,7 +219,6 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     model = build_classifier(bert, encoder_state, per_token=per_token)
 
     train_rows, test_rows = load_task(run_dir, config, bert.max_position_embeddings)
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
     train_set, test_set = (
         encode(tokenizer, rows, bert.max_position_embeddings, per_token=per_token)
         for rows in (train_rows, test_rows)
