@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 BASELINE_PREFIX = "probe-scratch"
 
 Rows = list[tuple[str, int]]
+#: Rows of features scored at once (their float64 copies stay small).
+SCORE_ROWS = 1 << 18
 
 
 @dataclass
@@ -88,7 +90,13 @@ class Probe:
     b: torch.Tensor
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return ((x.double() - self.mean) / self.std) @ self.w + self.b
+        """The scores of the rows of ``x``, in float64, a block of rows at a time."""
+        return torch.cat(
+            [
+                ((rows.double() - self.mean) / self.std) @ self.w + self.b
+                for rows in x.split(SCORE_ROWS)
+            ]
+        )
 
 
 def load_probe_task(run_dir: Path, config: ProbeConfig, max_tokens: int) -> tuple[Rows, list[Rows]]:
