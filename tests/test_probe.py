@@ -124,6 +124,18 @@ def test_probe_command_on_a_tiny_run(
     assert "+0.00 pt (0.00)" in out  # the run against itself: the probe is deterministic
     assert f"{100 * result['test_accuracy']:.2f}%" in out and "no pre-training" in out
 
+    # a result with the same settings and checkpoint is reused; --recompute probes again
+    path = run_dir / "probe-replaced-letter-seed1.json"
+    path.write_text(json.dumps({**result, "test_accuracy": 0.123456}))
+    assert onebit_main(args + ["--seed", "1"]) == 0
+    assert "12.35%" in capsys.readouterr().out
+    assert onebit_main(args + ["--seed", "1", "--max-iter", "150"]) == 0  # other settings
+    assert "12.35%" not in capsys.readouterr().out
+    path.write_text(json.dumps({**result, "test_accuracy": 0.123456}))
+    assert onebit_main(args + ["--seed", "1", "--recompute"]) == 0
+    assert "12.35%" not in capsys.readouterr().out
+    assert json.loads(path.read_text())["correct"] == result["correct"]
+
     config = ProbeConfig(max_train=64, test_variants=3, seed=1)
     train_rows, variants = load_probe_task(run_dir, config, max_tokens=16)
     assert len(train_rows) == 64 and len(variants) == 3

@@ -209,6 +209,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also probe a random initialisation of the first run's architecture (the "
         "no-pre-training baseline; written to RUN_DIR/probe-scratch-TASK[-seedN].json)",
     )
+    probe.add_argument(
+        "--recompute",
+        action="store_true",
+        help="probe again even where a result with the same settings and checkpoint exists",
+    )
     add_options(probe, ProbeConfig)
     probe.set_defaults(handler=_probe)
 
@@ -361,9 +366,10 @@ def _probe(args: argparse.Namespace) -> int:
 
     try:
         config = ProbeConfig(**given_options(ProbeConfig, args))
-        results = [probe(run_dir, config) for run_dir in args.run_dirs]
+        reuse = not args.recompute
+        results = [probe(run_dir, config, reuse=reuse) for run_dir in args.run_dirs]
         if args.baseline:
-            results.append(probe(args.run_dirs[0], config, pretrained=False))
+            results.append(probe(args.run_dirs[0], config, pretrained=False, reuse=reuse))
     except (ValueError, FileNotFoundError) as exc:
         return _error("probe", exc)
     reference = results[0]

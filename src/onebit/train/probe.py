@@ -25,6 +25,7 @@ the replaced one.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -216,14 +217,29 @@ def fingerprint(variants: list[Rows]) -> str:
     return digest.hexdigest()[:16]
 
 
-def probe(run_dir: Path, config: ProbeConfig, *, pretrained: bool = True) -> dict[str, Any]:
+def probe(
+    run_dir: Path, config: ProbeConfig, *, pretrained: bool = True, reuse: bool = True
+) -> dict[str, Any]:
     """Probe the newest checkpoint of ``run_dir`` (``pretrained=False``: a random
     initialisation of its architecture, seeded by ``config.seed``); write the result to
-    ``RUN_DIR/<config.result_file>`` (``probe-scratch-…`` for the baseline) and return it."""
+    ``RUN_DIR/<config.result_file>`` (``probe-scratch-…`` for the baseline) and return it.
+    With ``reuse``, a result already there with the same settings and checkpoint is returned
+    as it is (the probe is deterministic)."""
     from onebit.train.model import build_mlm_model, config_from_dict
 
     started = time.perf_counter()
     step, state, tokenizer = load_run(run_dir)
+    name = config.result_file
+    if not pretrained:
+        name = name.replace("probe", BASELINE_PREFIX, 1)
+    path = run_dir / name
+    if reuse and path.is_file():
+        result = json.loads(path.read_text())
+        if result.get("config") == asdict(config) and result.get("checkpoint_step") == (
+            step if pretrained else None
+        ):
+            logger.info("%s: reusing %s", run_dir, path)
+            return {**result, "path": str(path)}
     bert = config_from_dict(state["bert_config"])
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch.manual_seed(config.seed)
@@ -257,10 +273,6 @@ def probe(run_dir: Path, config: ProbeConfig, *, pretrained: bool = True) -> dic
         "seconds": time.perf_counter() - started,
         "config": asdict(config),
     }
-    name = config.result_file
-    if not pretrained:
-        name = name.replace("probe", BASELINE_PREFIX, 1)
-    path = run_dir / name
     write_json_atomic(path, result)
     result["path"] = str(path)
     logger.info("%s probe accuracy %.4f, written to %s", config.task, accuracy, path)
