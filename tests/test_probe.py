@@ -136,6 +136,17 @@ def test_probe_command_on_a_tiny_run(
     assert "12.35%" not in capsys.readouterr().out
     assert json.loads(path.read_text())["correct"] == result["correct"]
 
+    # a per-text task: the mean of each window's features
+    spelling = ["probe", str(run_dir), "--task", "spelling", "--max-train", "64"]
+    assert onebit_main([*spelling, "--test-variants", "2"]) == 0
+    per_text = json.loads((run_dir / "probe-spelling.json").read_text())
+    assert (
+        per_text["test_variants"] == 2 and len(per_text["correct"]) == 2 * per_text["test_windows"]
+    )
+    assert 0.3 < per_text["test_accuracy"] < 1 and per_text["chance_accuracy"] == pytest.approx(
+        0.5, abs=0.1
+    )
+
     config = ProbeConfig(max_train=64, test_variants=3, seed=1)
     train_rows, variants = load_probe_task(run_dir, config, max_tokens=16)
     assert len(train_rows) == 64 and len(variants) == 3
