@@ -239,7 +239,7 @@ def probe(
             step if pretrained else None
         ):
             logger.info("%s: reusing %s", run_dir, path)
-            return {**result, "path": str(path)}
+            return {**result, "run_dir": str(run_dir), "path": str(path)}
     bert = config_from_dict(state["bert_config"])
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch.manual_seed(config.seed)
