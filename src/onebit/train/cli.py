@@ -375,7 +375,8 @@ def _probe(args: argparse.Namespace) -> int:
     reference = results[0]
     print(
         f"{config.task}: linear probe, {reference['train_examples']} training examples, "
-        f"{reference['test_windows']} test windows x {reference['test_variants']} versions "
+        f"{reference['test_windows']} test windows, {reference['test_variants']} "
+        f"version{'s' if reference['test_variants'] > 1 else ''} of each "
         f"(guessing scores {100 * reference['chance_accuracy']:.2f}%)\n"
     )
     print(
