@@ -14,13 +14,13 @@ from test_finetune import run_dir  # noqa: F401  (the fixture)
 
 from onebit.cli import main as onebit_main
 from onebit.train.config import ProbeConfig
+from onebit.train.finetune import task_rows
 from onebit.train.probe import (
     Features,
     Probe,
     cluster_mean_and_se,
     correct_examples,
     fit_probe,
-    load_probe_task,
     paired_difference,
 )
 
@@ -147,8 +147,9 @@ def test_probe_command_on_a_tiny_run(
         0.5, abs=0.1
     )
 
-    config = ProbeConfig(max_train=64, test_variants=3, seed=1)
-    train_rows, variants = load_probe_task(run_dir, config, max_tokens=16)
+    train_rows, variants = task_rows(
+        run_dir, "replaced-letter", seed=1, max_train=64, max_tokens=16, test_variants=3
+    )
     assert len(train_rows) == 64 and len(variants) == 3
     windows = [[text for text, _ in rows] for rows in variants]
     # the same windows, each with its own replaced letter: at most two characters differ

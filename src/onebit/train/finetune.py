@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +44,7 @@ from onebit.train.data.spelling import (
     labelled_windows,
     letter_positions,
     replaced_letter_windows,
+    text_windows,
 )
 
 logger = logging.getLogger(__name__)
@@ -172,25 +174,49 @@ def load_run(run_dir: Path) -> tuple[int, dict[str, Any], Any]:
     return step, state, Tokenizer.from_file(str(tokenizer_path))
 
 
+def task_rows(
+    run_dir: Path,
+    task: str,
+    seed: int,
+    max_train: int | None,
+    max_tokens: int,
+    *,
+    test_variants: int = 1,
+) -> tuple[list[tuple[str, int]], list[list[tuple[str, int]]]]:
+    """``(train rows, test rows of each version)`` of ``(text, label)`` of ``task`` for the run
+    in ``run_dir`` (whose corpus and document split the spelling tasks use), at most
+    ``max_train`` training rows. Sentiment has one version of its test set. For the spelling
+    tasks version 0 replaces letters with ``seed``'s random stream and version k ≥ 1 replaces
+    letters of the same windows with its own, so that row j of every version is window j."""
+    if task == "sentiment":
+        if test_variants != 1:
+            raise ValueError("sentiment's test set has one version of each text")
+        train_rows, test_rows = data.load_sentiment(seed=seed)
+        return train_rows[:max_train], [test_rows]
+    make_rows = replaced_letter_windows if task in TOKEN_TASKS else labelled_windows
+    train_docs, test_docs = pretraining_split(run_dir)
+    max_chars = max_tokens - 2  # [CLS] and [SEP]; a character is at most one token
+    train_rows, test_rows = build_spelling_task(
+        train_docs,
+        test_docs,
+        max_chars=max_chars,
+        seed=seed,
+        max_train=max_train or SPELLING_TRAIN_WINDOWS,
+        rows=make_rows,
+    )
+    windows = text_windows(test_docs, max_chars)
+    others = [make_rows(windows, random.Random(f"{seed}/{k}")) for k in range(1, test_variants)]
+    return train_rows, [test_rows, *others]
+
+
 def load_task(
     run_dir: Path, config: FinetuneConfig, max_tokens: int
 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """``(train, test)`` rows of ``(text, label)`` of ``config.task`` for the run in
-    ``run_dir`` (whose corpus and document split the spelling task uses), ``max_train`` and
-    ``max_test`` applied."""
-    if config.task == "sentiment":
-        train_rows, test_rows = data.load_sentiment(seed=config.seed)
-        train_rows = train_rows[: config.max_train]
-    else:
-        train_docs, test_docs = pretraining_split(run_dir)
-        train_rows, test_rows = build_spelling_task(
-            train_docs,
-            test_docs,
-            max_chars=max_tokens - 2,  # [CLS] and [SEP]; a character is at most one token
-            seed=config.seed,
-            max_train=config.max_train or SPELLING_TRAIN_WINDOWS,
-            rows=replaced_letter_windows if config.task in TOKEN_TASKS else labelled_windows,
-        )
+    ``run_dir`` (:func:`task_rows`), ``max_train`` and ``max_test`` applied."""
+    train_rows, (test_rows,) = task_rows(
+        run_dir, config.task, config.seed, config.max_train, max_tokens
+    )
     return train_rows, test_rows[: config.max_test]
 
 

@@ -17,9 +17,9 @@ compared without fine-tuning's seed noise, on the same test examples, and the st
 of their difference is that of the test sample alone. For the spelling tasks every test
 window is scored in several versions, each with its own replaced letter; standard errors
 treat a window's versions as one cluster (the mean over its versions, then the spread over
-windows). Scoring is :func:`onebit.train.finetune.correct_predictions`'s: a text is right when
-its score's sign is its label; a ``replaced-letter`` window when its highest-scoring token is
-the replaced one.
+windows). Scoring follows the rule of :func:`onebit.train.finetune.correct_predictions`: a
+text is right when its score's sign is its label; a ``replaced-letter`` window when its
+highest-scoring token is the replaced one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -41,13 +40,7 @@ import torch.nn.functional as F
 
 from onebit.train import data
 from onebit.train.atomic import write_json_atomic
-from onebit.train.config import SPELLING_TRAIN_WINDOWS, TOKEN_TASKS, ProbeConfig
-from onebit.train.data.spelling import (
-    build_spelling_task,
-    labelled_windows,
-    replaced_letter_windows,
-    text_windows,
-)
+from onebit.train.config import TOKEN_TASKS, ProbeConfig
 from onebit.train.finetune import (
     EVAL_BATCH,
     REPLACED,
@@ -55,7 +48,7 @@ from onebit.train.finetune import (
     chance_accuracy,
     encode,
     load_run,
-    pretraining_split,
+    task_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -100,32 +93,6 @@ class Probe:
         )
 
 
-def load_probe_task(run_dir: Path, config: ProbeConfig, max_tokens: int) -> tuple[Rows, list[Rows]]:
-    """``(train rows, test rows of each variant)`` of ``config.task``: variant 0 is the test
-    set of ``onebit finetune`` with the same seed; variant k ≥ 1 replaces letters of the same
-    windows with its own random stream. Row j of every variant is window j."""
-    if config.task == "sentiment":
-        train_rows, test_rows = data.load_sentiment(seed=config.seed)
-        return train_rows[: config.max_train], [test_rows]
-    make_rows = replaced_letter_windows if config.task in TOKEN_TASKS else labelled_windows
-    train_docs, test_docs = pretraining_split(run_dir)
-    max_chars = max_tokens - 2  # [CLS] and [SEP]; a character is at most one token
-    train_rows, test_rows = build_spelling_task(
-        train_docs,
-        test_docs,
-        max_chars=max_chars,
-        seed=config.seed,
-        max_train=config.max_train or SPELLING_TRAIN_WINDOWS,
-        rows=make_rows,
-    )
-    windows = text_windows(test_docs, max_chars)
-    variants = [test_rows] + [
-        make_rows(windows, random.Random(f"{config.seed}/{k}"))
-        for k in range(1, config.test_variants)
-    ]
-    return train_rows, variants
-
-
 @torch.no_grad()
 def mlm_features(model: torch.nn.Module, sentences: Sentences) -> Features:
     """The frozen MLM ``model``'s features of ``sentences`` (the final hidden state and the
@@ -137,15 +104,15 @@ def mlm_features(model: torch.nn.Module, sentences: Sentences) -> Features:
         ids, mask, labels = sentences.batch(rows)
         hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
         observed = model.cls(hidden).log_softmax(-1).gather(-1, ids.unsqueeze(-1))
-        hidden = torch.cat([hidden, observed], -1)
+        features = torch.cat([hidden, observed], -1)
         if labels.dim() == 2:
             keep = labels != data.IGNORE_INDEX
-            xs.append(hidden[keep])
+            xs.append(features[keep])
             ys.append(labels[keep])
             examples.append(rows.unsqueeze(1).expand_as(labels)[keep])
         else:
-            weights = mask.unsqueeze(-1).to(hidden.dtype)
-            xs.append((hidden * weights).sum(1) / weights.sum(1))
+            weights = mask.unsqueeze(-1).to(features.dtype)
+            xs.append((features * weights).sum(1) / weights.sum(1))
             ys.append(labels)
             examples.append(rows)
     return Features(
@@ -247,8 +214,11 @@ def probe(
     model = build_mlm_model(bert)
     if pretrained:
         model.load_state_dict(state["model"])
-    train_rows, variants = load_probe_task(run_dir, config, bert.max_position_embeddings)
     max_len = bert.max_position_embeddings
+    train_rows, variants = task_rows(
+        run_dir, config.task, config.seed, config.max_train, max_len,
+        test_variants=config.test_variants,
+    )  # fmt: skip
     train = mlm_features(model, encode(tokenizer, train_rows, max_len, per_token=per_token))
     fitted = fit_probe(train, config.l2, config.max_iter)
     test_rows = [row for rows in variants for row in rows]
