@@ -420,6 +420,9 @@ class _Trainer:
                 extra=self._report_extra(),
             )
             print(report.format_summary(summary), flush=True)
+        # No rank exits before the summary is written: torch sometimes aborts a process as it
+        # exits, and once the summary is there such an abort is no failure (launch_job).
+        dist.barrier()
 
     def _validation_set(self, mlm: data.MLMData) -> tuple[torch.Tensor, torch.Tensor]:
         """A fixed random subset of ``eval_seqs`` validation sequences with fixed masks."""
