@@ -55,7 +55,8 @@ def reference_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
     """Each worker's parameters after every step: ``history[t][r][i]`` (float64).
 
     ``hyper``: betas, eps, weight_decay (per tensor, a list), var_freeze_step,
-    var_update_scaler, local_step_scaler, local_step_clipper. ``lr_fn(t, i)``: the learning
+    var_update_scaler, local_step_scaler, local_step_clipper and optionally
+    pre_freeze_exchange ("gradient", the default, or "momentum"). ``lr_fn(t, i)``: the learning
     rate of tensor i at step t; ``grad_fn(r, i, p)``: worker r's gradient of tensor i at its
     weights p; ``masks[i]``: tensor i's exp_avg_mask or None (the elements whose variance is 0
     are masked too).
@@ -64,6 +65,7 @@ def reference_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
     eps, decay = hyper["eps"], hyper["weight_decay"]
     freeze, kappa = hyper["var_freeze_step"], hyper["var_update_scaler"]
     scaler, clipper = hyper["local_step_scaler"], hyper["local_step_clipper"]
+    exchange_momentum = hyper.get("pre_freeze_exchange", "gradient") == "momentum"
     updates = variance_update_steps(freeze, kappa)
     k = len(init)
     masks = masks or [None] * k
@@ -93,23 +95,24 @@ def reference_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
                 for r in range(n):
                     m[r][i] = b1 * m[r][i] + (1 - b1) * g
                     p[r][i] = p[r][i] - lr * (m[r][i] / d + wd * p[r][i])
-            elif t <= freeze:
+            elif t <= freeze and not exchange_momentum:
                 g, we[i], se[i] = _exchange(grads, we[i], se[i])
                 g = masked(g, i)
                 for r in range(n):
                     m[r][i] = b1 * m[r][i] + (1 - b1) * g
                     p[r][i] = p[r][i] - lr * (m[r][i] / d + wd * p[r][i])
             else:
-                if t == freeze + 1 and i == 0:
+                if t <= freeze + 1 and i == 0:  # an interval starts at step t - 1's weights
                     synced = [x.clone() for x in p[0]]
                     lr_sum = [0.0] * k
+                if t == freeze + 1 and i == 0 and not exchange_momentum:
                     we = [torch.zeros_like(e) for e in we]
                     se = [torch.zeros_like(e) for e in se]
                 for r in range(n):
                     m[r][i] = b1 * m[r][i] + (1 - b1) * grads[r]
                     p[r][i] = p[r][i] - lr * (m[r][i] / d + wd * p[r][i])
                 lr_sum[i] += lr
-                if is_sync_step(t, freeze, scaler, clipper):
+                if t <= freeze or is_sync_step(t, freeze, scaler, clipper):
                     deltas = [(p[r][i] - synced[i]) * d for r in range(n)]
                     delta, we[i], se[i] = _exchange(deltas, we[i], se[i])
                     delta = masked(delta, i)

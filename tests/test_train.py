@@ -186,14 +186,17 @@ ZERO_ONE = [
 ]  # fmt: skip
 
 
-def test_zero_one_adam_job_resumes_inside_a_local_interval(workspace: Path) -> None:
-    """0/1 Adam through every kind of step: variance updates 1, 2, 4, 6, 1-bit gradients 3, 5,
-    synchronisations 7, 8, 10, 12, local steps 9, 11. Under DDP; then without DDP, killed
-    after step 10 and restarted from the checkpoint of step 9 (inside a local interval, where
-    the ranks' weights differ): the same trajectory bit for bit."""
-    out = workspace / "zero-one-adam"
-    assert train(*tiny(workspace, out, *ZERO_ONE)) == 0
-    variance, one_bit = "variance_update", "gradient_1bit"
+@pytest.mark.parametrize("exchange", ["gradient", "momentum"])
+def test_zero_one_adam_job_resumes_inside_a_local_interval(workspace: Path, exchange: str) -> None:
+    """0/1 Adam through every kind of step: variance updates 1, 2, 4, 6, 1-bit steps 3, 5
+    (gradients, or synchronisations with --pre-freeze-exchange momentum), synchronisations 7,
+    8, 10, 12, local steps 9, 11. Under DDP; then without DDP, killed after step 10 and
+    restarted from the checkpoint of step 9 (inside a local interval, where the ranks'
+    weights differ): the same trajectory bit for bit."""
+    out = workspace / f"zero-one-adam-{exchange}"
+    options = (*ZERO_ONE, "--pre-freeze-exchange", exchange)
+    assert train(*tiny(workspace, out, *options)) == 0
+    variance, one_bit = "variance_update", "gradient_1bit" if exchange == "gradient" else "sync"
     assert [r["stage"] for r in report.read_metrics(out).train] == [
         *(variance, variance, one_bit, variance, one_bit, variance),
         *("sync", "sync", "local", "sync", "local", "sync"),
@@ -201,11 +204,12 @@ def test_zero_one_adam_job_resumes_inside_a_local_interval(workspace: Path) -> N
     stages = json.loads((out / "summary.json").read_text())["bytes_sent"]["by_stage"]
     assert stages["variance_update"]["bytes"] == stages["variance_update"]["lamb_bytes"] > 0
     assert stages["local"]["bytes"] == 0
-    for kind in ("gradient_1bit", "sync"):
+    for kind in {one_bit, "sync"}:
         assert 0 < stages[kind]["bytes"] * 8 < stages[kind]["lamb_bytes"]
-    killed = workspace / "zero-one-adam-killed"
+    assert ("gradient_1bit" in stages) == (exchange == "gradient")
+    killed = workspace / f"zero-one-adam-{exchange}-killed"
     extra = ("--no-ddp", "--max-restarts", "1", "--kill-at-step", "10")
-    assert train(*tiny(workspace, killed, *ZERO_ONE, *extra)) == 0
+    assert train(*tiny(workspace, killed, *options, *extra)) == 0
     assert_same_trajectory(killed, out)
 
 

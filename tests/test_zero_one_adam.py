@@ -3,7 +3,8 @@
 The schedule below puts every phase in 32 steps: variance updates at steps 1, 2, 4, 6, 8
 and 12 (kappa = 2, freeze after 12), 1-bit gradients at 3, 5, 7, 9, 10 and 11, then
 synchronisations every step (13-15), every 2 (16, 18) and every 4 steps (20, 24, 28, 32)
-with local steps in between.
+with local steps in between. With ``pre_freeze_exchange="momentum"`` the 1-bit gradient steps
+are synchronisations instead.
 """
 
 from __future__ import annotations
@@ -34,9 +35,14 @@ MASK = torch.tensor([[1.0, 0.0]] * 6)  # the second column's momentum stays zero
 HYPER = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=DECAY, **SCHEDULE)
 
 
-def kind_of(t):
+EXCHANGES = ("gradient", "momentum")
+
+
+def kind_of(t, exchange="gradient"):
     if t <= 12:
-        return "variance_update" if t in VARIANCE else "gradient_1bit"
+        if t in VARIANCE:
+            return "variance_update"
+        return "gradient_1bit" if exchange == "gradient" else "sync"
     return "sync" if t in SYNCS else "local"
 
 
@@ -91,8 +97,9 @@ def test_schedules_follow_the_written_examples():
         120,
         128,
     ]
-    kinds = [step_kind(t, **SCHEDULE) for t in range(1, STEPS + 1)]
-    assert kinds == [kind_of(t) for t in range(1, STEPS + 1)]
+    for exchange in EXCHANGES:
+        kinds = [step_kind(t, **SCHEDULE, pre_freeze_exchange=exchange) for t in range(1, 33)]
+        assert kinds == [kind_of(t, exchange) for t in range(1, STEPS + 1)]
     assert [local_step_interval(t, 12, 3, 4) for t in range(13, 25)] == [1] * 3 + [2] * 3 + [4] * 6
     # DeepSpeed's defaults: a synchronisation every step for 32678 steps after the freeze,
     # intervals 2, 4, 8, then 16 for ever.
@@ -109,12 +116,12 @@ def test_schedules_follow_the_written_examples():
 # ------------------------------------------------------------------ against the model
 
 
-def _trajectories(rank, world_size, dtypes):
-    return [_trajectory(rank, dtype) for dtype in dtypes]
+def _trajectories(rank, world_size, dtypes, exchange):
+    return [_trajectory(rank, dtype, exchange) for dtype in dtypes]
 
 
-def _trajectory(rank, dtype):
-    params, opt = build(dtype, verify_every=1)
+def _trajectory(rank, dtype, exchange):
+    params, opt = build(dtype, verify_every=1, pre_freeze_exchange=exchange)
     history, kinds, sent, bytes_by_step = [], [], [], []
     with TrafficProbe() as probe:
         probe.optimizer = opt
@@ -149,14 +156,16 @@ def _expected_bytes(n, elem):
     }
 
 
+@pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_follows_the_float64_model_through_every_phase(world_size):
+def test_follows_the_float64_model_through_every_phase(world_size, exchange):
     n = world_size
     dtypes = (torch.float64, torch.float32) if n == 2 else (torch.float64,)
-    runs = spawn_workers(_trajectories, n, args=(dtypes,), timeout_s=180)
+    runs = spawn_workers(_trajectories, n, args=(dtypes, exchange), timeout_s=180)
     results = [run[0] for run in runs]  # float64
+    hyper = dict(HYPER, pre_freeze_exchange=exchange)
     expected = reference_zero_one_adam(
-        initial_params(), grad_fn, lr_fn, n, STEPS, HYPER, masks=[None, None, None, MASK]
+        initial_params(), grad_fn, lr_fn, n, STEPS, hyper, masks=[None, None, None, MASK]
     )
     if n == 2:
         for rank, run in enumerate(run[1] for run in runs):
@@ -167,8 +176,9 @@ def test_follows_the_float64_model_through_every_phase(world_size):
                     # (the largest deviation seen: 1.7e-5); leaving out the weight decay moves
                     # the trajectory by up to 2.4.
                     torch.testing.assert_close(got.double(), ref, rtol=1e-3, atol=1e-3)
+    kinds = [kind_of(t, exchange) for t in range(1, STEPS + 1)]
     for rank, run in enumerate(results):
-        assert run["kinds"] == [kind_of(t) for t in range(1, STEPS + 1)]
+        assert run["kinds"] == kinds
         for t in range(1, STEPS + 1):
             for index, (got, ref) in enumerate(
                 zip(run["history"][t - 1], expected[t - 1][rank], strict=True)
@@ -191,7 +201,7 @@ def test_follows_the_float64_model_through_every_phase(world_size):
             for run in results[1:]
         ]
         if t <= 12 or t in SYNCS:
-            assert all(same), f"replicas differ after step {t} ({kind_of(t)})"
+            assert all(same), f"replicas differ after step {t} ({kinds[t - 1]})"
         else:
             assert not any(same), f"replicas agree after local step {t}"
     # The masked column's exchanged values are zero, so at every synchronisation those
@@ -204,11 +214,11 @@ def test_follows_the_float64_model_through_every_phase(world_size):
     for run in results:
         # Counted by the library, step by step.
         assert run["bytes_by_step"] == [
-            per_kind[kind_of(t)] + gradient_check * (t == 3) for t in range(1, STEPS + 1)
+            per_kind[kinds[t - 1]] + gradient_check * (t == 3) for t in range(1, STEPS + 1)
         ]
         assert run["bytes_sent"] == {
-            kind: sum(per_kind[kind] for t in range(1, STEPS + 1) if kind_of(t) == kind)
-            + gradient_check * (kind == "gradient_1bit")
+            kind: sum(per_kind[kind] for k in kinds if k == kind)
+            + gradient_check * (kind == kinds[2])
             for kind in per_kind
         }
         # Counted at torch.distributed: the same bytes, plus the replica checks of
@@ -232,11 +242,11 @@ def _save(path, params, opt):
     )
 
 
-def _resume_in_every_phase(rank, world_size, directory, save_at):
+def _resume_in_every_phase(rank, world_size, directory, save_at, exchange):
     """An uninterrupted run that saves after the steps in save_at, then a run resumed from
     each save as the training job resumes: the weights of rank 0's file on every rank (it
     saves the model once), this rank's own optimizer state."""
-    params, opt = build(torch.float32, verify_every=4)
+    params, opt = build(torch.float32, verify_every=4, pre_freeze_exchange=exchange)
     for t in range(1, STEPS + 1):
         train_step(params, opt, rank, t)
         if t in save_at:
@@ -246,7 +256,7 @@ def _resume_in_every_phase(rank, world_size, directory, save_at):
     for start in save_at:
         model = torch.load(os.path.join(directory, f"step{start}-rank0.pt"), weights_only=True)
         mine = torch.load(os.path.join(directory, f"step{start}-rank{rank}.pt"), weights_only=True)
-        params, opt = build(torch.float32, verify_every=4)
+        params, opt = build(torch.float32, verify_every=4, pre_freeze_exchange=exchange)
         with torch.no_grad():
             for p, value in zip(params, model["params"], strict=True):
                 p.copy_(value)
@@ -258,11 +268,15 @@ def _resume_in_every_phase(rank, world_size, directory, save_at):
     return uninterrupted, resumed
 
 
-def test_resume_from_every_phase_is_bit_identical(tmp_path):
-    # After a 1-bit gradient step, at the freeze, after a synchronisation, and inside local
-    # intervals (17: between the syncs of 16 and 18; 22: two steps into an interval of 4).
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_resume_from_every_phase_is_bit_identical(tmp_path, exchange):
+    # After a 1-bit step before the freeze (followed by a variance update), at the freeze,
+    # after a synchronisation, and inside local intervals (17: between the syncs of 16 and
+    # 18; 22: two steps into an interval of 4).
     save_at = (5, 12, 14, 17, 22)
-    results = spawn_workers(_resume_in_every_phase, 2, args=(str(tmp_path), save_at), timeout_s=180)
+    results = spawn_workers(
+        _resume_in_every_phase, 2, args=(str(tmp_path), save_at, exchange), timeout_s=180
+    )
     for uninterrupted, resumed in results:
         for start, run in resumed.items():
             assert run[1:] == uninterrupted[1:], f"counters differ resuming after step {start}"
@@ -306,10 +320,12 @@ def test_a_checkpoint_inside_a_local_interval_survives_a_load_and_save():
 # ------------------------------------------------------------------ DDP
 
 
-def _plain_or_ddp(rank, world_size, use_ddp):
+def _plain_or_ddp(rank, world_size, use_ddp, exchange):
     torch.manual_seed(0)  # identical initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt = onebit.ZeroOneAdam(model.parameters(), lr=0.01, weight_decay=0.01, **SCHEDULE)
+    opt = onebit.ZeroOneAdam(
+        model.parameters(), lr=0.01, weight_decay=0.01, **SCHEDULE, pre_freeze_exchange=exchange
+    )
     if use_ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
         onebit.ddp.register_comm_hook(model, opt)
@@ -327,12 +343,17 @@ def _plain_or_ddp(rank, world_size, use_ddp):
     return history, opt.bytes_sent, synced, kinds
 
 
-def _plain_and_ddp(rank, world_size):
-    return _plain_or_ddp(rank, world_size, False), _plain_or_ddp(rank, world_size, True)
+def _plain_and_ddp(rank, world_size, exchange):
+    return (
+        _plain_or_ddp(rank, world_size, False, exchange),
+        _plain_or_ddp(rank, world_size, True, exchange),
+    )
 
 
-def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
-    plain, ddp = zip(*spawn_workers(_plain_and_ddp, 2, timeout_s=120), strict=True)
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_plain_loop_and_ddp_hook_give_the_same_trajectory(exchange):
+    runs = spawn_workers(_plain_and_ddp, 2, args=(exchange,), timeout_s=120)
+    plain, ddp = zip(*runs, strict=True)
     for rank in range(2):
         for t, (a, b) in enumerate(zip(plain[rank][0], ddp[rank][0], strict=True), start=1):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {t}"
@@ -352,10 +373,12 @@ def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
 # ------------------------------------------------------------------ one process
 
 
-def test_world_size_one_matches_the_model():
-    params, opt = build(torch.float64)
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_world_size_one_matches_the_model(exchange):
+    params, opt = build(torch.float64, pre_freeze_exchange=exchange)
+    hyper = dict(HYPER, pre_freeze_exchange=exchange)
     expected = reference_zero_one_adam(
-        initial_params(), grad_fn, lr_fn, 1, STEPS, HYPER, masks=[None, None, None, MASK]
+        initial_params(), grad_fn, lr_fn, 1, STEPS, hyper, masks=[None, None, None, MASK]
     )
     for t in range(1, STEPS + 1):
         train_step(params, opt, 0, t)
@@ -387,6 +410,21 @@ def test_a_non_finite_local_gradient_is_ignored_on_that_rank():
         strict.step()
 
 
+def test_a_non_finite_gradient_in_a_synchronised_step_before_the_freeze():
+    """With pre_freeze_exchange="momentum" a 1-bit step before the freeze uses this rank's
+    own gradient, as a synchronisation after it does: a non-finite one is ignored here."""
+    params, opt = build(torch.float32, pre_freeze_exchange="momentum")
+    train_step(params, opt, 0, 1)
+    train_step(params, opt, 0, 2)
+    assert opt.stage == "sync"
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    with pytest.warns(RuntimeWarning, match="step 3 \\(a sync step"):
+        opt.step()
+    assert opt.step_count == 3 and opt.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in params)
+
+
 def test_bf16_parameters_track_fp32_parameters():
     torch.manual_seed(0)
     init, targets = torch.randn(64), torch.randn(64)
@@ -415,6 +453,7 @@ def test_bf16_parameters_track_fp32_parameters():
         ({"lr": -1.0}, "lr"),
         ({"betas": (0.9, 1.0)}, "betas"),
         ({"on_nonfinite": "ignore"}, "on_nonfinite"),
+        ({"pre_freeze_exchange": "momentum_1bit"}, "pre_freeze_exchange"),
     ],
 )
 def test_invalid_arguments_name_the_argument(kwargs, name):

@@ -23,6 +23,7 @@ from onebit.optim.functional import _active_indices, _by_group, _pick
 
 __all__ = [
     "ZeroOneAdam",
+    "PRE_FREEZE_EXCHANGES",
     "STEP_KINDS",
     "is_variance_update_step",
     "local_step_interval",
@@ -35,6 +36,11 @@ GRADIENT_1BIT = "gradient_1bit"  # the gradients exchanged at 1 bit, variance un
 LOCAL = "local"  # after the freeze: local gradients, nothing sent
 SYNC = "sync"  # after the freeze: the accumulated update exchanged at 1 bit
 STEP_KINDS = (VARIANCE_UPDATE, GRADIENT_1BIT, LOCAL, SYNC)
+
+#: What the 1-bit steps before the variance freeze exchange: ``"gradient"`` (DeepSpeed's
+#: ``ZeroOneAdam``: the gradients, a ``gradient_1bit`` step) or ``"momentum"`` (the paper's
+#: Algorithm 1: each rank's own momentum step, synchronised at 1 bit, a ``sync`` step).
+PRE_FREEZE_EXCHANGES = ("gradient", "momentum")
 
 
 def is_variance_update_step(step: int, var_update_scaler: int) -> bool:
@@ -65,14 +71,16 @@ def step_kind(
     var_update_scaler: int,
     local_step_scaler: int,
     local_step_clipper: int,
+    pre_freeze_exchange: str = "gradient",
 ) -> str:
     """The kind of step ``step`` (counted from 1), one of :data:`STEP_KINDS`: up to the
-    freeze a variance update or a 1-bit gradient step; after it a synchronisation when
+    freeze a variance update, or else a 1-bit gradient step (``pre_freeze_exchange`` =
+    ``"gradient"``) or a synchronisation (``"momentum"``); after it a synchronisation when
     ``t mod H_t = 0``, else a local step."""
     if step <= var_freeze_step:
         if is_variance_update_step(step, var_update_scaler):
             return VARIANCE_UPDATE
-        return GRADIENT_1BIT
+        return GRADIENT_1BIT if pre_freeze_exchange == "gradient" else SYNC
     interval = local_step_interval(step, var_freeze_step, local_step_scaler, local_step_clipper)
     return SYNC if step % interval == 0 else LOCAL
 
@@ -134,7 +142,10 @@ class ZeroOneAdam(OneBitOptimizer):
       or by ``DistributedDataParallel`` with :func:`onebit.ddp.register_comm_hook`) and
       ``m, v`` updated as in Adam;
     * on the other steps the local gradients are averaged by the per-tensor 1-bit exchange
-      (:func:`onebit.collectives.compressed_allreduce_per_tensor`) and only ``m`` is updated.
+      (:func:`onebit.collectives.compressed_allreduce_per_tensor`) and only ``m`` is updated
+      (``pre_freeze_exchange="gradient"``, DeepSpeed's scheme), or each rank takes its own
+      momentum step and the step is synchronised as after the freeze, below, at an interval
+      of one step (``"momentum"``, the paper's Algorithm 1).
 
     After T the variance stays frozen; each rank updates ``m`` from its own gradients and
     steps on its own, and at synchronisation steps (``t mod H_t = 0``, ``H_t`` doubling every
@@ -161,11 +172,17 @@ class ZeroOneAdam(OneBitOptimizer):
         var_update_scaler: variance updates at each interval before it doubles (kappa).
         local_step_scaler: steps after the freeze at each local interval before it doubles.
         local_step_clipper: the longest local interval (H).
+        pre_freeze_exchange: what the 1-bit steps before the freeze exchange: ``"gradient"``
+            (DeepSpeed's) or ``"momentum"`` (the paper's; counted as ``"sync"`` steps). In
+            short runs whose variance schedule reaches past the learning-rate warm-up,
+            ``"momentum"`` keeps up with 1-bit Adam where ``"gradient"`` falls behind
+            (docs/ZERO-ONE-ADAM.md).
         process_group, on_nonfinite, verify_every, kernels: as in :class:`onebit.OneBitLamb`.
             A non-finite local gradient in a local step is ignored on that rank alone (with a
             warning, or an error with ``on_nonfinite="raise"``).
 
-    Argument names and defaults follow DeepSpeed's ``ZeroOneAdam``.
+    Argument names and defaults follow DeepSpeed's ``ZeroOneAdam`` (``pre_freeze_exchange``
+    is onebit's).
     """
 
     _SCALARS = {"lr_sum": 0.0}  # Gamma: the sum of lr since the last synchronisation
@@ -181,6 +198,7 @@ class ZeroOneAdam(OneBitOptimizer):
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
+        pre_freeze_exchange: str = "gradient",
         process_group: dist.ProcessGroup | None = None,
         on_nonfinite: str = "skip",
         verify_every: int = 0,
@@ -194,6 +212,12 @@ class ZeroOneAdam(OneBitOptimizer):
             ("local_step_clipper", local_step_clipper, "the longest local interval"),
         ):
             _common.check_positive_int(name, value, meaning)
+        if pre_freeze_exchange not in PRE_FREEZE_EXCHANGES:
+            raise ValueError(
+                f"pre_freeze_exchange must be one of {list(PRE_FREEZE_EXCHANGES)}, "
+                f"got {pre_freeze_exchange!r}"
+            )
+        self.pre_freeze_exchange = pre_freeze_exchange
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
@@ -226,6 +250,7 @@ class ZeroOneAdam(OneBitOptimizer):
             self.var_update_scaler,
             self.local_step_scaler,
             self.local_step_clipper,
+            self.pre_freeze_exchange,
         )
 
     @property
@@ -250,7 +275,9 @@ class ZeroOneAdam(OneBitOptimizer):
         return functional.adam_step_(flat, grads, active, check_finite=True, backend=self._backend)
 
     def _compression_step(self, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
-        """A step that does not average gradients densely: 1-bit gradient, local or sync."""
+        """A step that does not average gradients densely: 1-bit gradient, local or sync (of
+        the interval that starts at the last synchronisation, or at the weights of step
+        ``t - 1`` for every step ``t <= T + 1``)."""
         kind = self.stage
         buffer = self._prepare_exchange(flat)
         if kind == GRADIENT_1BIT:
@@ -263,8 +290,8 @@ class ZeroOneAdam(OneBitOptimizer):
                 flat, flat.views(flat.grad), self._has_state, backend=self._backend
             )
             return True
-        if flat.synced_param is None:  # the first step after the freeze
-            self._start_local_steps(flat)
+        if self.step_count <= self.freeze_step:
+            self._start_interval(flat)
         local = [
             torch.zeros(p.shape, dtype=flat.dtype, device=flat.device) if g is None else g
             for p, g in zip(flat.params, grads, strict=True)
@@ -314,23 +341,28 @@ class ZeroOneAdam(OneBitOptimizer):
         if self._mask is not None:
             buffer.mul_(self._mask)
 
-    def _start_local_steps(self, flat: FlatState) -> None:
-        """At the freeze: ``p_synced = p``, ``lr_sum = 0``, and the error buffers, which held
-        the gradients' error, restart from zero for the accumulated updates."""
-        flat.enable_synced_param()
+    def _start_interval(self, flat: FlatState) -> None:
+        """Before a synchronised step ``t <= T + 1``: ``p_synced = p`` (a variance update may
+        have moved the weights since the last synchronisation) and ``lr_sum = 0``. At the
+        freeze after 1-bit gradient steps the error buffers, which held the gradients' error,
+        restart from zero for the accumulated updates."""
+        if flat.synced_param is None:
+            flat.enable_synced_param()
+            for index, has_state in enumerate(self._has_state):
+                if has_state:
+                    flat.expose(self.state[flat.params[index]], index)
+        flat.synced_param.copy_(flat.weights)
         flat.scalars["lr_sum"].zero_()
-        self._worker_error.zero_()
-        self._server_error.zero_()
-        for index, has_state in enumerate(self._has_state):
-            if has_state:
-                flat.expose(self.state[flat.params[index]], index)
+        if self.step_count == self.freeze_step and self.pre_freeze_exchange == "gradient":
+            self._worker_error.zero_()
+            self._server_error.zero_()
 
     def _ignore_local_gradients(self) -> None:
         """A local step whose gradients on this rank are not finite: they are ignored here
         (the step still counts, so the schedules stay aligned across ranks)."""
         message = (
-            f"non-finite local gradients at step {self.step_count + 1} (a local step after the "
-            "variance freeze)"
+            f"non-finite local gradients at step {self.step_count + 1} (a {self.stage} step, "
+            "which uses this rank's own gradients)"
         )
         if self.on_nonfinite == "raise":
             raise NonFiniteError(message + " on this rank (on_nonfinite='raise')")

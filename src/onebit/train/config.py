@@ -27,6 +27,7 @@ from onebit.optim._common import (
     check_unit_interval,
 )
 from onebit.optim.onebit_adam import COMPRESSIONS as ONEBIT_ADAM_COMPRESSIONS
+from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
 from onebit.train.atomic import write_json_atomic
 
 #: The encoder architectures of :mod:`onebit.train.model` (kept here, where the options are
@@ -184,6 +185,14 @@ class TrainConfig:
         default_help=f"the steps after --var-freeze-step / {DEFAULT_LOCAL_INTERVAL_DOUBLINGS}",
     )
     local_step_clipper: int = option(16, group=_HYPER, help="0/1 Adam: the longest local interval")
+    pre_freeze_exchange: str = option(
+        "gradient",
+        group=_HYPER,
+        choices=PRE_FREEZE_EXCHANGES,
+        help="0/1 Adam: what the 1-bit steps before the variance freeze exchange: gradient "
+        "(DeepSpeed's) or momentum (the paper's: each worker's own momentum step, "
+        "synchronised at 1 bit as after the freeze)",
+    )
     grad_clip: float = option(
         1.0,
         group=_HYPER,
@@ -260,6 +269,7 @@ class TrainConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
         _choice("onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS)
+        _choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
         if self.optimizer == "onebit-adam" and self.node_size > 1:
             if self.onebit_adam_compression == "per_tensor":
                 raise ValueError(

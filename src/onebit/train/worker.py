@@ -152,6 +152,7 @@ def build_optimizer(
             var_update_scaler=config.var_update_scaler,
             local_step_scaler=config.local_step_scaler,
             local_step_clipper=config.local_step_clipper,
+            pre_freeze_exchange=config.pre_freeze_exchange,
         )
     if config.optimizer == "onebit-adam":
         return onebit.OneBitAdam(
