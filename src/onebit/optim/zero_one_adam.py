@@ -178,8 +178,8 @@ class ZeroOneAdam(OneBitOptimizer):
             ``"momentum"`` keeps up with 1-bit Adam where ``"gradient"`` falls behind
             (docs/ZERO-ONE-ADAM.md).
         process_group, on_nonfinite, verify_every, kernels: as in :class:`onebit.OneBitLamb`.
-            A non-finite local gradient in a local step is ignored on that rank alone (with a
-            warning, or an error with ``on_nonfinite="raise"``).
+            A non-finite local gradient in a local or synchronisation step is ignored on that
+            rank alone (with a warning, or an error with ``on_nonfinite="raise"``).
 
     Argument names and defaults follow DeepSpeed's ``ZeroOneAdam`` (``pre_freeze_exchange``
     is onebit's).
@@ -358,8 +358,8 @@ class ZeroOneAdam(OneBitOptimizer):
             self._server_error.zero_()
 
     def _ignore_local_gradients(self) -> None:
-        """A local step whose gradients on this rank are not finite: they are ignored here
-        (the step still counts, so the schedules stay aligned across ranks)."""
+        """A local or synchronisation step whose gradients on this rank are not finite: they
+        are ignored here (the step still counts, so the schedules stay aligned across ranks)."""
         message = (
             f"non-finite local gradients at step {self.step_count + 1} (a {self.stage} step, "
             "which uses this rank's own gradients)"
