@@ -204,6 +204,8 @@ def task_rows(
         max_train=max_train or SPELLING_TRAIN_WINDOWS,
         rows=make_rows,
     )
+    if test_variants == 1:  # onebit finetune: no other versions, no second pass over the text
+        return train_rows, [test_rows]
     windows = text_windows(test_docs, max_chars)
     others = [make_rows(windows, random.Random(f"{seed}/{k}")) for k in range(1, test_variants)]
     return train_rows, [test_rows, *others]
