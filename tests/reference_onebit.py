@@ -1,7 +1,8 @@
 """An independent float64 model of ALGORITHM.md: 1-bit LAMB and 1-bit Adam over n workers.
 
 Written from the spec with plain tensor arithmetic, one simulated worker per row; the
-compressed exchange is onebit.compression.simulate_compressed_allreduce (itself tested
+compressed exchange is the test oracle's (oracle.py: simulate_compressed_allreduce, or
+simulate_hierarchical_compressed_allreduce for nodes of several workers; itself tested
 against a numpy model). Used as the reference the multi-process optimizers must follow.
 """
 
@@ -10,8 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from onebit.compression import simulate_compressed_allreduce
+from oracle import simulate_compressed_allreduce, simulate_hierarchical_compressed_allreduce
 
 
 def _rms(x):
@@ -19,7 +19,17 @@ def _rms(x):
 
 
 def reference_run(
-    kind, init, grad_fn, n, steps, freeze, groups, hyper, masks=None, compression="fused"
+    kind,
+    init,
+    grad_fn,
+    n,
+    steps,
+    freeze,
+    groups,
+    hyper,
+    masks=None,
+    compression="fused",
+    node_size=1,
 ):
     """Return the parameters after each step, as lists of float64 tensors.
 
@@ -27,7 +37,8 @@ def reference_run(
     masks[i] is tensor i's exp_avg_mask or None (the elements whose variance is 0 are masked
     too); grad_fn(rank, i, p) is worker rank's
     gradient of tensor i at parameter value p. compression="per_tensor" (1-bit Adam only)
-    exchanges each tensor alone, as DeepSpeed's OnebitAdam does.
+    exchanges each tensor alone, as DeepSpeed's OnebitAdam does; node_size > 1 exchanges the
+    fused buffer hierarchically over nodes of that many workers.
     """
     b1, b2 = hyper["betas"]
     eps = hyper["eps"]
@@ -43,7 +54,7 @@ def reference_run(
     total = sum(sizes)
     unit = 8 * n
     padded = max(unit, -(-total // unit) * unit)
-    we = torch.zeros(n, padded, dtype=torch.float64)
+    we = torch.zeros(n, padded // node_size, dtype=torch.float64)
     se = torch.zeros(n, padded // n, dtype=torch.float64)
     # Per tensor: padded alone to a multiple of n * lcm(n, 8), its own error buffers.
     unit_alone = n * math.lcm(n, 8)
@@ -105,7 +116,12 @@ def reference_run(
                     for i in range(k)
                 ]
                 buffers[r, :total] = torch.cat(pieces)
-            result, we, se = simulate_compressed_allreduce(buffers, we, se)
+            if node_size > 1:
+                result, we, se = simulate_hierarchical_compressed_allreduce(
+                    buffers, we, se, node_size
+                )
+            else:
+                result, we, se = simulate_compressed_allreduce(buffers, we, se)
             offset = 0
             for i in range(k):
                 lr, wd = groups[i]

@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from onebit.compression import simulate_compressed_allreduce
+from oracle import simulate_compressed_allreduce
 
 
 def padded(numel, n):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import simulate_compressed_allreduce
 
 import onebit
 from onebit import kernels
@@ -14,7 +15,6 @@ from onebit.collectives import (
     compressed_allreduce_bytes,
     padded_size,
 )
-from onebit.compression import simulate_compressed_allreduce
 from onebit.testing import WorkerError, spawn_workers
 
 CALLS = 5

@@ -9,13 +9,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import simulate_compressed_allreduce
 
 from onebit.compression import (
     _pack_bits_torch,
     pack_signs,
     scale,
     signs,
-    simulate_compressed_allreduce,
     unpack_signs,
 )
 

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import simulate_compressed_allreduce, simulate_hierarchical_compressed_allreduce
 
 import onebit
 from onebit.collectives import NonFiniteError, TrafficCounter, padded_size
-from onebit.compression import (
-    simulate_compressed_allreduce,
-    simulate_hierarchical_compressed_allreduce,
-)
-from onebit.hierarchical import hierarchical_bytes, node_groups
+from onebit.exchange.hierarchical import hierarchical_bytes, node_groups
 from onebit.testing import spawn_workers
 
 CALLS = 4

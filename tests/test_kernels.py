@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import simulate_compressed_allreduce
 
 import onebit
 from onebit import kernels
-from onebit.compression import simulate_compressed_allreduce
 
 CUDA = torch.cuda.is_available()
 FUSED = [name for name in kernels.available() if name != "torch"]
@@ -64,7 +64,7 @@ def _assert_scale(scale: torch.Tensor, ref_scale: torch.Tensor, values: torch.Te
 def _backends(name: str, dtype: torch.dtype):
     """The fused backend ``name`` for ``dtype`` on its test device, and the reference."""
     fused = kernels.select(torch.empty(0, dtype=dtype, device=_device(name)), name)
-    return fused, kernels._load("torch")
+    return fused.compression, kernels._load("torch").compression
 
 
 def _check_worker_stages(backend: str, dtype: torch.dtype, numel: int) -> None:

@@ -156,7 +156,7 @@ def test_the_kernels_argument_overrides_the_environment(monkeypatch):
     optimizer = onebit.Lamb(params, kernels="torch")
     params[0].grad = torch.ones_like(params[0])
     optimizer.step()
-    assert optimizer._backend == "torch"
+    assert optimizer.backend.name == "torch"
 
 
 def test_checkpoints_with_python_float_scalars_load_and_continue_identically():

@@ -24,6 +24,7 @@ from test_onebit_optimizers import grad_fn as model_grad_fn
 
 import onebit
 from onebit.collectives import compressed_allreduce_per_tensor_bytes
+from onebit.exchange import SimulatedExchange
 from onebit.testing import spawn_workers
 
 NUMELS = [math.prod(p.shape) for p in initial_params()]
@@ -209,15 +210,16 @@ def test_invalid_compression_and_node_groups_are_clear_errors():
         onebit.OneBitAdam([param], compression="per_tensor", node_groups=(None, None))
 
 
-def test_a_simulated_momentum_exchange_is_refused():
+def test_a_simulated_exchange_is_refused():
     params, opt = build(torch.float32)
     for _ in range(FREEZE):
         set_grads(params, 0)
         opt.step()
-    opt.momentum_exchange = object()  # simulates the fused exchange only
-    set_grads(params, 0)
     with pytest.raises(ValueError, match="compression='per_tensor' exchanges over the process"):
-        opt.step()
+        opt.use_exchange(SimulatedExchange(2))  # simulates the fused exchange only
+    set_grads(params, 0)
+    opt.step()  # nothing was lost: it goes on with its own exchange
+    assert opt.stage == "compression" and opt.exchange.worker_error is not None
 
 
 def test_a_deepspeed_config_can_ask_for_deepspeeds_per_tensor_compression():

@@ -55,7 +55,7 @@ def grad_fn(rank, index, param):
     return grad
 
 
-def build(kind, dtype, compression="fused"):
+def build(kind, dtype, compression="fused", **options):
     params = [torch.nn.Parameter(p.clone().to(dtype)) for p in initial_params()]
     groups = [
         {"params": params[:2], "lr": 0.02, "weight_decay": 0.01},
@@ -67,10 +67,10 @@ def build(kind, dtype, compression="fused"):
         },
     ]
     if kind == "lamb":
-        opt = onebit.OneBitLamb(groups, freeze_step=FREEZE, **HYPER)
+        opt = onebit.OneBitLamb(groups, freeze_step=FREEZE, **HYPER, **options)
     else:
         opt = onebit.OneBitAdam(
-            groups, freeze_step=FREEZE, betas=HYPER["betas"], compression=compression
+            groups, freeze_step=FREEZE, betas=HYPER["betas"], compression=compression, **options
         )
     return params, opt
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import simulate_compressed_allreduce
 
 import onebit
 from onebit.collectives import NonFiniteError
-from onebit.compression import simulate_compressed_allreduce
 from onebit.testing import spawn_workers
 
 FREEZE = 3

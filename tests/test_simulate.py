@@ -19,18 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracle import simulate_compressed_allreduce, simulate_hierarchical_compressed_allreduce
 from test_train import FREEZE as TINY_FREEZE
 from test_train import STEPS as TINY_STEPS
 from test_train import TINY, final_model, write_corpus
 from torch import nn
 
 import onebit
+from onebit import kernels as backends
 from onebit.cli import main as onebit_main
 from onebit.collectives import TrafficCounter, compressed_allreduce_bytes
-from onebit.compression import (
-    simulate_compressed_allreduce,
-    simulate_hierarchical_compressed_allreduce,
-)
 from onebit.simulate import SimulatedDataParallel, SimulatedExchange, SimulationDiverged
 from onebit.testing import spawn_workers
 
@@ -178,8 +176,11 @@ def test_streamed_exchange_equals_the_reference_simulations() -> None:
         numel = 8 * workers * 29
         generator = torch.Generator().manual_seed(workers * 10 + local)
         errors = torch.zeros(workers, numel // local), torch.zeros(workers, numel // workers)
-        streamed = [errors[0].clone(), errors[1].clone()]
-        exchange = SimulatedExchange(workers, local, kernels="torch")
+        exchange = SimulatedExchange(workers, local)
+        reference_backend = backends.select(torch.zeros(8), "torch")
+        exchange.bind(
+            [numel], torch.float32, torch.device("cpu"), reference_backend, TrafficCounter()
+        )
         for _ in range(3):
             buffers = torch.randn(workers, numel, generator=generator)
             if local == 1:
@@ -188,10 +189,14 @@ def test_streamed_exchange_equals_the_reference_simulations() -> None:
                 expected, *errors = simulate_hierarchical_compressed_allreduce(
                     buffers, *errors, local, kernels="torch"
                 )
-            for rank in range(workers):
-                exchange.add_worker(rank, buffers[rank].clone(), streamed[0])
-            result = exchange.exchange(*streamed).decode(torch.empty(numel))
+            for rank in range(workers - 1):
+                exchange.add_worker(rank, buffers[rank].clone())
+            result = exchange.exchange(buffers[-1].clone()).decode(torch.empty(numel))
             assert torch.equal(result, expected), (workers, local)
+            streamed = (
+                exchange.worker_error.view(workers, -1),
+                exchange.server_error.view(workers, -1),
+            )
             assert torch.equal(streamed[0], errors[0]) and torch.equal(streamed[1], errors[1])
 
 
@@ -243,12 +248,19 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="already simulated"):
         SimulatedDataParallel(optimizer, 2)
     exchange = SimulatedExchange(2)
+    with pytest.raises(RuntimeError, match="used before bind"):
+        exchange.add_worker(0, torch.zeros(16))
+    exchange.bind(
+        [16], torch.float32, torch.device("cpu"), backends.select(torch.zeros(8)), TrafficCounter()
+    )
     with pytest.raises(ValueError, match="rank order: expected 0"):
-        exchange.add_worker(1, torch.zeros(16), torch.zeros(32))
-    with pytest.raises(RuntimeError, match="needs all 2 workers"):
-        exchange.exchange(torch.zeros(32), torch.zeros(16))
+        exchange.add_worker(1, torch.zeros(16))
+    with pytest.raises(
+        RuntimeError, match="takes the last of 2 workers once the others are added; 0"
+    ):
+        exchange.exchange(torch.zeros(16))
     with pytest.raises(SimulationDiverged, match="simulated worker 0"):
-        exchange.add_worker(0, torch.full((16,), float("nan")), torch.zeros(32))
+        exchange.add_worker(0, torch.full((16,), float("nan")))
 
 
 def test_cli_simulation_equals_onebit_train_and_resumes(

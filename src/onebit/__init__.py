@@ -13,6 +13,8 @@ Public API:
   with every tensor compressed alone (DeepSpeed's 1-bit Adam), in fused collectives.
 * :func:`hierarchical_compressed_allreduce`, :func:`node_groups`: the exchange for nodes of
   several ranks (dense inside a node, 1 bit between nodes).
+* :mod:`onebit.exchange`: the exchanges the optimizers are built with, behind one seam
+  (:class:`onebit.exchange.Exchange`), and the two-phase protocol they share.
 * :func:`from_deepspeed_config`: the optimizer a DeepSpeed JSON config describes.
 * :func:`clip_grad_norm_`: gradient clipping that knows whether ``step()`` averages the
   gradients or uses each rank's own.
@@ -34,11 +36,8 @@ from onebit.collectives import (
 )
 from onebit.consistency import ReplicaMismatchError, broadcast_parameters, verify_replicas
 from onebit.deepspeed import from_deepspeed_config
-from onebit.hierarchical import (
-    HierarchicalWorkspace,
-    hierarchical_compressed_allreduce,
-    node_groups,
-)
+from onebit.exchange import HierarchicalWorkspace, node_groups
+from onebit.exchange.hierarchical import hierarchical_compressed_allreduce
 from onebit.optim import (
     CommunicationError,
     Lamb,

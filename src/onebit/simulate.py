@@ -10,16 +10,18 @@ one optimizer suffices, holding the error state of all ``W`` workers, and a step
 * **averaged steps** (the warm-up, and every step of a dense optimizer): worker ``i``'s
   gradient from its own micro-batch, summed in rank order into one buffer, divided by ``W``
   (what ``onebit.allreduce_mean_`` computes), clipped, then ``optimizer.step()``;
-* **compression steps**: for each worker in rank order, its gradient, clipped, its local
-  momentum from :meth:`OneBitOptimizer.local_momentum` (the optimizer's code), compressed at
-  once with its worker error (for ``L > 1`` each node's ranks are first averaged densely);
-  then ``optimizer.step()``, whose exchange (:class:`SimulatedExchange`) runs the servers and
+* **compression steps**: for each worker but the last, in rank order, its gradient, clipped,
+  its local momentum from :meth:`OneBitOptimizer.local_momentum` (the optimizer's code),
+  compressed at once with its worker error (for ``L > 1`` each node's ranks are first
+  averaged densely); then the last worker's gradient and ``optimizer.step()``, whose
+  exchange (:class:`onebit.exchange.SimulatedExchange`, given to the optimizer with
+  :meth:`OneBitOptimizer.use_exchange`) takes that worker's momentum, runs the servers and
   returns the result to the optimizer's own update.
 
-The exchange runs the same backend stages in the same order as
-:func:`onebit.compressed_allreduce` and :func:`onebit.hierarchical_compressed_allreduce`, so
-the parameters equal those of a real run of ``W`` processes bit for bit when the averaged
-gradients agree (tests/test_simulate.py).
+The exchange runs the same stages of the two-phase protocol (:mod:`onebit.exchange.protocol`)
+in the same order as a distributed exchange, flat or hierarchical, so the parameters equal
+those of a real run of ``W`` processes bit for bit when the averaged gradients agree
+(tests/test_simulate.py).
 
 **Memory** (``N_pad`` = the trainable parameters padded to a multiple of ``8 W``, 4 bytes an
 element in fp32): the worker errors, ``M N_pad`` elements (``W`` buffers of ``N_pad / L``);
@@ -44,17 +46,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from onebit import kernels as backends
 from onebit.clipping import clip_grad_norm_
-from onebit.collectives import (
-    PackedResult,
-    TrafficCounter,
-    allreduce_bytes,
-    compressed_allreduce_bytes,
-    world_size,
-)
-from onebit.compression import scale_dtype
-from onebit.hierarchical import hierarchical_bytes
+from onebit.collectives import TrafficCounter, allreduce_bytes
+from onebit.exchange import SimulatedExchange, SimulationDiverged
 from onebit.optim._onebit import COMPRESSION, OneBitOptimizer
 from onebit.optim.onebit_adam import OneBitAdam
 from onebit.optim.onebit_lamb import OneBitLamb
@@ -62,155 +56,6 @@ from onebit.optim.onebit_lamb import OneBitLamb
 __all__ = ["SimulatedDataParallel", "SimulatedExchange", "SimulationDiverged"]
 
 Result = TypeVar("Result")
-
-
-class SimulationDiverged(FloatingPointError):
-    """A simulated worker's momentum (or a server's average) is not finite."""
-
-
-class SimulatedExchange:
-    """The compressed exchange of ``M`` nodes of ``L`` simulated workers, fed worker by worker.
-
-    :meth:`add_worker` takes rank ``r = node * L + l``'s buffer, in rank order; with
-    ``L > 1`` the ranks of a node are averaged densely (summed in rank order, divided by
-    ``L``) and each of the node's ``L`` shards compressed with its worker error (the
-    inter-node exchange of local index ``l``); with ``L = 1`` the buffer itself. Then
-    :meth:`exchange` runs every server and returns the result in the layout of
-    :func:`onebit.hierarchical_compressed_allreduce` (chunk ``l * M + j`` is server ``j``'s
-    chunk of shard ``l``; the flat layout for ``L = 1``). Error buffers are ``[W, N / L]``
-    and ``[W, N / W]``, row ``r`` for rank ``r``.
-    """
-
-    def __init__(self, workers: int, node_size: int = 1, *, kernels: str | None = None) -> None:
-        for name, value in (("workers", workers), ("node_size", node_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if workers % node_size:
-            raise ValueError(
-                f"node_size={node_size} must divide workers={workers} (nodes of equal size)"
-            )
-        self.workers, self.local, self.nodes = workers, node_size, workers // node_size
-        self.kernels = kernels
-        self._key: tuple | None = None
-        self._added = 0  # workers added since the last exchange
-
-    @property
-    def topology(self) -> tuple[int, int]:
-        """``(L, M)``: ranks per node and nodes."""
-        return self.local, self.nodes
-
-    def _prepare(self, buffer: Tensor) -> None:
-        numel, dtype, device = buffer.numel(), buffer.dtype, buffer.device
-        if numel % (8 * self.workers):
-            raise ValueError(
-                f"buffer has {numel} elements; it must be a multiple of 8 * workers = "
-                f"{8 * self.workers}"
-            )
-        backend = backends.select(buffer, self.kernels)
-        key = (numel, dtype, device, backend.name)
-        if key == self._key:
-            return
-        shard = numel // self.local
-        self.backend = backend
-        self.signs = torch.empty(
-            self.local, self.nodes, shard // 8, dtype=torch.uint8, device=device
-        )
-        self.scales = torch.empty(self.local, self.nodes, dtype=scale_dtype(dtype), device=device)
-        chunk = shard // self.nodes
-        self.server_signs = torch.empty(
-            self.local, self.nodes, chunk // 8, dtype=torch.uint8, device=device
-        )
-        self.server_scales = torch.empty_like(self.scales)
-        self.node_mean = torch.empty(numel, dtype=dtype, device=device) if self.local > 1 else None
-        self.scratch = backend.scratch(shard, self.nodes, dtype, device)
-        self._key = key
-
-    def add_worker(self, rank: int, buffer: Tensor, worker_error: Tensor) -> None:
-        """Worker ``rank``'s buffer (``N`` elements; used as scratch); ``worker_error``:
-        every worker's, ``[W, N / L]`` or flat. Ranks must come in order, from 0."""
-        if rank != self._added:
-            raise ValueError(f"workers must be added in rank order: expected {self._added}")
-        self._prepare(buffer)
-        node, index = divmod(rank, self.local)
-        errors = worker_error.view(self.workers, -1)
-        if self.local == 1:
-            self._compress(0, node, buffer.view(-1), errors[rank], rank)
-        else:
-            mean = self.node_mean
-            if index == 0:
-                mean.copy_(buffer.view(-1))
-            else:
-                mean.add_(buffer.view(-1))
-            if index == self.local - 1:
-                mean.div_(self.local)
-                for shard, shard_mean in enumerate(mean.view(self.local, -1)):
-                    member = node * self.local + shard
-                    self._compress(shard, node, shard_mean, errors[member], rank)
-        self._added += 1
-
-    def _compress(self, shard: int, node: int, x: Tensor, error: Tensor, rank: int) -> None:
-        """Worker compression of ``x`` (also its scratch) with ``error`` as member ``node``
-        of the inter-node exchange of ``shard``."""
-        scale = self.backend.worker_compress(x, error, self.signs[shard, node], x, self.scratch)
-        if not math.isfinite(float(scale)):
-            raise SimulationDiverged(
-                f"the local momentum of simulated worker {rank} is not finite (its compression "
-                "scale is NaN or Inf); the simulation cannot skip the step, since earlier "
-                "workers' error states are already updated"
-            )
-        self.scales[shard, node] = scale
-        self.backend.worker_error_update(x, error, self.signs[shard, node], scale, x, self.scratch)
-
-    def exchange(
-        self, worker_error: Tensor, server_error: Tensor, traffic: TrafficCounter | None = None
-    ) -> PackedResult:
-        """Every server's compression of the chunks the workers added; the result in packed
-        form. The bytes one worker would send are counted in ``traffic``."""
-        if self._added != self.workers:
-            raise RuntimeError(
-                f"exchange() needs all {self.workers} workers added first; {self._added} were"
-            )
-        self._added = 0
-        chunk_bytes = self.server_signs.shape[2]
-        errors = server_error.view(self.workers, -1)
-        for shard in range(self.local):
-            for server in range(self.nodes):
-                received = self.signs[shard, :, server * chunk_bytes : (server + 1) * chunk_bytes]
-                received = received.contiguous()
-                error = errors[server * self.local + shard]
-                packed = self.server_signs[shard, server]
-                scale = self.backend.server_compress(
-                    received, self.scales[shard], error, packed, self.scratch
-                )
-                if not math.isfinite(float(scale)):
-                    raise SimulationDiverged(
-                        f"the server average of chunk {server} of shard {shard} is not finite"
-                    )
-                self.server_scales[shard, server] = scale
-                self.backend.server_error_update(
-                    received, self.scales[shard], error, packed, scale, self.scratch
-                )
-        if traffic is not None:
-            for kind, nbytes in self.bytes_per_worker(worker_error.dtype).items():
-                if nbytes:
-                    traffic.record(kind, nbytes)
-        signs = self.server_signs.view(self.workers, chunk_bytes)
-        return PackedResult(signs, self.server_scales.view(-1), self.backend.name)
-
-    def bytes_per_worker(self, dtype: torch.dtype) -> dict[str, int]:
-        """Bytes one worker sends per exchange, by kind, as a distributed run counts them."""
-        numel = 8 * self.signs.shape[2] * self.local
-        if self.local == 1:
-            return {"compressed_allreduce": compressed_allreduce_bytes(numel, self.nodes, dtype)}
-        return hierarchical_bytes(numel, self.local, self.nodes, dtype)
-
-    def nbytes(self) -> int:
-        """Bytes of scratch held now: packed signs and scales, the node mean, the backend's."""
-        if self._key is None:
-            return 0
-        own = [self.signs, self.scales, self.server_signs, self.server_scales, self.node_mean]
-        scratch = vars(self.scratch).values() if self.scratch is not None else []
-        return sum(t.numel() * t.element_size() for t in [*own, *scratch] if t is not None)
 
 
 class SimulatedDataParallel:
@@ -248,20 +93,7 @@ class SimulatedDataParallel:
         if isinstance(optimizer, OneBitOptimizer):
             if not isinstance(optimizer, OneBitLamb | OneBitAdam):
                 raise ValueError(f"{type(optimizer).__name__} cannot be simulated (yet)")
-            if optimizer.node_groups is not None or world_size(optimizer.process_group) > 1:
-                raise ValueError(
-                    "the simulated optimizer must run in one process: give it no node_groups "
-                    "and no process group of more than one rank"
-                )
-            if getattr(optimizer, "compression", "fused") != "fused":
-                raise ValueError(
-                    f"the simulation exchanges the fused momentum buffer; "
-                    f"compression={optimizer.compression!r} is not simulated"
-                )
-            if optimizer.momentum_exchange is not None:
-                raise ValueError("optimizer is already simulated by another SimulatedDataParallel")
-            self.exchange.kernels = optimizer.kernels
-            optimizer.momentum_exchange = self.exchange
+            optimizer.use_exchange(self.exchange)
             self._onebit: OneBitOptimizer | None = optimizer
         else:
             self._onebit = None
@@ -288,9 +120,8 @@ class SimulatedDataParallel:
             for rank in range(self.workers):
                 results.append(self._backward(rank, worker_backward))
                 self._clip()
-                momentum = self._onebit.local_momentum()
-                worker_error, _ = self._onebit.error_feedback
-                self.exchange.add_worker(rank, momentum, worker_error)
+                if rank < self.workers - 1:  # the last one's momentum goes in through step()
+                    self.exchange.add_worker(rank, self._onebit.local_momentum())
         else:
             results = self._average_gradients(worker_backward)
             self._clip()
@@ -340,9 +171,7 @@ class SimulatedDataParallel:
     def memory_bytes(self) -> dict[str, Any]:
         """Bytes the simulation holds now beyond one optimizer's usual state: every worker's
         error buffers, the exchange's scratch (packed signs, node mean), the gradient sum."""
-        worker_error, server_error = (
-            self._onebit.error_feedback if self._onebit is not None else (None, None)
-        )
+        worker_error, server_error = self.exchange.worker_error, self.exchange.server_error
 
         def size(tensor: Tensor | None) -> int:
             return 0 if tensor is None else tensor.numel() * tensor.element_size()

@@ -267,7 +267,8 @@ def _optimizer_worker(rank: int, world: int, shapes, repeats: int, backend: str)
     compression = _interleaved(fns, repeats, sync)
     assert optimizer.stage == "compression"
     state, scratch = optimizer._flat.nbytes()
-    errors = optimizer._worker_error.numel() + optimizer._server_error.numel()
+    errors = sum(error.numel() for error in optimizer.error_feedback)
+    onebit_exchange = optimizer.exchange
     return {
         "world_size": world,
         "backend": backend,
@@ -282,8 +283,8 @@ def _optimizer_worker(rank: int, world: int, shapes, repeats: int, backend: str)
         "onebit_warmup_state_bytes": warmup_memory[0],
         "onebit_compression_state_bytes": state + FLOAT_BYTES * errors,
         "onebit_scratch_bytes": scratch
-        + optimizer._exchange_buffer.numel() * FLOAT_BYTES
-        + optimizer._workspace.nbytes(),
+        + onebit_exchange.buffer_size(onebit_exchange.numels) * FLOAT_BYTES
+        + onebit_exchange.nbytes(),
     }
 
 

@@ -5,7 +5,7 @@ slowest link it crosses, plus the processor time the ranks spend moving those by
 collective library; the 1-bit methods add the compression stage's local work. Bytes per rank
 come from the library's own formulas (:func:`~onebit.collectives.allreduce_bytes`,
 :func:`~onebit.collectives.compressed_allreduce_bytes`,
-:func:`~onebit.hierarchical.hierarchical_bytes`), so the model sends what the code sends.
+:func:`~onebit.exchange.hierarchical_bytes`), so the model sends what the code sends.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from onebit.collectives import allreduce_bytes, compressed_allreduce_bytes, padded_size
-from onebit.hierarchical import hierarchical_bytes
+from onebit.exchange.hierarchical import hierarchical_bytes
 
 __all__ = [
     "COMPRESSION_THROUGHPUT",
@@ -211,7 +211,7 @@ def hierarchical_exchange(cluster: Cluster, machine: Machine) -> Exchange:
     """:func:`~onebit.hierarchical_compressed_allreduce` with nodes of L ranks, its three steps
     one after another: ``(3 (L-1) + 4 (M-1)) alpha + link(L inter) / eta_b + intra / B_intra
     + k (intra + inter) / R_h`` with ``intra``, ``inter`` from
-    :func:`~onebit.hierarchical.hierarchical_bytes` (every inter-node byte leaves the node)."""
+    :func:`~onebit.exchange.hierarchical_bytes` (every inter-node byte leaves the node)."""
     per_node, nodes = cluster.ranks_per_node, cluster.nodes
     sent = hierarchical_bytes(cluster.padded, per_node, nodes, torch.float32)
     intra, inter = sent["intra_node"], sent["inter_node"]

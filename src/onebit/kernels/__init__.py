@@ -1,19 +1,30 @@
-"""Backends for the local work of the compressed allreduce.
+"""Backends: the local work of the 1-bit exchange and of the optimizers' updates.
 
-Three implementations of the same five stages (see :class:`ReferenceKernels`):
+A :class:`Backend` is selected once (:func:`select`) and passed down as an object. It has
+two parts, each declared by a protocol:
 
-* ``"torch"``: the pure-torch reference, any device and dtype; one torch op per pass.
-* ``"numba"``: fused CPU kernels for float32/float64 (the ``numba`` package); one pass
-  over memory per stage.
-* ``"triton"``: fused CUDA kernels (the ``triton`` package that CUDA builds of torch ship).
+* ``compression`` (:class:`CompressionKernels`): the five stages of the two-phase exchange
+  (worker compression and error update, server compression and error update, decoding);
+* ``updates`` (:class:`UpdateKernels`): the optimizers' updates over flat state, or ``None``
+  where the backend has none, and the pure-torch reference in
+  :mod:`onebit.optim.functional` runs instead.
+
+Three backends:
+
+* ``"torch"``: the pure-torch reference, any device and dtype; one torch op per pass; no
+  update kernels of its own (the reference is the torch code).
+* ``"numba"``: fused CPU kernels for float32/float64 (the ``numba`` package); one pass over
+  memory per stage, and fused update kernels.
+* ``"triton"``: fused CUDA compression kernels (the ``triton`` package that CUDA builds of
+  torch ship); no update kernels yet, so its updates are the torch reference's.
 
 For the same input every backend produces the same packed signs and error states as the
 reference when given the same scales; a fused backend sums the squares behind a scale in
 another order, so its scales agree with the reference's to float32 rounding. All ranks of
-a group must use the same backend (:func:`onebit.compressed_allreduce` checks it on every
-call, at no extra message). ``ONEBIT_KERNELS`` (or the ``kernels=`` argument) picks one by
-name; ``auto`` (the default) takes the fused backend for the device when it is installed
-and supports the dtype, else the reference.
+a group must use the same backend (the exchange checks it on every call, at no extra
+message). ``ONEBIT_KERNELS`` (or the ``kernels=`` argument) picks one by name; ``auto`` (the
+default) takes the fused backend for the device when it is installed and supports the
+dtype, else the reference.
 """
 
 from __future__ import annotations
@@ -21,34 +32,157 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from onebit.kernels._reference import ReferenceKernels
 
-__all__ = ["BACKENDS", "ReferenceKernels", "available", "select"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "CompressionKernels",
+    "ReferenceKernels",
+    "UpdateKernels",
+    "available",
+    "select",
+]
 
 BACKENDS = ("torch", "numba", "triton")
 """Backend names; a backend's position (from 1) is the code ranks compare."""
 
 _MODULES = {
-    "numba": ("onebit.kernels._numba", "NumbaKernels"),
-    "triton": ("onebit.kernels._triton", "TritonKernels"),
+    "numba": ("onebit.kernels._numba", "NumbaKernels", "onebit.kernels._numba_optim"),
+    "triton": ("onebit.kernels._triton", "TritonKernels", None),
 }
 _AUTO_FOR_DEVICE = {"cpu": "numba", "cuda": "triton"}
 
 
+class CompressionKernels(Protocol):
+    """The five stages of the exchange's local work (:class:`ReferenceKernels` documents
+    them); every call works on flat contiguous tensors of one dtype and device."""
+
+    name: str
+
+    def supports(self, tensor: Tensor) -> bool: ...
+
+    def scratch(self, numel: int, n: int, dtype: torch.dtype, device: torch.device) -> Any: ...
+
+    def worker_compress(
+        self, buffer: Tensor, error: Tensor, packed: Tensor, x: Tensor, scratch: Any
+    ) -> Tensor: ...
+
+    def worker_error_update(
+        self,
+        buffer: Tensor,
+        error: Tensor,
+        packed: Tensor,
+        x_scale: Tensor,
+        x: Tensor,
+        scratch: Any,
+    ) -> None: ...
+
+    def server_compress(
+        self, received: Tensor, scales: Tensor, server_error: Tensor, packed: Tensor, scratch: Any
+    ) -> Tensor: ...
+
+    def server_error_update(
+        self,
+        received: Tensor,
+        scales: Tensor,
+        server_error: Tensor,
+        packed: Tensor,
+        y_scale: Tensor,
+        scratch: Any,
+    ) -> None: ...
+
+    def decode(self, gathered: Tensor, scales: Tensor, out: Tensor) -> None: ...
+
+
+class UpdateKernels(Protocol):
+    """The optimizers' updates over a flat state (``flat``: a
+    :class:`~onebit.optim._flat.FlatState`); the rules are those of
+    :mod:`onebit.optim.functional`, whose reference implements the same methods."""
+
+    def lamb_step_(
+        self, flat: Any, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
+    ) -> tuple[Tensor, Tensor] | None: ...
+
+    def adam_step_(
+        self, flat: Any, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
+    ) -> bool: ...
+
+    def scaled_momentum(
+        self,
+        flat: Any,
+        grads: Sequence[Tensor],
+        scaling: Tensor,
+        out: Tensor,
+        active: Sequence[bool],
+    ) -> None: ...
+
+    def adam_momentum_step_(
+        self, flat: Any, grads: Sequence[Tensor], active: Sequence[bool]
+    ) -> None: ...
+
+    def onebit_lamb_compressed_step_(
+        self,
+        flat: Any,
+        packed: Any,
+        scratch: Tensor,
+        scaling: Tensor,
+        mask: Tensor | None,
+        active: Sequence[bool],
+        lamb_coeff_freeze: Tensor,
+        last_factor: Tensor,
+    ) -> Tensor: ...
+
+    def onebit_adam_compressed_step_(
+        self,
+        flat: Any,
+        packed: Any,
+        scratch: Tensor,
+        scaling: Tensor,
+        mask: Tensor | None,
+        active: Sequence[bool],
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend's two parts: ``compression`` (always) and ``updates`` (``None``: it has no
+    update kernels and the optimizers run the torch reference)."""
+
+    name: str
+    compression: CompressionKernels
+    updates: UpdateKernels | None
+
+    @property
+    def code(self) -> int:
+        """The number ranks exchange to check that they use the same backend."""
+        return BACKENDS.index(self.name) + 1
+
+    def supports(self, tensor: Tensor) -> bool:
+        return self.compression.supports(tensor)
+
+
 @functools.cache
-def _load(name: str) -> ReferenceKernels | None:
+def _load(name: str) -> Backend | None:
     """The backend called ``name``, or ``None`` if its package is not installed."""
     if name == "torch":
-        return ReferenceKernels()
-    module_name, class_name = _MODULES[name]
+        return Backend(name, ReferenceKernels(), None)
+    module_name, class_name, updates_module = _MODULES[name]
     try:
-        module = importlib.import_module(module_name)
+        compression = getattr(importlib.import_module(module_name), class_name)()
+        updates = None
+        if updates_module is not None:
+            updates = importlib.import_module(updates_module).NumbaUpdates()
     except ImportError:
         return None
-    return getattr(module, class_name)()
+    return Backend(name, compression, updates)
 
 
 def available() -> list[str]:
@@ -56,12 +190,7 @@ def available() -> list[str]:
     return [name for name in BACKENDS if _load(name) is not None]
 
 
-def code(backend: ReferenceKernels) -> int:
-    """The number ranks exchange to check that they use the same backend."""
-    return BACKENDS.index(backend.name) + 1
-
-
-def select(tensor: Tensor, name: str | None = None) -> ReferenceKernels:
+def select(tensor: Tensor, name: str | None = None) -> Backend:
     """The backend for ``tensor``: ``name``, else ``$ONEBIT_KERNELS``, else ``"auto"``.
 
     A named backend that is not installed or cannot handle the tensor is an error.

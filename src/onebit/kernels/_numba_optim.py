@@ -1,31 +1,36 @@
 """numba kernels of the optimizers' updates over flat state (CPU, float32 and float64).
 
 The same maths as the torch reference in :mod:`onebit.optim.functional`, in one or two
-passes over memory per step. Work is split into the blocks of
-:attr:`~onebit.optim._flat.FlatState.blocks` (a block never crosses a parameter), partial
-sums are kept per block in float64 and added per parameter in block order, so results do
-not depend on the number of threads. Per-parameter scalars (trust ratios, factors) are
-decided by the same torch functions as the reference, on vectors of one entry per parameter.
+passes over memory per step, as the update part of the numba backend (:class:`NumbaUpdates`).
+The kernels work on numpy arrays: the flat buffers of a flat state (``flat``: anything with
+the attributes of :class:`~onebit.optim._flat.FlatState`), its segment offsets and its
+groups' hyper-parameters. Work is split into blocks of at most :data:`BLOCK` elements that
+never cross a parameter (tables made here from the offsets, and cached); partial sums are
+kept per block in float64 and added per parameter in block order, so results do not depend
+on the number of threads. Per-parameter scalars (trust ratios, factors) are decided by the
+same torch functions as the reference (:mod:`onebit.coefficients`), on vectors of one entry
+per parameter.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from numba import njit, prange, typed
 from torch import Tensor
 
-from onebit.collectives import PackedResult
+from onebit.coefficients import compression_factor, trust_ratio
 from onebit.kernels._numba import Compiled
 from onebit.kernels._numba import to_numpy as _np
-from onebit.optim._flat import FlatState
-from onebit.optim.functional import compression_factor, trust_ratio
 
 _SUM_FLAGS = {"reassoc", "contract"}
 CHUNK = 1 << 10  # elements whose ratios are kept in scratch at a time
+BLOCK = 1 << 14  # elements per block of work; blocks never cross a segment
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -354,11 +359,50 @@ _KERNELS = Compiled(
 )
 
 
-# ----------------------------------------------------------------------------- entry points
+# ----------------------------------------------------------------------------- block tables
+@functools.lru_cache(maxsize=64)
+def _block_table(offsets: bytes) -> np.ndarray:
+    """``[B, 3]`` int64 rows ``(segment, start, end)``: blocks of at most :data:`BLOCK`
+    elements that never cross a segment boundary, in order (``offsets``: the segments'
+    int64 offsets, as bytes)."""
+    bounds = np.frombuffer(offsets, dtype=np.int64)
+    rows = []
+    for segment in range(len(bounds) - 1):
+        start, end = int(bounds[segment]), int(bounds[segment + 1])
+        rows.extend((segment, s, min(s + BLOCK, end)) for s in range(start, end, BLOCK))
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+
+
+@functools.lru_cache(maxsize=64)
+def _exchange_block_table(offsets: bytes, chunk: int) -> np.ndarray:
+    """``[B, 4]`` rows ``(segment, start, end, server)``: the blocks split further at the
+    borders of the exchange's chunks of ``chunk`` elements (server ``j`` holds elements
+    ``[j chunk, (j + 1) chunk)``)."""
+    rows = []
+    for segment, start, end in _block_table(offsets):
+        cut = start
+        while cut < end:
+            stop = min(end, (cut // chunk + 1) * chunk)
+            rows.append((segment, cut, stop, cut // chunk))
+            cut = stop
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+
+
+def _blocks(flat: Any) -> np.ndarray:
+    return _block_table(np.ascontiguousarray(flat.offsets, dtype=np.int64).tobytes())
+
+
+def _exchange_blocks(flat: Any, chunk: int) -> np.ndarray:
+    return _exchange_block_table(
+        np.ascontiguousarray(flat.offsets, dtype=np.int64).tobytes(), chunk
+    )
+
+
+# ----------------------------------------------------------------------------- helpers
 class _Hyper:
     """The groups' hyper-parameters as per-parameter numpy vectors in the state dtype."""
 
-    def __init__(self, flat: FlatState) -> None:
+    def __init__(self, flat: Any) -> None:
         self._flat = flat
         self.dtype = np.float64 if flat.dtype == torch.float64 else np.float32
 
@@ -374,7 +418,7 @@ class _Hyper:
         return b1, one - b1, b2, one - b2
 
 
-def _tensor(flat: FlatState, values: np.ndarray) -> Tensor:
+def _tensor(flat: Any, values: np.ndarray) -> Tensor:
     """A per-parameter numpy vector as a CPU tensor of the state dtype."""
     return torch.from_numpy(np.ascontiguousarray(values)).to(flat.dtype)
 
@@ -383,169 +427,183 @@ def _active(active: Sequence[bool]) -> np.ndarray:
     return np.asarray(active, dtype=np.bool_)
 
 
-def _per_segment(flat: FlatState, blocks: np.ndarray, partials: np.ndarray) -> np.ndarray:
+def _per_segment(flat: Any, blocks: np.ndarray, partials: np.ndarray) -> np.ndarray:
     """Per-block partial sums added per parameter, in block order."""
     totals = np.zeros((len(flat.params),) + partials.shape[1:], np.float64)
     np.add.at(totals, blocks[:, 0], partials)
     return totals
 
 
-def _grad_list(flat: FlatState, grads: Sequence[Tensor | None]) -> typed.List:
+def _grad_list(flat: Any, grads: Sequence[Tensor | None]) -> typed.List:
     """Each parameter's gradient as a flat numpy array (empty where there is none)."""
     empty = np.zeros(0, dtype=_Hyper(flat).dtype)
     return typed.List([empty if g is None else _np(g.reshape(-1)) for g in grads])
 
 
-def lamb_step_(
-    flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
-):
-    hyper, mask = _Hyper(flat), _active(active)
-    b1, omb1, b2, omb2 = hyper.betas()
-    args = (
-        _grad_list(flat, grads),
-        flat.offsets,
-        _np(flat.exp_avg),
-        _np(flat.exp_avg_sq),
-        _np(flat.weights),
-    )
-    consts = (b1, omb1, b2, omb2, hyper.key("eps"), hyper.key("weight_decay"))
-    sums = _per_segment(flat, flat.blocks, _KERNELS("lamb_sums")(flat.blocks, mask, *args, *consts))
-    if check_finite and not np.isfinite(sums[mask, 2].sum()):
-        return None
-    coeff, defined = trust_ratio(
-        _tensor(flat, np.sqrt(sums[:, 0])),
-        _tensor(flat, np.sqrt(sums[:, 1])),
-        _tensor(flat, hyper.key("min_coeff")),
-        _tensor(flat, hyper.key("max_coeff")),
-    )
-    step = -hyper.key("lr") * _np(coeff)
-    _KERNELS("adam_apply")(flat.blocks, mask, *args, *consts, step.astype(hyper.dtype))
-    return coeff, defined
-
-
-def adam_step_(
-    flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
-) -> bool:
-    hyper, mask = _Hyper(flat), _active(active)
-    grad_list = _grad_list(flat, grads)
-    if check_finite:
-        sums = _KERNELS("grad_sums")(flat.blocks, mask, grad_list, flat.offsets)
-        if not np.isfinite(sums.sum()):
-            return False
-    args = (grad_list, flat.offsets, _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights))
-    consts = (*hyper.betas(), hyper.key("eps"), hyper.key("weight_decay"))
-    _KERNELS("adam_apply")(flat.blocks, mask, *args, *consts, -hyper.key("lr"))
-    return True
-
-
-def _momentum_inputs(flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool]):
+def _momentum_inputs(flat: Any, grads: Sequence[Tensor], active: Sequence[bool]):
     """The arguments every momentum driver starts with: the block table, the active flags,
     ``m``, the gradients and their offsets, then ``b1`` and ``1 - b1``."""
     b1, omb1, _, _ = _Hyper(flat).betas()
     return (
-        (flat.blocks, _active(active), _np(flat.exp_avg), _grad_list(flat, grads), flat.offsets),
+        (_blocks(flat), _active(active), _np(flat.exp_avg), _grad_list(flat, grads), flat.offsets),
         (b1, omb1),
     )
 
 
-def scaled_momentum(
-    flat: FlatState, grads: Sequence[Tensor], scaling: Tensor, out: Tensor, active: Sequence[bool]
-) -> None:
-    arrays, betas = _momentum_inputs(flat, grads, active)
-    _KERNELS("momentum")(*arrays, *betas, _np(scaling.to(flat.dtype)), _np(out))
-
-
-def adam_momentum_step_(flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool]) -> None:
-    hyper = _Hyper(flat)
-    arrays, betas = _momentum_inputs(flat, grads, active)
-    state = (_np(flat.exp_avg_sq), _np(flat.weights))
-    constants = (hyper.key("eps"), hyper.key("weight_decay"), -hyper.key("lr"))
-    _KERNELS("momentum_step")(*arrays, *state, *betas, *constants)
-
-
-def _mask_array(flat: FlatState, mask: Tensor | None) -> np.ndarray:
+def _mask_array(flat: Any, mask: Tensor | None) -> np.ndarray:
     return np.zeros(0, dtype=_Hyper(flat).dtype) if mask is None else _np(mask)
 
 
-def _block_values(flat: FlatState, packed: PackedResult, scaling: Tensor):
+def _block_values(flat: Any, packed: Any, scaling: Tensor):
     """The exchange's block table and each block's ``scales[server] * (1 / s[segment])``,
-    rounded once as the reference's ``+-b_j * (1 / s)``."""
-    blocks = flat.exchange_blocks(packed.chunk)
+    rounded once as the reference's ``+-b_j * (1 / s)`` (``packed``: an exchange result in
+    the flat layout, :class:`onebit.exchange.PackedResult`)."""
+    blocks = _exchange_blocks(flat, packed.chunk)
     inverse = _np(scaling.reciprocal())
-    scales = _np(packed.scales.to(flat.dtype))
+    scales = _np(packed.chunk_scales.to(flat.dtype))
     values = (scales[blocks[:, 3]] * inverse[blocks[:, 0]]).astype(inverse.dtype)
     return blocks, values
 
 
-def onebit_lamb_compressed_step_(
-    flat: FlatState,
-    packed: PackedResult,
-    scaling: Tensor,
-    mask: Tensor | None,
-    active: Sequence[bool],
-    lamb_coeff_freeze: Tensor,
-    last_factor: Tensor,
-) -> Tensor:
-    hyper, on = _Hyper(flat), _active(active)
-    b1, omb1, b2, omb2 = hyper.betas()
-    eps, wd = hyper.key("eps"), hyper.key("weight_decay")
-    m, v, p = _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights)
-    blocks, values = _block_values(flat, packed, scaling)
-    partials = _KERNELS("onebit_lamb_a")(
-        blocks,
-        on,
-        _np(packed.signs.view(-1)),
-        values,
-        _mask_array(flat, mask),
-        m,
-        v,
-        _np(flat.exp_avg_sq_fresh),
-        p,
-        b1,
-        hyper(lambda group: flat.reciprocal(1 - group["betas"][0])),
-        b2,
-        omb2,
-        eps,
-        wd,
-        np.zeros(0, np.int64 if flat.dtype == torch.float64 else np.int32),
-    )
-    sums = _per_segment(flat, blocks, partials[:, :2])
-    maxima = np.full(len(flat.params), -np.inf)
-    np.maximum.at(maxima, blocks[:, 0], partials[:, 2])
-    factor = compression_factor(
-        _tensor(flat, maxima),
-        _tensor(flat, np.sqrt(sums[:, 0])),
-        _tensor(flat, np.sqrt(sums[:, 1])),
-        last_factor,
-        _tensor(flat, hyper.key("factor_min")),
-        _tensor(flat, hyper.key("factor_max")),
-        _tensor(flat, hyper.key("factor_threshold")),
-    )
-    factor = torch.where(torch.from_numpy(on), factor, last_factor)
-    step = (-hyper.key("lr") * _np(lamb_coeff_freeze * factor)).astype(hyper.dtype)
-    _KERNELS("apply_step")(flat.blocks, on, m, v, p, eps, wd, step)
-    return factor
+# ----------------------------------------------------------------------------- entry points
+class NumbaUpdates:
+    """The update part of the numba backend: the methods of
+    :class:`onebit.kernels.UpdateKernels`, one or two passes over memory each."""
 
+    def lamb_step_(
+        self, flat: Any, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
+    ) -> tuple[Tensor, Tensor] | None:
+        hyper, mask, blocks = _Hyper(flat), _active(active), _blocks(flat)
+        b1, omb1, b2, omb2 = hyper.betas()
+        args = (
+            _grad_list(flat, grads),
+            flat.offsets,
+            _np(flat.exp_avg),
+            _np(flat.exp_avg_sq),
+            _np(flat.weights),
+        )
+        consts = (b1, omb1, b2, omb2, hyper.key("eps"), hyper.key("weight_decay"))
+        sums = _per_segment(flat, blocks, _KERNELS("lamb_sums")(blocks, mask, *args, *consts))
+        if check_finite and not np.isfinite(sums[mask, 2].sum()):
+            return None
+        coeff, defined = trust_ratio(
+            _tensor(flat, np.sqrt(sums[:, 0])),
+            _tensor(flat, np.sqrt(sums[:, 1])),
+            _tensor(flat, hyper.key("min_coeff")),
+            _tensor(flat, hyper.key("max_coeff")),
+        )
+        step = -hyper.key("lr") * _np(coeff)
+        _KERNELS("adam_apply")(blocks, mask, *args, *consts, step.astype(hyper.dtype))
+        return coeff, defined
 
-def onebit_adam_compressed_step_(
-    flat: FlatState,
-    packed: PackedResult,
-    scaling: Tensor,
-    mask: Tensor | None,
-    active: Sequence[bool],
-) -> None:
-    hyper = _Hyper(flat)
-    blocks, values = _block_values(flat, packed, scaling)
-    _KERNELS("onebit_adam")(
-        blocks,
-        _active(active),
-        _np(packed.signs.view(-1)),
-        values,
-        _mask_array(flat, mask),
-        _np(flat.exp_avg),
-        _np(flat.exp_avg_sq),
-        _np(flat.weights),
-        hyper.key("eps"),
-        hyper.key("weight_decay"),
-        -hyper.key("lr"),
-    )
+    def adam_step_(
+        self, flat: Any, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
+    ) -> bool:
+        hyper, mask, blocks = _Hyper(flat), _active(active), _blocks(flat)
+        grad_list = _grad_list(flat, grads)
+        if check_finite:
+            sums = _KERNELS("grad_sums")(blocks, mask, grad_list, flat.offsets)
+            if not np.isfinite(sums.sum()):
+                return False
+        args = (grad_list, flat.offsets, _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights))
+        consts = (*hyper.betas(), hyper.key("eps"), hyper.key("weight_decay"))
+        _KERNELS("adam_apply")(blocks, mask, *args, *consts, -hyper.key("lr"))
+        return True
+
+    def scaled_momentum(
+        self,
+        flat: Any,
+        grads: Sequence[Tensor],
+        scaling: Tensor,
+        out: Tensor,
+        active: Sequence[bool],
+    ) -> None:
+        arrays, betas = _momentum_inputs(flat, grads, active)
+        _KERNELS("momentum")(*arrays, *betas, _np(scaling.to(flat.dtype)), _np(out))
+
+    def adam_momentum_step_(
+        self, flat: Any, grads: Sequence[Tensor], active: Sequence[bool]
+    ) -> None:
+        hyper = _Hyper(flat)
+        arrays, betas = _momentum_inputs(flat, grads, active)
+        state = (_np(flat.exp_avg_sq), _np(flat.weights))
+        constants = (hyper.key("eps"), hyper.key("weight_decay"), -hyper.key("lr"))
+        _KERNELS("momentum_step")(*arrays, *state, *betas, *constants)
+
+    def onebit_lamb_compressed_step_(
+        self,
+        flat: Any,
+        packed: Any,
+        scratch: Tensor,
+        scaling: Tensor,
+        mask: Tensor | None,
+        active: Sequence[bool],
+        lamb_coeff_freeze: Tensor,
+        last_factor: Tensor,
+    ) -> Tensor:
+        """(``scratch`` is unused: the momentum is decoded on the fly.)"""
+        hyper, on = _Hyper(flat), _active(active)
+        b1, omb1, b2, omb2 = hyper.betas()
+        eps, wd = hyper.key("eps"), hyper.key("weight_decay")
+        m, v, p = _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights)
+        blocks, values = _block_values(flat, packed, scaling)
+        partials = _KERNELS("onebit_lamb_a")(
+            blocks,
+            on,
+            _np(packed.signs.view(-1)),
+            values,
+            _mask_array(flat, mask),
+            m,
+            v,
+            _np(flat.exp_avg_sq_fresh),
+            p,
+            b1,
+            hyper(lambda group: flat.reciprocal(1 - group["betas"][0])),
+            b2,
+            omb2,
+            eps,
+            wd,
+            np.zeros(0, np.int64 if flat.dtype == torch.float64 else np.int32),
+        )
+        sums = _per_segment(flat, blocks, partials[:, :2])
+        maxima = np.full(len(flat.params), -np.inf)
+        np.maximum.at(maxima, blocks[:, 0], partials[:, 2])
+        factor = compression_factor(
+            _tensor(flat, maxima),
+            _tensor(flat, np.sqrt(sums[:, 0])),
+            _tensor(flat, np.sqrt(sums[:, 1])),
+            last_factor,
+            _tensor(flat, hyper.key("factor_min")),
+            _tensor(flat, hyper.key("factor_max")),
+            _tensor(flat, hyper.key("factor_threshold")),
+        )
+        factor = torch.where(torch.from_numpy(on), factor, last_factor)
+        step = (-hyper.key("lr") * _np(lamb_coeff_freeze * factor)).astype(hyper.dtype)
+        _KERNELS("apply_step")(_blocks(flat), on, m, v, p, eps, wd, step)
+        return factor
+
+    def onebit_adam_compressed_step_(
+        self,
+        flat: Any,
+        packed: Any,
+        scratch: Tensor,
+        scaling: Tensor,
+        mask: Tensor | None,
+        active: Sequence[bool],
+    ) -> None:
+        """(``scratch`` is unused: the momentum is decoded on the fly.)"""
+        hyper = _Hyper(flat)
+        blocks, values = _block_values(flat, packed, scaling)
+        _KERNELS("onebit_adam")(
+            blocks,
+            _active(active),
+            _np(packed.signs.view(-1)),
+            values,
+            _mask_array(flat, mask),
+            _np(flat.exp_avg),
+            _np(flat.exp_avg_sq),
+            _np(flat.weights),
+            hyper.key("eps"),
+            hyper.key("weight_decay"),
+            -hyper.key("lr"),
+        )

@@ -18,12 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from onebit.optim._common import state_dtype
 
 FLAT_BUFFERS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "synced_param")
-BLOCK = 1 << 14  # elements per block of the fused kernels; blocks never cross a segment
 
 
 class FlatState:
@@ -78,9 +76,7 @@ class FlatState:
                 param.data = view
             else:
                 self.half_params.append((param, view))
-        self.blocks = _block_table(self.offsets)
         self._scratch: dict[int, Tensor] = {}
-        self._exchange_blocks: tuple[int, np.ndarray] | None = None
 
     # ----------------------------------------------------------------- views
     def views(self, flat: Tensor) -> list[Tensor]:
@@ -171,22 +167,6 @@ class FlatState:
         flags = [1.0 if g is not None else 0.0 for g in grads]
         self.grad_flags.copy_(torch.tensor(flags, dtype=self.dtype))
 
-    def exchange_blocks(self, chunk: int) -> np.ndarray:
-        """``[B, 4]`` rows ``(segment, start, end, server)``: :attr:`blocks` split further at
-        the borders of the exchange's chunks of ``chunk`` elements (server ``j`` holds
-        elements ``[j chunk, (j + 1) chunk)``)."""
-        if self._exchange_blocks is None or self._exchange_blocks[0] != chunk:
-            rows = []
-            for segment, start, end in self.blocks:
-                cut = start
-                while cut < end:
-                    stop = min(end, (cut // chunk + 1) * chunk)
-                    rows.append((segment, cut, stop, cut // chunk))
-                    cut = stop
-            table = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
-            self._exchange_blocks = (chunk, table)
-        return self._exchange_blocks[1]
-
     def reciprocal(self, value: float) -> float:
         """``1 / value`` rounded to the state dtype (what the update multiplies by)."""
         real = np.float64 if self.dtype == torch.float64 else np.float32
@@ -202,92 +182,3 @@ class FlatState:
         if self.half_params:
             params, masters = zip(*self.half_params, strict=True)
             torch._foreach_copy_([p.data for p in params], list(masters))
-
-
-def _block_table(offsets: np.ndarray) -> np.ndarray:
-    """``[B, 3]`` int64 rows ``(segment, start, end)``: blocks of at most :data:`BLOCK`
-    elements that never cross a segment boundary, in order."""
-    rows = []
-    for segment in range(len(offsets) - 1):
-        start, end = int(offsets[segment]), int(offsets[segment + 1])
-        rows.extend((segment, s, min(s + BLOCK, end)) for s in range(start, end, BLOCK))
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-
-
-class FlatOptimizer(Optimizer):
-    """An optimizer whose state is a :class:`FlatState` built at the first step.
-
-    ``self.state[p]`` holds views of the flat buffers for every parameter that has had a
-    gradient; ``_SCALARS`` names the per-parameter scalar state and its initial value. After
-    ``load_state_dict`` the flat state is rebuilt from the loaded per-parameter state.
-    """
-
-    _SCALARS: dict[str, float] = {}
-
-    def __init__(self, params, defaults: dict[str, Any], kernels: str | None) -> None:
-        from onebit.kernels import BACKENDS
-
-        if kernels not in (None, "auto", *BACKENDS):
-            raise ValueError(f"Invalid kernels={kernels!r}: use None, 'auto' or one of {BACKENDS}")
-        self.kernels = kernels
-        self._flat: FlatState | None = None
-        self._has_state: list[bool] = []
-        self._backend = "torch"
-        super().__init__(params, defaults)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_flat", None) is not None:
-            raise RuntimeError(
-                "cannot add a parameter group after the first step: the flat state (and a 1-bit "
-                "optimizer's fused momentum buffer and error-feedback state) is laid out then"
-            )
-        super().add_param_group(param_group)
-
-    @staticmethod
-    def _evaluate(closure) -> Any:
-        """The loss from ``closure`` (with gradients enabled), or ``None``."""
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
-
-    def _flat_state(self) -> FlatState:
-        """The flat state of the trainable parameters, with whatever per-parameter state
-        they already have (e.g. loaded from a checkpoint)."""
-        if self._flat is None:
-            from onebit import kernels
-
-            pairs = [
-                (group, param)
-                for group in self.param_groups
-                for param in group["params"]
-                if param.requires_grad
-            ]
-            self._flat = FlatState(pairs, self._SCALARS)
-            self._has_state = self._flat.adopt([self.state[p] for _, p in pairs])
-            self._backend = kernels.select(self._flat.exp_avg, self.kernels).name
-        return self._flat
-
-    def _expose_new_state(self, flat: FlatState, present: Sequence[bool]) -> None:
-        """Give the parameters that got their first gradient their state views."""
-        for index, has_grad in enumerate(present):
-            if has_grad and not self._has_state[index]:
-                flat.expose(self.state[flat.params[index]], index)
-                self._has_state[index] = True
-
-    def _record_coefficients(self, coeff: Tensor, present: Sequence[bool]) -> None:
-        """Store the step's per-parameter coefficient for the parameters that took part."""
-        last = self._flat.scalars["lamb_coeff"]
-        taking_part = torch.tensor(list(present), device=coeff.device)
-        last.copy_(torch.where(taking_part, coeff, last))
-
-    def _coefficients(self) -> list[float]:
-        """The last step's per-parameter coefficients of the parameters that have state."""
-        if self._flat is None:
-            return []
-        values = self._flat.scalars["lamb_coeff"].tolist()
-        return [value for value, has in zip(values, self._has_state, strict=True) if has]
-
-    def _forget_flat_state(self) -> None:
-        """After a checkpoint load: rebuild the flat state from ``self.state`` next step."""
-        self._flat = None

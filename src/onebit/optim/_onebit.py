@@ -1,40 +1,37 @@
-"""The machinery 1-bit LAMB and 1-bit Adam share: stages, the fused momentum buffer, the
-compressed exchange with its error state, gradient averaging, checkpoints and accounting."""
+"""The machinery 1-bit LAMB, 1-bit Adam and 0/1 Adam share: a schedule of step kinds, dense
+gradient averaging, the exchange (:mod:`onebit.exchange`) built once from the arguments,
+checkpoints and accounting."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.collectives import (
-    CompressionWorkspace,
+from onebit.collectives import allreduce_mean_
+from onebit.consistency import ReplicaMismatchError, verify_replicas
+from onebit.exchange import (
+    Exchange,
+    FlatExchange,
+    HierarchicalExchange,
+    NodeGroups,
     NonFiniteError,
     PackedResult,
+    PerTensorExchange,
     TrafficCounter,
-    allreduce_mean_,
-    compressed_allreduce_packed,
-    compressed_allreduce_per_tensor,
-    padded_size,
-    per_tensor_error_sizes,
+    node_topology,
     world_size,
 )
-from onebit.consistency import ReplicaMismatchError, verify_replicas
-from onebit.hierarchical import (
-    HierarchicalWorkspace,
-    NodeGroups,
-    hierarchical_compressed_allreduce_packed,
-    node_topology,
-)
-from onebit.optim import _common, functional
-from onebit.optim._flat import FlatOptimizer, FlatState
+from onebit.exchange.transport import all_gather_into
+from onebit.optim import _common
+from onebit.optim._base import FlatOptimizer
+from onebit.optim._flat import FlatState
 
 logger = logging.getLogger("onebit")
 
@@ -47,37 +44,30 @@ class CommunicationError(RuntimeError):
     """A collective of the optimizer's step failed: a peer died, hung or diverged."""
 
 
-class MomentumExchange(Protocol):
-    """What replaces the collective exchange of the compression stage: the simulation of
-    ``L * M`` workers in one process (:class:`onebit.simulate.SimulatedDataParallel`), which
-    feeds every worker's :meth:`OneBitOptimizer.local_momentum` in before ``step()``. The
-    optimizer then holds the error state of all workers, one after another."""
-
-    topology: tuple[int, int]  # (ranks per node L, nodes M)
-
-    def exchange(
-        self, worker_error: Tensor, server_error: Tensor, traffic: TrafficCounter
-    ) -> PackedResult:
-        """The exchanged momentum of all workers (their bytes counted in ``traffic``)."""
-        ...
-
-
 class OneBitOptimizer(FlatOptimizer):
-    """Base class of :class:`OneBitLamb` and :class:`OneBitAdam`.
+    """Base class of :class:`OneBitLamb`, :class:`OneBitAdam` and :class:`ZeroOneAdam`.
 
-    Steps ``1 .. freeze_step`` form the warm-up stage: gradients are averaged over ranks at full
-    precision (by this optimizer with one dense allreduce of a flat buffer, or by
-    ``DistributedDataParallel`` when :func:`onebit.ddp.register_comm_hook` is used) and the
-    subclass applies its uncompressed update. Later steps form the compression stage: each
-    rank folds its *local* gradient into the momentum, the scaled momenta of all tensors are
-    exchanged in one :func:`onebit.compressed_allreduce`, and the subclass applies its update
-    with the decoded momentum, which is identical on every rank.
+    Every step has a *kind* from the optimizer's schedule (:meth:`kind_of_step`;
+    :attr:`stage` is the kind of the next step). On the kinds in ``DENSE_KINDS`` the
+    gradients are averaged over ranks at full precision (by this optimizer with one dense
+    allreduce of a flat buffer, or by ``DistributedDataParallel`` when
+    :func:`onebit.ddp.register_comm_hook` is used) and the subclass applies its uncompressed
+    update (``_warmup_update``). Every other kind is a step of ``_exchanged_step``: here the
+    two-kind case of 1-bit LAMB and 1-bit Adam, steps ``1 .. freeze_step`` dense
+    (``"warmup"``) and the later ones ``"compression"``: each rank folds its *local* gradient
+    into the momentum, the scaled momenta of all tensors go through :attr:`exchange`, and the
+    subclass applies its update (``_compressed_update``) with the exchanged momentum, which
+    is identical on every rank. :class:`ZeroOneAdam` has four kinds.
 
+    The exchange (:class:`onebit.exchange.Exchange`) is built once from the arguments (flat
+    over ``process_group``, hierarchical over ``node_groups``, or per tensor), or given with
+    :meth:`use_exchange` (the simulation of many workers); it owns the error-feedback state.
     State lives in a :class:`~onebit.optim._flat.FlatState` (built at the first step) and is
-    updated in whole-buffer passes by :mod:`onebit.optim.functional`; ``self.state[p]`` holds
-    views of it. Subclasses set ``_SCALARS`` (per-parameter scalar state and its initial
-    value) and implement ``_warmup_update`` and ``_compressed_update``.
+    updated in whole-buffer passes by :attr:`updates`; ``self.state[p]`` holds views of it.
+    Subclasses set ``_SCALARS`` (per-parameter scalar state and its initial value).
     """
+
+    DENSE_KINDS: frozenset[str] = frozenset({WARMUP})
 
     _SCALARS: dict[str, float] = {"scaling_coeff": 1.0}
     # How the momentum is exchanged: "fused" (one buffer scaled by s_p) or "per_tensor"
@@ -107,7 +97,9 @@ class OneBitOptimizer(FlatOptimizer):
             raise ValueError(f"Invalid verify_every={verify_every}: it must be an int >= 0")
         self.verify_every = verify_every
         self.freeze_step = freeze_step
-        self.process_group = process_group
+        self._process_group = process_group
+        self._exchange: Exchange | None = None
+        self._exchange_given = False  # by use_exchange, not built from the arguments
         self.on_nonfinite = on_nonfinite
         self.gradients_averaged_by_ddp = False
         self._counters: dict[str, Any] = {
@@ -115,10 +107,6 @@ class OneBitOptimizer(FlatOptimizer):
             "skipped_steps": 0,
             "bytes_sent": {WARMUP: 0, COMPRESSION: 0},
         }
-        self._worker_error: Tensor | None = None
-        self._server_error: Tensor | None = None
-        # None: this rank's momentum is exchanged over the process group (or node groups).
-        self.momentum_exchange: MomentumExchange | None = None
         self._exchange_buffer: Tensor | None = None
         self._mask: Tensor | None = None
         self._replicas_verified = False
@@ -126,7 +114,6 @@ class OneBitOptimizer(FlatOptimizer):
         self._gradients_checked = False
         self.node_groups = node_groups
         self._check_node_groups()
-        self._workspace = HierarchicalWorkspace() if node_groups else CompressionWorkspace()
         self._traffic = TrafficCounter()
         super().__init__(params, defaults, kernels)
 
@@ -141,17 +128,23 @@ class OneBitOptimizer(FlatOptimizer):
         """Steps skipped because some rank's gradients were not finite."""
         return self._counters["skipped_steps"]
 
+    def kind_of_step(self, step: int) -> str:
+        """The kind of step ``step`` (counted from 1): ``"warmup"`` up to ``freeze_step``,
+        then ``"compression"``."""
+        return WARMUP if step <= self.freeze_step else COMPRESSION
+
     @property
     def stage(self) -> str:
-        """``"warmup"`` or ``"compression"``: the stage the next ``step()`` runs in."""
-        return WARMUP if self._counters["step"] < self.freeze_step else COMPRESSION
+        """The kind of the next ``step()`` (:meth:`kind_of_step`), the key its bytes are
+        counted under in :attr:`bytes_sent`."""
+        return self.kind_of_step(self._counters["step"] + 1)
 
     @property
     def needs_averaged_gradients(self) -> bool:
         """Whether the next ``step()`` works on gradients averaged over the ranks at full
-        precision (the warm-up stage): the DDP hook and a training loop that averages
-        gradients itself do so exactly then."""
-        return self.stage == WARMUP
+        precision (a kind in ``DENSE_KINDS``: the warm-up, 0/1 Adam's variance updates): the
+        DDP hook and a training loop that averages gradients itself do so exactly then."""
+        return self.stage in self.DENSE_KINDS
 
     @property
     def bytes_sent(self) -> dict[str, int]:
@@ -181,17 +174,81 @@ class OneBitOptimizer(FlatOptimizer):
         return world_size(self.process_group)
 
     @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group (``None``: the world)."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        """Set before training (the DDP hook sets DDP's group): an exchange built from the
+        old group is built again, keeping its error state if the topology is the same."""
+        self._process_group = group
+        old = self._exchange
+        if old is None or self._exchange_given:
+            return
+        self._exchange = self._build_exchange()
+        if old.worker_error is not None:
+            if old.topology != self._exchange.topology:
+                raise ValueError(
+                    f"the process group of {type(self).__name__} cannot change from "
+                    f"{old.world_size} to {self._exchange.world_size} ranks once its exchange "
+                    "holds error-feedback state"
+                )
+            self._exchange.load_state_dict(old.state_dict(), old.worker_error.device)
+
+    @property
+    def exchange(self) -> Exchange:
+        """The exchange of the steps that do not average densely (it owns the error state)."""
+        if self._exchange is None:
+            self._exchange = self._build_exchange()
+        return self._exchange
+
+    def _build_exchange(self) -> Exchange:
+        """The exchange the arguments ask for: per tensor, hierarchical over the node
+        groups, or flat over the process group."""
+        if self.compression == "per_tensor":
+            return PerTensorExchange(self.process_group)
+        if self.node_groups:
+            return HierarchicalExchange(self.node_groups)
+        return FlatExchange(self.process_group)
+
+    def use_exchange(self, exchange: Exchange) -> None:
+        """Exchange through ``exchange`` instead of the one the arguments ask for (a
+        :class:`onebit.exchange.SimulatedExchange` simulates many workers in one process).
+        Only before the first exchange, in one process, for the fused exchange."""
+        if self._exchange_given:
+            raise ValueError(
+                f"{type(self).__name__} is already simulated: it exchanges through "
+                f"{type(self._exchange).__name__} (one SimulatedDataParallel per optimizer)"
+            )
+        if self.compression != "fused":
+            raise ValueError(
+                f"compression={self.compression!r} exchanges over the process group only; a "
+                f"{type(exchange).__name__} simulates the fused exchange (use "
+                "compression='fused')"
+            )
+        if self.node_groups is not None or self.world_size > 1:
+            raise ValueError(
+                "the simulated optimizer must run in one process: give it no node_groups "
+                "and no process group of more than one rank"
+            )
+        if self._exchange is not None and self._exchange.worker_error is not None:
+            raise ValueError(
+                "use_exchange() must come before the first exchange (or checkpoint load): "
+                "this optimizer's exchange already holds error-feedback state"
+            )
+        self._exchange, self._exchange_given = exchange, True
+
+    @property
     def topology(self) -> tuple[int, int]:
         """``(ranks per node, nodes)`` of the exchange: ``(1, world_size)`` when flat."""
-        if self.momentum_exchange is not None:
-            return self.momentum_exchange.topology
-        return node_topology(self.node_groups) if self.node_groups else (1, self.world_size)
+        return self.exchange.topology
 
     @property
     def error_feedback(self) -> tuple[Tensor | None, Tensor | None]:
-        """``(worker_error, server_error)``, created at the first compression step: this
-        rank's, or with a :attr:`momentum_exchange` every simulated worker's, rank after rank."""
-        return self._worker_error, self._server_error
+        """``(worker_error, server_error)`` of :attr:`exchange`, created at its first use:
+        this rank's, or with a simulated exchange every simulated worker's, rank after rank."""
+        return self.exchange.worker_error, self.exchange.server_error
 
     def _check_node_groups(self) -> None:
         if self.node_groups is None:
@@ -250,10 +307,10 @@ class OneBitOptimizer(FlatOptimizer):
                     )
                 self._replicas_verified, self._verification_pending = True, False
             grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
-            if self.needs_averaged_gradients:
+            if stage in self.DENSE_KINDS:
                 applied = self._warmup_step(flat, grads)
             else:
-                applied = self._compression_step(flat, grads)
+                applied = self._exchanged_step(stage, flat, grads)
         finally:
             self.count_bytes_sent(stage, self._traffic.total() - traffic_before)
         if applied:
@@ -333,23 +390,29 @@ class OneBitOptimizer(FlatOptimizer):
             return self._skip("warm-up gradients")
         return True
 
-    def _compression_step(self, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
+    def _exchanged_step(self, kind: str, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
+        """A step of a kind that does not average densely; here ``"compression"``: the local
+        momentum through :attr:`exchange`, then ``_compressed_update``."""
         buffer = self._exchange_buffer_for(flat)
         try:
-            if self.momentum_exchange is None:
-                self._scaled_local_momentum(flat, grads, buffer)
-                if not self._gradients_checked and self.step_count == self.freeze_step:
-                    with self._collective():  # the first compression step only (not on resume)
-                        self._check_gradients_are_local(buffer)
-                with self._collective():
-                    packed = self._exchange(buffer)
-            else:
-                errors = (self._worker_error, self._server_error)
-                packed = self.momentum_exchange.exchange(*errors, self._traffic)
+            self._scaled_local_momentum(flat, grads, buffer)
+            if not self._gradients_checked and self.step_count == self.freeze_step:
+                with self._collective():  # the first compression step only (not on resume)
+                    self._check_gradients_are_local(buffer)
+            with self._collective():
+                packed = self.exchange.exchange(buffer)
         except NonFiniteError:
             return self._skip("a rank's local momentum")
         self._compressed_update(flat, packed, buffer, self._mask, self._has_state)
         return True
+
+    def _bind_exchange(self, flat: FlatState) -> Exchange:
+        """:attr:`exchange`, bound to the flat state's tensors, backend and traffic counter."""
+        exchange = self.exchange
+        exchange.bind(
+            [p.numel() for p in flat.params], flat.dtype, flat.device, self.backend, self._traffic
+        )
+        return exchange
 
     def _scaled_local_momentum(
         self, flat: FlatState, grads: Sequence[Tensor | None], buffer: Tensor
@@ -359,14 +422,10 @@ class OneBitOptimizer(FlatOptimizer):
             torch.zeros(p.shape, dtype=flat.dtype, device=flat.device) if g is None else g
             for p, g in zip(flat.params, grads, strict=True)
         ]
-        functional.scaled_momentum(
-            flat,
-            local,
-            flat.scalars["scaling_coeff"],
-            buffer,
-            self._has_state,
-            backend=self._backend,
+        self.updates.scaled_momentum(
+            flat, local, flat.scalars["scaling_coeff"], buffer, self._has_state
         )
+        buffer[flat.numel :].zero_()
 
     @torch.no_grad()
     def local_momentum(self) -> Tensor:
@@ -385,26 +444,6 @@ class OneBitOptimizer(FlatOptimizer):
         self._scaled_local_momentum(flat, grads, buffer)
         return buffer
 
-    def _exchange(self, buffer: Tensor) -> PackedResult | None:
-        """The 1-bit exchange of the scaled momenta: flat, or hierarchical by node; with
-        per-tensor compression, each parameter's view of ``buffer`` is replaced in place by its
-        exchanged momentum (and nothing is returned)."""
-        if self.compression == "per_tensor":
-            compressed_allreduce_per_tensor(
-                self._flat.views(buffer),
-                self._worker_error,
-                self._server_error,
-                self.process_group,
-                traffic=self._traffic,
-                kernels=self._backend,
-            )
-            return None
-        errors = (buffer, self._worker_error, self._server_error)
-        options = dict(workspace=self._workspace, traffic=self._traffic, kernels=self._backend)
-        if self.node_groups:
-            return hierarchical_compressed_allreduce_packed(*errors, *self.node_groups, **options)
-        return compressed_allreduce_packed(*errors, self.process_group, scratch=buffer, **options)
-
     def _check_gradients_are_local(self, momentum: Tensor) -> None:
         """Once, at the first compression step: warn (rank 0) if every rank passed the same
         gradients, i.e. something averaged them before ``step()``, most likely
@@ -420,7 +459,7 @@ class OneBitOptimizer(FlatOptimizer):
         bits = momentum.view(torch.int64 if momentum.dtype == torch.float64 else torch.int32)
         checksum = bits.sum(dtype=torch.int64).reshape(1)
         gathered = torch.empty(n, dtype=torch.int64, device=checksum.device)
-        dist.all_gather_into_tensor(gathered, checksum, group=self.process_group)
+        all_gather_into(gathered, checksum, self.process_group, n)
         self._traffic.record("gradient_check", (n - 1) * checksum.element_size())
         if len(set(gathered.tolist())) == 1 and self._is_logging_rank():
             warnings.warn(
@@ -441,8 +480,8 @@ class OneBitOptimizer(FlatOptimizer):
 
     # ----------------------------------------------------------------- the switch
     def _exchange_buffer_for(self, flat: FlatState) -> Tensor:
-        """The padded buffer the momentum is exchanged in; at the first compression step also
-        the error-feedback state, the masks, the scaling coefficients ``s_p`` and the
+        """The buffer the momentum is exchanged in (padded as :attr:`exchange` needs); at the
+        first compression step also the masks, the scaling coefficients ``s_p`` and the
         subclass's compression-stage state."""
         if self._exchange_buffer is not None:
             return self._exchange_buffer
@@ -457,11 +496,8 @@ class OneBitOptimizer(FlatOptimizer):
                 "left out of the compression stage and no longer updated",
                 skipped,
             )
-        size = padded_size(flat.numel, math.prod(self.topology))
-        worker_size, server_size = self._error_sizes(flat.numel)
-        if self._worker_error is None or self._worker_error.numel() != worker_size:
-            self._worker_error = torch.zeros(worker_size, dtype=flat.dtype, device=flat.device)
-            self._server_error = torch.zeros(server_size, dtype=flat.dtype, device=flat.device)
+        exchange = self._bind_exchange(flat)
+        size = exchange.buffer_size([p.numel() for p in flat.params])
         self._mask = self._flat_mask(flat)
         if self.step_count == self.freeze_step:  # not when resuming later in the stage
             self._start_compression(flat)
@@ -518,11 +554,8 @@ class OneBitOptimizer(FlatOptimizer):
             "step": self._counters["step"],
             "skipped_steps": self._counters["skipped_steps"],
             "bytes_sent": dict(self._counters["bytes_sent"]),
-            "world_size": math.prod(self.topology),
-            "ranks_per_node": self.topology[0],
             "compression": self.compression,
-            "worker_error": self._worker_error,
-            "server_error": self._server_error,
+            **self.exchange.state_dict(),
         }
         return state
 
@@ -544,11 +577,8 @@ class OneBitOptimizer(FlatOptimizer):
                 f"compression={saved_compression!r} to resume"
             )
         _common.validate_checkpoint(self, state_dict)
-        worker_error, server_error = extra["worker_error"], extra["server_error"]
-        saved_topology = (extra.get("ranks_per_node", 1), extra["world_size"])
-        same_world = saved_topology == (self.topology[0], math.prod(self.topology))
-        if worker_error is not None and same_world:
-            self._validate_error_sizes(worker_error, server_error)
+        numels = [p.numel() for p in _common.trainable_params(self)]
+        errors_fit = self.exchange.check_state(extra, numels)
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
         _common.restore_state_precision(self, state_dict)
         self._counters = {
@@ -559,45 +589,16 @@ class OneBitOptimizer(FlatOptimizer):
         self._forget_flat_state()
         self._exchange_buffer = None
         self._replicas_verified = False
-        if worker_error is not None and not same_world:
+        if extra["worker_error"] is not None and not errors_fit:
             warnings.warn(
                 f"checkpoint was saved with world size {extra['world_size']} in nodes of "
-                f"{saved_topology[0]} ranks, now {math.prod(self.topology)} in nodes of "
-                f"{self.topology[0]}: the error-feedback buffers are reset to zero",
+                f"{extra.get('ranks_per_node', 1)} ranks, now {self.exchange.world_size} in "
+                f"nodes of {self.topology[0]}: the error-feedback buffers are reset to zero",
                 UserWarning,
                 stacklevel=2,
             )
-            worker_error = server_error = None
         device = next(iter(_common.params_in_order(self.param_groups))).device
-        self._worker_error = None if worker_error is None else worker_error.to(device, copy=True)
-        self._server_error = None if server_error is None else server_error.to(device, copy=True)
-
-    def _error_sizes(self, numel: int) -> tuple[int, int]:
-        """Elements of ``worker_error`` and ``server_error`` for ``numel`` parameters:
-        ``N_pad / L`` and ``N_pad / (L M)`` (``L = 1`` when flat), times ``L M`` with a
-        :attr:`momentum_exchange` (every simulated worker's); with per-tensor compression
-        :func:`onebit.per_tensor_error_sizes` of the parameters."""
-        if self.compression == "per_tensor":  # each tensor padded alone
-            sizes = [p.numel() for p in _common.trainable_params(self)]
-            return per_tensor_error_sizes(sizes, self.world_size)
-        local, nodes = self.topology
-        size = padded_size(numel, local * nodes)
-        workers = 1 if self.momentum_exchange is None else local * nodes
-        return workers * size // local, workers * size // (local * nodes)
-
-    def _validate_error_sizes(self, worker_error: Tensor, server_error: Tensor) -> None:
-        numel = sum(p.numel() for p in _common.trainable_params(self))
-        expected = dict(
-            zip(("worker_error", "server_error"), self._error_sizes(numel), strict=True)
-        )
-        for name, tensor in (("worker_error", worker_error), ("server_error", server_error)):
-            if tensor is None or tensor.numel() != expected[name]:
-                size = None if tensor is None else tensor.numel()
-                raise ValueError(
-                    f"checkpoint's {name} has {size} elements; this optimizer's parameters "
-                    f"({numel} elements, world size {math.prod(self.topology)}, nodes of "
-                    f"{self.topology[0]}) need {expected[name]}"
-                )
+        self.exchange.load_state_dict(extra if errors_fit else None, device)
 
     # ----------------------------------------------------------------- subclass hooks
     def _warmup_update(
@@ -610,13 +611,12 @@ class OneBitOptimizer(FlatOptimizer):
     def _compressed_update(
         self,
         flat: FlatState,
-        packed: PackedResult | None,
+        packed: PackedResult,
         scratch: Tensor,
         mask: Tensor | None,
         active: Sequence[bool],
     ) -> None:
-        """The update with the exchanged (scaled) momentum ``packed`` (``scratch``: the
-        exchange buffer, free now; with per-tensor compression ``packed`` is ``None`` and
-        ``scratch`` holds the exchanged momentum); ``flat.exp_avg`` still holds the previous
-        momentum."""
+        """The update with the exchanged (scaled) momentum ``packed``, decoded on the fly or
+        into ``scratch`` (the exchange buffer, free now); ``flat.exp_avg`` still holds the
+        previous momentum."""
         raise NotImplementedError

@@ -1,4 +1,4 @@
-"""The update rules of LAMB, 1-bit LAMB and 1-bit Adam over flat state (ALGORITHM.md).
+"""The update rules of LAMB, 1-bit LAMB, 1-bit Adam and 0/1 Adam over flat state (ALGORITHM.md).
 
 Every function updates all parameters of a :class:`~onebit.optim._flat.FlatState` at once:
 a few whole-buffer passes, per-parameter norms in one call, per-parameter scalars (trust
@@ -7,22 +7,29 @@ tensor. Hyper-parameters come from each parameter's group. ``active`` (a bool pe
 parameter, on the host) says which parameters take part; the others keep their state and
 weights bit for bit. No bias correction anywhere.
 
-Two implementations share these entry points: fused numba kernels for CPU
-(:mod:`onebit.kernels._numba_optim`) and plain torch everywhere else (the reference).
+The functions here are the torch reference. :data:`REFERENCE` gathers the ones a backend
+may replace (the :class:`onebit.kernels.UpdateKernels` protocol; the numba backend's fused
+kernels, :mod:`onebit.kernels._numba_optim`, implement the same methods); an optimizer
+calls ``optimizer.updates``, the backend's or this one, selected once. The rest (1-bit
+Adam's per-tensor update, 0/1 Adam's accumulated and synchronised updates) runs in torch on
+every backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
-from onebit.collectives import PackedResult
+from onebit.coefficients import compression_factor, trust_ratio
+from onebit.exchange import PackedResult
 from onebit.optim._common import all_finite
 from onebit.optim._flat import FlatState
 
 __all__ = [
+    "REFERENCE",
     "lamb_step_",
     "adam_step_",
     "scaled_momentum",
@@ -30,56 +37,12 @@ __all__ = [
     "onebit_adam_compressed_step_",
     "onebit_adam_per_tensor_step_",
     "adam_momentum_step_",
-    "trust_ratio",
-    "compression_factor",
+    "accumulated_update",
+    "synchronised_update_",
 ]
 
 
-def _numba(flat: FlatState, backend: str):
-    """The numba module when ``backend`` is ``"numba"`` (None for the torch reference)."""
-    if backend != "numba":
-        return None
-    from onebit.kernels import _numba_optim
-
-    return _numba_optim
-
-
 # --------------------------------------------------------------------------- small maths
-def trust_ratio(
-    param_norm: Tensor, update_norm: Tensor, min_coeff: Tensor, max_coeff: Tensor
-) -> tuple[Tensor, Tensor]:
-    """LAMB's ``c = clamp(||p|| / ||u||, c_min, c_max)`` per parameter, and where it is
-    defined (both norms positive); ``c = 1`` elsewhere."""
-    defined = (param_norm > 0) & (update_norm > 0)
-    ratio = torch.where(defined, param_norm / torch.where(defined, update_norm, 1), 1)
-    return torch.where(
-        defined, torch.minimum(torch.maximum(ratio, min_coeff), max_coeff), 1
-    ), defined
-
-
-def compression_factor(
-    max_ratio: Tensor,
-    base_norm: Tensor,
-    full_norm: Tensor,
-    last_factor: Tensor,
-    factor_min: Tensor,
-    factor_max: Tensor,
-    factor_threshold: Tensor,
-) -> Tensor:
-    """1-bit LAMB's per-parameter factor ``f`` that lets the frozen trust ratio adapt.
-
-    ``f = max(d / (sqrt(v_fresh) + eps))`` (``max_ratio``), pulled towards 1 by
-    ``rho = min(1, ||u0|| / ||u||)`` (``f = rho f + 1 - rho``; ``rho = 1`` where
-    ``||u|| = 0``), clamped to ``[f_min, f_max]`` and to within ``factor_threshold`` of the
-    last step's factor."""
-    rho = torch.where(full_norm > 0, base_norm / torch.where(full_norm > 0, full_norm, 1), 1)
-    rho = torch.clamp(rho, max=1)
-    factor = rho * max_ratio + (1 - rho)
-    factor = torch.minimum(torch.maximum(factor, factor_min), factor_max)
-    low, high = last_factor * (1 - factor_threshold), last_factor * (1 + factor_threshold)
-    return torch.minimum(torch.maximum(factor, low), high)
-
-
 def _norms(tensors: Sequence[Tensor], like: Tensor) -> Tensor:
     """Each tensor's Euclidean norm, as one device vector (one call, no host sync)."""
     if not tensors:
@@ -180,9 +143,7 @@ def lamb_step_(
     flat: FlatState,
     grads: Sequence[Tensor | None],
     active: Sequence[bool],
-    *,
     check_finite: bool,
-    backend: str,
 ) -> tuple[Tensor, Tensor] | None:
     """One LAMB step on every active parameter with its gradient in ``grads``.
 
@@ -192,9 +153,6 @@ def lamb_step_(
     inactive parameters), or ``None``, with nothing changed, when ``check_finite`` and a
     gradient holds NaN/Inf.
     """
-    kernels = _numba(flat, backend)
-    if kernels is not None:
-        return kernels.lamb_step_(flat, grads, active, check_finite)
     indices = _active_if_finite(grads, active, check_finite)
     if indices is None:
         return None
@@ -217,17 +175,12 @@ def adam_step_(
     flat: FlatState,
     grads: Sequence[Tensor | None],
     active: Sequence[bool],
-    *,
     check_finite: bool,
-    backend: str,
 ) -> bool:
     """One Adam step (no bias correction) on every active parameter with its gradient in
     ``grads``: ``m, v <- moments(g)``; ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
     Returns False, with nothing changed, when ``check_finite`` and a gradient is not finite.
     """
-    kernels = _numba(flat, backend)
-    if kernels is not None:
-        return kernels.adam_step_(flat, grads, active, check_finite)
     indices = _active_if_finite(grads, active, check_finite)
     if indices is None:
         return False
@@ -243,28 +196,21 @@ def scaled_momentum(
     scaling: Tensor,
     out: Tensor,
     active: Sequence[bool],
-    *,
-    backend: str,
-) -> Tensor:
+) -> None:
     """``out[p] = s_p (b1 m_p + (1 - b1) g_p)`` for every active parameter with its local
-    gradient ``g_p`` in ``grads``; zeros for the others and in the padded tail of ``out``."""
-    kernels = _numba(flat, backend)
-    if kernels is not None:
-        kernels.scaled_momentum(flat, grads, scaling, out, active)
-    else:
-        m, g, target = flat.views(flat.exp_avg), grads, flat.views(out)
-        indices = _active_indices(active)
-        for group, idx in _by_group(flat, indices):
-            beta1 = group["betas"][0]
-            torch._foreach_copy_(_pick(target, idx), _pick(m, idx))
-            torch._foreach_mul_(_pick(target, idx), beta1)
-            torch._foreach_add_(_pick(target, idx), _pick(g, idx), alpha=1 - beta1)
-        _scale_each(_pick(target, indices), scaling[indices])
-        inactive = [view for view, is_active in zip(target, active, strict=True) if not is_active]
-        if inactive:
-            torch._foreach_zero_(inactive)
-    out[flat.numel :].zero_()
-    return out
+    gradient ``g_p`` in ``grads``; zeros for the others (the caller zeroes any padded tail
+    of ``out``)."""
+    m, g, target = flat.views(flat.exp_avg), grads, flat.views(out)
+    indices = _active_indices(active)
+    for group, idx in _by_group(flat, indices):
+        beta1 = group["betas"][0]
+        torch._foreach_copy_(_pick(target, idx), _pick(m, idx))
+        torch._foreach_mul_(_pick(target, idx), beta1)
+        torch._foreach_add_(_pick(target, idx), _pick(g, idx), alpha=1 - beta1)
+    _scale_each(_pick(target, indices), scaling[indices])
+    inactive = [view for view, is_active in zip(target, active, strict=True) if not is_active]
+    if inactive:
+        torch._foreach_zero_(inactive)
 
 
 def _decode_momentum(
@@ -289,8 +235,6 @@ def onebit_lamb_compressed_step_(
     active: Sequence[bool],
     lamb_coeff_freeze: Tensor,
     last_factor: Tensor,
-    *,
-    backend: str,
 ) -> Tensor:
     """A compression-stage 1-bit LAMB step with the exchanged momentum; returns ``f``.
 
@@ -302,11 +246,6 @@ def onebit_lamb_compressed_step_(
     or into ``scratch`` (the exchange buffer). Divisions by ``s`` and ``1 - b1`` are
     multiplications by their reciprocals.
     """
-    kernels = _numba(flat, backend)
-    if kernels is not None:
-        return kernels.onebit_lamb_compressed_step_(
-            flat, packed, scaling, mask, active, lamb_coeff_freeze, last_factor
-        )
     indices = _active_indices(active)
     new = _decode_momentum(flat, packed, scaling, mask, scratch)
     m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
@@ -357,29 +296,17 @@ def onebit_adam_compressed_step_(
     scaling: Tensor,
     mask: Tensor | None,
     active: Sequence[bool],
-    *,
-    backend: str,
 ) -> None:
     """A compression-stage 1-bit Adam step: ``m = decoded / s (* mask)``;
     ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v`` frozen."""
-    kernels = _numba(flat, backend)
-    if kernels is not None:
-        kernels.onebit_adam_compressed_step_(flat, packed, scaling, mask, active)
-        return
     new = _decode_momentum(flat, packed, scaling, mask, scratch)
     _frozen_adam_update_(flat, new, _active_indices(active))
 
 
-def adam_momentum_step_(
-    flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool], *, backend: str
-) -> None:
+def adam_momentum_step_(flat: FlatState, grads: Sequence[Tensor], active: Sequence[bool]) -> None:
     """For every active parameter: ``m = b1 m + (1 - b1) g``;
     ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``; ``v`` unchanged (0/1 Adam's steps that do
     not update the variance)."""
-    kernels = _numba(flat, backend)
-    if kernels is not None:
-        kernels.adam_momentum_step_(flat, grads, active)
-        return
     m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
     update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
     for group, idx in _by_group(flat, _active_indices(active)):
@@ -393,12 +320,17 @@ def adam_momentum_step_(
 
 
 def onebit_adam_per_tensor_step_(
-    flat: FlatState, exchanged: Tensor, mask: Tensor | None, active: Sequence[bool]
+    flat: FlatState,
+    packed: PackedResult,
+    exchanged: Tensor,
+    mask: Tensor | None,
+    active: Sequence[bool],
 ) -> None:
     """A compression-stage 1-bit Adam step with the momentum exchanged tensor by tensor
-    (:func:`onebit.compressed_allreduce_per_tensor`, already in ``exchanged``):
-    ``m = exchanged (* mask)``; ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v``
-    frozen. Plain torch on every backend."""
+    (``packed``, decoded into ``exchanged``): ``m = exchanged (* mask)``;
+    ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v`` frozen. Plain torch on every
+    backend."""
+    packed.decode(exchanged)
     if mask is not None:
         exchanged[: flat.numel].mul_(mask)
     _frozen_adam_update_(flat, flat.views(exchanged), _active_indices(active))
@@ -415,3 +347,59 @@ def _frozen_adam_update_(flat: FlatState, new: list[Tensor], indices: list[int])
             _pick(new, idx), _pick(denom, idx), _pick(m, idx), _pick(v, idx), _pick(p, idx), group
         )
         torch._foreach_add_(_pick(p, idx), _pick(new, idx), alpha=-group["lr"])
+
+
+# --------------------------------------------------------------------------- 0/1 Adam
+def _denominators(flat: FlatState, idx: list[int], group: dict) -> list[Tensor]:
+    """``d = sqrt(v) + eps`` of the listed parameters, in scratch buffer 1."""
+    denom = _pick(flat.views(flat.scratch(1)), idx)
+    torch._foreach_copy_(denom, _pick(flat.views(flat.exp_avg_sq), idx))
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, group["eps"])
+    return denom
+
+
+def accumulated_update(flat: FlatState, active: Sequence[bool], out: Tensor) -> Tensor:
+    """``out_p = (p - p_synced) (sqrt(v) + eps)`` for every active parameter (zeros for the
+    others): 0/1 Adam's update since the last synchronisation, in units of momentum."""
+    indices = _active_indices(active)
+    p, synced, target = (flat.views(t) for t in (flat.weights, flat.synced_param, out))
+    out.zero_()
+    for group, idx in _by_group(flat, indices):
+        delta = _pick(target, idx)
+        torch._foreach_copy_(delta, _pick(p, idx))
+        torch._foreach_sub_(delta, _pick(synced, idx))
+        torch._foreach_mul_(delta, _denominators(flat, idx, group))
+    return out
+
+
+def synchronised_update_(
+    flat: FlatState, exchanged: Tensor, active: Sequence[bool], lr_sum: Tensor
+) -> None:
+    """0/1 Adam's synchronisation with the exchanged accumulated update ``exchanged``
+    (``d``-scaled), for every active parameter: ``m = -exchanged / lr_sum`` (0 where
+    ``lr_sum = 0``); ``p_synced <- p_synced + exchanged / d``; ``p = p_synced``;
+    ``lr_sum = 0``."""
+    indices = _active_indices(active)
+    m, synced, p = (flat.views(t) for t in (flat.exp_avg, flat.synced_param, flat.weights))
+    delta = flat.views(exchanged)
+    rebuild = torch.where(lr_sum > 0, -1 / torch.where(lr_sum > 0, lr_sum, 1), 0)
+    for group, idx in _by_group(flat, indices):
+        torch._foreach_copy_(_pick(m, idx), _pick(delta, idx))
+        _scale_each(_pick(m, idx), rebuild[idx])
+        torch._foreach_div_(_pick(delta, idx), _denominators(flat, idx, group))
+        torch._foreach_add_(_pick(synced, idx), _pick(delta, idx))
+        torch._foreach_copy_(_pick(p, idx), _pick(synced, idx))
+    lr_sum[indices] = 0
+
+
+# --------------------------------------------------------------------------- the reference
+REFERENCE = SimpleNamespace(
+    lamb_step_=lamb_step_,
+    adam_step_=adam_step_,
+    scaled_momentum=scaled_momentum,
+    adam_momentum_step_=adam_momentum_step_,
+    onebit_lamb_compressed_step_=onebit_lamb_compressed_step_,
+    onebit_adam_compressed_step_=onebit_adam_compressed_step_,
+)
+"""The torch reference as update kernels (:class:`onebit.kernels.UpdateKernels`)."""

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from onebit.optim import _common, functional
-from onebit.optim._flat import FlatOptimizer
+from onebit.optim import _common
+from onebit.optim._base import FlatOptimizer
+from onebit.optim._flat import FlatState
 
-__all__ = ["Lamb"]
+__all__ = ["Lamb", "last_coefficients", "record_coefficients"]
+
+
+def record_coefficients(flat: FlatState, coeff: Tensor, present: Sequence[bool]) -> None:
+    """Store the step's per-parameter coefficient (``lamb_coeff``) for the parameters that
+    took part."""
+    last = flat.scalars["lamb_coeff"]
+    taking_part = torch.tensor(list(present), device=coeff.device)
+    last.copy_(torch.where(taking_part, coeff, last))
+
+
+def last_coefficients(flat: FlatState | None, has_state: Sequence[bool]) -> list[float]:
+    """The last step's per-parameter coefficients of the parameters that have state."""
+    if flat is None:
+        return []
+    values = flat.scalars["lamb_coeff"].tolist()
+    return [value for value, has in zip(values, has_state, strict=True) if has]
 
 
 class Lamb(FlatOptimizer):
@@ -75,17 +92,15 @@ class Lamb(FlatOptimizer):
         present = [grad is not None for grad in grads]
         if any(present):
             self._expose_new_state(flat, present)
-            coeff, _ = functional.lamb_step_(
-                flat, grads, present, check_finite=False, backend=self._backend
-            )
-            self._record_coefficients(coeff, present)
+            coeff, _ = self.updates.lamb_step_(flat, grads, present, False)
+            record_coefficients(flat, coeff, present)
             flat.refresh_half_params()
         return loss
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratio each parameter got at its last step, in parameter order, for the
         parameters that have state (one host read)."""
-        return self._coefficients()
+        return last_coefficients(self._flat, self._has_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _common.validate_checkpoint(self, state_dict)

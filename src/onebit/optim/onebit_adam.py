@@ -8,8 +8,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.collectives import PackedResult
-from onebit.hierarchical import NodeGroups
+from onebit.exchange import NodeGroups, PackedResult
 from onebit.optim import _common, functional
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
@@ -75,36 +74,22 @@ class OneBitAdam(OneBitOptimizer):
             node_groups=node_groups,
         )
 
-    def _exchange_buffer_for(self, flat: FlatState) -> Tensor:
-        if self.compression == "per_tensor" and self.momentum_exchange is not None:
-            raise ValueError(
-                "compression='per_tensor' exchanges over the process group only; a "
-                "momentum_exchange simulates the fused exchange (use compression='fused')"
-            )
-        return super()._exchange_buffer_for(flat)
-
     def _warmup_update(
         self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
     ) -> bool:
-        return functional.adam_step_(flat, grads, active, check_finite=True, backend=self._backend)
+        return self.updates.adam_step_(flat, grads, active, True)
 
     def _compressed_update(
         self,
         flat: FlatState,
-        packed: PackedResult | None,
+        packed: PackedResult,
         scratch: Tensor,
         mask: Tensor | None,
         active: Sequence[bool],
     ) -> None:
         if self.compression == "per_tensor":
-            functional.onebit_adam_per_tensor_step_(flat, scratch, mask, active)
+            functional.onebit_adam_per_tensor_step_(flat, packed, scratch, mask, active)
             return
-        functional.onebit_adam_compressed_step_(
-            flat,
-            packed,
-            scratch,
-            flat.scalars["scaling_coeff"],
-            mask,
-            active,
-            backend=self._backend,
+        self.updates.onebit_adam_compressed_step_(
+            flat, packed, scratch, flat.scalars["scaling_coeff"], mask, active
         )

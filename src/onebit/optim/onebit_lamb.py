@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.collectives import PackedResult
-from onebit.hierarchical import NodeGroups
-from onebit.optim import _common, functional
+from onebit.exchange import NodeGroups, PackedResult
+from onebit.optim import _common
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
+from onebit.optim.lamb import last_coefficients, record_coefficients
 
 __all__ = ["OneBitLamb"]
 
@@ -135,14 +135,12 @@ class OneBitLamb(OneBitOptimizer):
     def get_lamb_coeffs(self) -> list[float]:
         """Each parameter's last step coefficient (``c``, then ``c_frz * f``), in parameter
         order, for the parameters that have state (one host read)."""
-        return self._coefficients()
+        return last_coefficients(self._flat, self._has_state)
 
     def _warmup_update(
         self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
     ) -> bool:
-        result = functional.lamb_step_(
-            flat, grads, active, check_finite=True, backend=self._backend
-        )
+        result = self.updates.lamb_step_(flat, grads, active, True)
         if result is None:
             return False
         coeff, defined = result
@@ -150,7 +148,7 @@ class OneBitLamb(OneBitOptimizer):
         beta_c = flat.segment_values(lambda group: group["coeff_beta"])
         frozen = flat.scalars["lamb_coeff_freeze"]
         frozen.copy_(torch.where(defined, beta_c * frozen + (1 - beta_c) * coeff, frozen))
-        self._record_coefficients(coeff, active)
+        record_coefficients(flat, coeff, active)
         return True
 
     def _start_compression(self, flat: FlatState) -> None:
@@ -169,7 +167,7 @@ class OneBitLamb(OneBitOptimizer):
         active: Sequence[bool],
     ) -> None:
         scalars = flat.scalars
-        factor = functional.onebit_lamb_compressed_step_(
+        factor = self.updates.onebit_lamb_compressed_step_(
             flat,
             packed,
             scratch,
@@ -178,7 +176,6 @@ class OneBitLamb(OneBitOptimizer):
             active,
             scalars["lamb_coeff_freeze"],
             scalars["last_factor"],
-            backend=self._backend,
         )
         scalars["last_factor"].copy_(factor)
         scalars["lamb_coeff"].copy_(scalars["lamb_coeff_freeze"] * factor)

@@ -11,15 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.collectives import (
-    NonFiniteError,
-    compressed_allreduce_per_tensor,
-    per_tensor_error_sizes,
-)
+from onebit.exchange import Exchange, NonFiniteError, PerTensorExchange
 from onebit.optim import _common, functional
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
-from onebit.optim.functional import _active_indices, _by_group, _pick
+from onebit.optim.functional import _active_indices, _pick
 
 __all__ = [
     "ZeroOneAdam",
@@ -85,49 +81,6 @@ def step_kind(
     return SYNC if step % interval == 0 else LOCAL
 
 
-# --------------------------------------------------------------------------- the maths
-def _denominators(flat: FlatState, idx: list[int], group: dict) -> list[Tensor]:
-    """``d = sqrt(v) + eps`` of the listed parameters, in scratch buffer 1."""
-    denom = _pick(flat.views(flat.scratch(1)), idx)
-    torch._foreach_copy_(denom, _pick(flat.views(flat.exp_avg_sq), idx))
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, group["eps"])
-    return denom
-
-
-def accumulated_update(flat: FlatState, active: Sequence[bool], out: Tensor) -> Tensor:
-    """``out_p = (p - p_synced) (sqrt(v) + eps)`` for every active parameter (zeros for the
-    others): the update since the last synchronisation, in units of momentum."""
-    indices = _active_indices(active)
-    p, synced, target = (flat.views(t) for t in (flat.weights, flat.synced_param, out))
-    out.zero_()
-    for group, idx in _by_group(flat, indices):
-        delta = _pick(target, idx)
-        torch._foreach_copy_(delta, _pick(p, idx))
-        torch._foreach_sub_(delta, _pick(synced, idx))
-        torch._foreach_mul_(delta, _denominators(flat, idx, group))
-    return out
-
-
-def synchronised_update_(
-    flat: FlatState, exchanged: Tensor, active: Sequence[bool], lr_sum: Tensor
-) -> None:
-    """With the exchanged accumulated update ``exchanged`` (``d``-scaled), for every active
-    parameter: ``m = -exchanged / lr_sum`` (0 where ``lr_sum = 0``);
-    ``p_synced <- p_synced + exchanged / d``; ``p = p_synced``; ``lr_sum = 0``."""
-    indices = _active_indices(active)
-    m, synced, p = (flat.views(t) for t in (flat.exp_avg, flat.synced_param, flat.weights))
-    delta = flat.views(exchanged)
-    rebuild = torch.where(lr_sum > 0, -1 / torch.where(lr_sum > 0, lr_sum, 1), 0)
-    for group, idx in _by_group(flat, indices):
-        torch._foreach_copy_(_pick(m, idx), _pick(delta, idx))
-        functional._scale_each(_pick(m, idx), rebuild[idx])
-        torch._foreach_div_(_pick(delta, idx), _denominators(flat, idx, group))
-        torch._foreach_add_(_pick(synced, idx), _pick(delta, idx))
-        torch._foreach_copy_(_pick(p, idx), _pick(synced, idx))
-    lr_sum[indices] = 0
-
-
 # --------------------------------------------------------------------------- the optimizer
 class ZeroOneAdam(OneBitOptimizer):
     r"""0/1 Adam: Adam whose variance is updated on exponentially spaced steps, gradients sent at
@@ -142,7 +95,7 @@ class ZeroOneAdam(OneBitOptimizer):
       or by ``DistributedDataParallel`` with :func:`onebit.ddp.register_comm_hook`) and
       ``m, v`` updated as in Adam;
     * on the other steps the local gradients are averaged by the per-tensor 1-bit exchange
-      (:func:`onebit.collectives.compressed_allreduce_per_tensor`) and only ``m`` is updated
+      (:class:`onebit.exchange.PerTensorExchange`) and only ``m`` is updated
       (``pre_freeze_exchange="gradient"``, DeepSpeed's scheme), or each rank takes its own
       momentum step and the step is synchronised as after the freeze, below, at an interval
       of one step (``"momentum"``, the paper's Algorithm 1).
@@ -186,6 +139,7 @@ class ZeroOneAdam(OneBitOptimizer):
     """
 
     _SCALARS = {"lr_sum": 0.0}  # Gamma: the sum of lr since the last synchronisation
+    DENSE_KINDS = frozenset({VARIANCE_UPDATE})
 
     def __init__(
         self,
@@ -253,15 +207,15 @@ class ZeroOneAdam(OneBitOptimizer):
             self.pre_freeze_exchange,
         )
 
-    @property
-    def stage(self) -> str:
-        """The kind of the next ``step()``: ``"variance_update"``, ``"gradient_1bit"``,
-        ``"local"`` or ``"sync"``."""
-        return self.kind_of_step(self.step_count + 1)
+    def _build_exchange(self) -> Exchange:
+        """Every tensor compressed alone (DeepSpeed's 0/1 Adam), over the process group."""
+        return PerTensorExchange(self.process_group)
 
-    @property
-    def needs_averaged_gradients(self) -> bool:
-        return self.stage == VARIANCE_UPDATE
+    def use_exchange(self, exchange: Exchange) -> None:
+        raise ValueError(
+            f"{type(self).__name__} exchanges every tensor alone over its process group; "
+            f"it cannot use a {type(exchange).__name__}"
+        )
 
     def _replicas_agree(self) -> bool:
         """Up to the freeze and right after a synchronisation; not inside a local interval."""
@@ -272,13 +226,12 @@ class ZeroOneAdam(OneBitOptimizer):
     def _warmup_update(
         self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
     ) -> bool:
-        return functional.adam_step_(flat, grads, active, check_finite=True, backend=self._backend)
+        return self.updates.adam_step_(flat, grads, active, True)
 
-    def _compression_step(self, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
+    def _exchanged_step(self, kind: str, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
         """A step that does not average gradients densely: 1-bit gradient, local or sync (of
         the interval that starts at the last synchronisation, or at the weights of step
         ``t - 1`` for every step ``t <= T + 1``)."""
-        kind = self.stage
         buffer = self._prepare_exchange(flat)
         if kind == GRADIENT_1BIT:
             flat.load_grads(grads)  # this rank's gradients, zeros where it has none
@@ -286,9 +239,7 @@ class ZeroOneAdam(OneBitOptimizer):
                 self._exchange_per_tensor(flat, flat.grad)
             except NonFiniteError:
                 return self._skip("a rank's local gradients")
-            functional.adam_momentum_step_(
-                flat, flat.views(flat.grad), self._has_state, backend=self._backend
-            )
+            self.updates.adam_momentum_step_(flat, flat.views(flat.grad), self._has_state)
             return True
         if self.step_count <= self.freeze_step:
             self._start_interval(flat)
@@ -297,30 +248,27 @@ class ZeroOneAdam(OneBitOptimizer):
             for p, g in zip(flat.params, grads, strict=True)
         ]
         if _common.all_finite(_pick(local, _active_indices(self._has_state))):
-            functional.adam_momentum_step_(flat, local, self._has_state, backend=self._backend)
+            self.updates.adam_momentum_step_(flat, local, self._has_state)
         else:
             self._ignore_local_gradients()
         lr_sum = flat.scalars["lr_sum"]
         indices = _active_indices(self._has_state)
         lr_sum[indices] += flat.segment_values(lambda group: group["lr"])[indices]
         if kind == SYNC:
-            accumulated_update(flat, self._has_state, buffer)
+            functional.accumulated_update(flat, self._has_state, buffer)
             self._exchange_per_tensor(flat, buffer)
-            synchronised_update_(flat, buffer, self._has_state, lr_sum)
+            functional.synchronised_update_(flat, buffer, self._has_state, lr_sum)
         return True
 
     def _prepare_exchange(self, flat: FlatState) -> Tensor:
-        """The buffer of the accumulated update (``N`` elements), the masks (anew at every
-        step up to the freeze: the variance may have changed) and the error-feedback state."""
+        """The buffer of the accumulated update (``N`` elements) and the masks (anew at every
+        step up to the freeze: the variance may have changed); the exchange bound."""
         if self._exchange_buffer is None:
             self._exchange_buffer = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
             self._mask = self._flat_mask(flat)
         elif self.step_count < self.freeze_step:
             self._mask = self._flat_mask(flat)
-        worker_size, server_size = self._error_sizes(flat.numel)
-        if self._worker_error is None or self._worker_error.numel() != worker_size:
-            self._worker_error = torch.zeros(worker_size, dtype=flat.dtype, device=flat.device)
-            self._server_error = torch.zeros(server_size, dtype=flat.dtype, device=flat.device)
+        self._bind_exchange(flat)
         return self._exchange_buffer
 
     def _exchange_per_tensor(self, flat: FlatState, buffer: Tensor) -> None:
@@ -330,14 +278,7 @@ class ZeroOneAdam(OneBitOptimizer):
             with self._collective():
                 self._check_gradients_are_local(buffer)
         with self._collective():
-            compressed_allreduce_per_tensor(
-                flat.views(buffer),
-                self._worker_error,
-                self._server_error,
-                self.process_group,
-                traffic=self._traffic,
-                kernels=self._backend,
-            )
+            self.exchange.exchange(buffer).decode(buffer)
         if self._mask is not None:
             buffer.mul_(self._mask)
 
@@ -354,8 +295,7 @@ class ZeroOneAdam(OneBitOptimizer):
         flat.synced_param.copy_(flat.weights)
         flat.scalars["lr_sum"].zero_()
         if self.step_count == self.freeze_step and self.pre_freeze_exchange == "gradient":
-            self._worker_error.zero_()
-            self._server_error.zero_()
+            self.exchange.reset_errors()
 
     def _ignore_local_gradients(self) -> None:
         """A local or synchronisation step whose gradients on this rank are not finite: they
@@ -374,12 +314,6 @@ class ZeroOneAdam(OneBitOptimizer):
         )
 
     # ----------------------------------------------------------------- checkpoints
-    def _error_sizes(self, numel: int) -> tuple[int, int]:
-        """Elements of ``worker_error`` and ``server_error``: every tensor padded alone
-        (:func:`onebit.collectives.per_tensor_error_sizes`; ``numel``, their sum, is implied)."""
-        numels = [p.numel() for p in _common.trainable_params(self)]
-        return per_tensor_error_sizes(numels, self.world_size)
-
     def state_dict(self) -> dict[str, Any]:
         """As :meth:`OneBitOptimizer.state_dict`; inside a local interval each parameter's
         state also holds this rank's own weights (``local_param``)."""

@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import onebit
 from onebit.collectives import TrafficCounter, allreduce_bytes
-from onebit.hierarchical import NodeGroups
+from onebit.exchange import NodeGroups
 from onebit.train import checkpoint, data, report
 from onebit.train.atomic import write_bytes_atomic
 from onebit.train.config import (

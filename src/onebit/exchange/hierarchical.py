@@ -2,36 +2,46 @@
 
 A data-parallel group of ``W = M * L`` ranks, ``M`` nodes of ``L`` ranks: each node first
 averages the buffer densely over its fast local link (every rank ends with one shard of the
-node's mean), then the ranks holding the same shard on every node run the flat
-:func:`~onebit.compressed_allreduce` among themselves, and each node gathers the compressed
-results of its ranks. Only compressed bytes cross the slow network between nodes, about
-``L`` times fewer than with the flat exchange, and each rank compresses ``N / L`` elements.
+node's mean), then the ranks holding the same shard on every node run the flat two-phase
+exchange among themselves, and each node gathers the compressed results of its ranks. Only
+compressed bytes cross the slow network between nodes, about ``L`` times fewer than with the
+flat exchange, and each rank compresses ``N / L`` elements.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.collectives import (
+from onebit.compression import scale_dtype
+from onebit.exchange.base import Exchange
+from onebit.exchange.protocol import (
     CompressionWorkspace,
+    Layout,
     PackedResult,
+    exchange_bytes,
+    exchange_over_group,
+    padded_size,
+)
+from onebit.exchange.transport import (
+    GroupTransport,
     TrafficCounter,
     all_gather_into,
-    compressed_allreduce_bytes,
-    compressed_allreduce_packed,
-    padded_size,
     world_size,
 )
-from onebit.compression import scale_dtype
+from onebit.kernels import Backend, select
 
 __all__ = [
+    "HierarchicalExchange",
     "HierarchicalWorkspace",
+    "NodeGroups",
+    "hierarchical_bytes",
     "hierarchical_compressed_allreduce",
-    "hierarchical_compressed_allreduce_packed",
+    "hierarchical_exchange",
     "node_groups",
     "node_topology",
 ]
@@ -88,9 +98,9 @@ def node_topology(groups: NodeGroups) -> tuple[int, int]:
 
 
 class HierarchicalWorkspace:
-    """Scratch of :func:`hierarchical_compressed_allreduce`, allocated once and reused: the
-    received shards (``N`` elements) and their mean (``N / L``), the gathered compressed
-    results of the node, and the workspace of the inter-node exchange."""
+    """Scratch of the hierarchical exchange, allocated once and reused: the received shards
+    (``N`` elements) and their mean (``N / L``), the gathered compressed results of the
+    node, and the workspace of the inter-node exchange."""
 
     def __init__(self) -> None:
         self.inner = CompressionWorkspace()
@@ -126,78 +136,90 @@ def hierarchical_bytes(numel: int, local: int, nodes: int, dtype: torch.dtype) -
     )
     return {
         "intra_node": (local - 1) * shard * element + gathered,
-        "inter_node": compressed_allreduce_bytes(shard, nodes, dtype),
+        "inter_node": exchange_bytes(Layout.flat(shard, nodes), dtype),
     }
 
 
-def hierarchical_compressed_allreduce_packed(
+def hierarchical_exchange(
     buffer: Tensor,
     worker_error: Tensor,
     server_error: Tensor,
-    intra_group: dist.ProcessGroup | None,
-    inter_group: dist.ProcessGroup | None,
-    *,
-    workspace: HierarchicalWorkspace | None = None,
-    traffic: TrafficCounter | None = None,
-    kernels: str | None = None,
+    groups: NodeGroups,
+    workspace: HierarchicalWorkspace,
+    backend: Backend,
 ) -> PackedResult:
-    """:func:`hierarchical_compressed_allreduce` without the final decoding: the result in
-    the form of a flat exchange over ``L * M`` chunks (chunk ``l * M + j`` is server ``j``'s
-    chunk of shard ``l``)."""
-    local, nodes = world_size(intra_group), world_size(inter_group)
-    numel = buffer.numel()
-    if numel == 0 or numel % (8 * local * nodes):
-        raise ValueError(
-            f"buffer has {numel} elements; it must be a positive multiple of 8 * L * M = "
-            f"{8 * local * nodes} (pad it to onebit.padded_size({numel}, {local * nodes}) = "
-            f"{padded_size(numel, local * nodes)})"
-        )
-    if worker_error.numel() != numel // local:
-        raise ValueError(
-            f"worker_error has {worker_error.numel()} elements; the hierarchical exchange needs "
-            f"buffer.numel() // L = {numel // local}"
-        )
-    ws = (workspace or HierarchicalWorkspace()).prepare(
-        numel, local, nodes, buffer.dtype, buffer.device
-    )
-    flat = buffer.view(-1)
+    """One hierarchical exchange of the flat ``buffer`` (``N``, a multiple of ``8 L M``;
+    not modified) with this rank's error state (``N / L`` and ``N / (L M)``), updated in
+    place; the result in the form of a flat exchange over ``L M`` chunks (chunk ``l M + j``
+    is server ``j``'s chunk of shard ``l``).
 
-    # 1. Intra-node reduce-scatter: rank l receives shard l of every rank of its node and
-    #    averages them, summed in rank order (reproducible on any backend).
+    1. intra-node reduce-scatter (dense): rank ``l`` of a node gets shard ``l`` of the node's
+       mean, ``z = (1/L) sum_i x_i[shard l]``, summed in rank order (reproducible);
+    2. the flat two-phase exchange of ``z`` among the ranks holding shard ``l`` on every
+       node, every check agreed on within the node too, so all ranks raise together;
+    3. intra-node all-gather of the ``L`` results in compressed form (32x fewer bytes)."""
+    intra, inter = groups
+    local, nodes = node_topology(groups)
+    numel = buffer.numel()
+    ws = workspace.prepare(numel, local, nodes, buffer.dtype, buffer.device)
+    flat = buffer.view(-1)
     if local == 1:
         mean = flat
     else:
-        dist.all_to_all_single(ws.shards.view(-1), flat, group=intra_group)
+        dist.all_to_all_single(ws.shards.view(-1), flat, group=intra)
         mean = ws.mean
         mean.copy_(ws.shards[0])
         for rank in range(1, local):
             mean.add_(ws.shards[rank])
         mean.div_(local)
-
-    # 2. The flat 1-bit exchange among the ranks holding this shard on every node; every
-    #    check is agreed on within the node, so all ranks raise together.
-    inner = compressed_allreduce_packed(
-        mean,
-        worker_error,
-        server_error,
-        inter_group,
-        scratch=mean if local > 1 else ws.mean,
-        workspace=ws.inner,
-        traffic=None,
-        kernels=kernels,
-        agree_on=intra_group,
+    inner_ws = ws.inner.prepare(
+        Layout.flat(numel // local, nodes), buffer.dtype, buffer.device, backend
     )
-    if traffic is not None:
-        for kind, nbytes in hierarchical_bytes(numel, local, nodes, buffer.dtype).items():
-            if nbytes:
-                traffic.record(kind, nbytes)
+    scratch = mean if local > 1 else ws.mean
+    transport = GroupTransport(inter, agree_on=intra)
+    inner = exchange_over_group([mean], [scratch], worker_error, server_error, transport, inner_ws)
     if local == 1:
         return inner
+    all_gather_into(ws.signs, inner.signs, intra, local)
+    all_gather_into(ws.scales, inner.scales, intra, local)
+    layout = Layout.flat(numel, local * nodes)
+    return PackedResult(ws.signs.view(local * nodes, -1), ws.scales.view(-1, 1), layout, backend)
 
-    # 3. Intra-node all-gather of the compressed results (32x fewer bytes than of r itself).
-    all_gather_into(ws.signs, inner.signs, intra_group, local)
-    all_gather_into(ws.scales, inner.scales, intra_group, local)
-    return PackedResult(ws.signs.view(local * nodes, -1), ws.scales.view(-1), inner.backend)
+
+class HierarchicalExchange(Exchange):
+    """The hierarchical exchange over ``(intra_group, inter_group)`` (:func:`node_groups`):
+    one fused buffer padded to a multiple of ``8 L M``; error buffers of ``N / L`` and
+    ``N / (L M)``. With ``L = 1`` it is the flat exchange over the inter-node group, bit for
+    bit."""
+
+    def __init__(self, groups: NodeGroups) -> None:
+        super().__init__()
+        if len(groups) != 2:
+            raise ValueError("node_groups must be the pair (intra_group, inter_group)")
+        self.groups = tuple(groups)
+        self.workspace = HierarchicalWorkspace()
+
+    @property
+    def topology(self) -> tuple[int, int]:
+        return node_topology(self.groups)
+
+    def buffer_size(self, numels: Sequence[int]) -> int:
+        return padded_size(sum(numels), self.world_size)
+
+    def error_sizes(self, numels: Sequence[int]) -> tuple[int, int]:
+        size = self.buffer_size(numels)
+        return size // self.topology[0], size // self.world_size
+
+    def bytes_per_call(self) -> dict[str, int]:
+        return hierarchical_bytes(self.buffer_size(self.numels), *self.topology, self.dtype)
+
+    def nbytes(self) -> int:
+        return self.workspace.nbytes()
+
+    def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
+        return hierarchical_exchange(
+            buffer, worker_error, server_error, self.groups, self.workspace, self.backend
+        )
 
 
 def hierarchical_compressed_allreduce(
@@ -212,13 +234,8 @@ def hierarchical_compressed_allreduce(
     traffic: TrafficCounter | None = None,
     kernels: str | None = None,
 ) -> Tensor:
-    """Average ``buffer`` over ``M`` nodes of ``L`` ranks at 1 bit per element between nodes.
-
-    1. intra-node reduce-scatter (dense): rank ``l`` of a node gets shard ``l`` of the node's
-       mean, ``z = (1/L) sum_i x_i[shard l]``;
-    2. ``r = compressed_allreduce(z, worker_error, server_error, inter_group)``;
-    3. intra-node all-gather of the ``L`` results (in compressed form): the average,
-       identical on all ``L * M`` ranks.
+    """Average ``buffer`` over ``M`` nodes of ``L`` ranks at 1 bit per element between nodes
+    (:func:`hierarchical_exchange`), with caller-held error state.
 
     Args:
         buffer: flat floating-point tensor, ``numel`` a multiple of ``8 L M``; not modified.
@@ -230,16 +247,35 @@ def hierarchical_compressed_allreduce(
     With ``L = 1`` this is :func:`onebit.compressed_allreduce` over the inter-node group, bit
     for bit. Raises like it, on every rank of the ``L * M``, before any error state changes.
     """
+    groups = (intra_group, inter_group)
+    local, nodes = node_topology(groups)
+    numel = buffer.numel()
+    if numel == 0 or numel % (8 * local * nodes):
+        raise ValueError(
+            f"buffer has {numel} elements; it must be a positive multiple of 8 * L * M = "
+            f"{8 * local * nodes} (pad it to onebit.padded_size({numel}, {local * nodes}) = "
+            f"{padded_size(numel, local * nodes)})"
+        )
+    for name, tensor, expected in (
+        ("worker_error", worker_error, numel // local),
+        ("server_error", server_error, numel // (local * nodes)),
+    ):
+        if tensor.numel() != expected:
+            raise ValueError(
+                f"{name} has {tensor.numel()} elements; the hierarchical exchange needs "
+                f"{expected} for a buffer of {numel} over {nodes} nodes of {local} ranks"
+            )
     if out is None:
         out = torch.empty_like(buffer)
-    packed = hierarchical_compressed_allreduce_packed(
+    backend = select(buffer, kernels)
+    packed = hierarchical_exchange(
         buffer,
-        worker_error,
-        server_error,
-        intra_group,
-        inter_group,
-        workspace=workspace,
-        traffic=traffic,
-        kernels=kernels,
+        worker_error.view(-1),
+        server_error.view(-1),
+        groups,
+        workspace or HierarchicalWorkspace(),
+        backend,
     )
+    if traffic is not None:
+        traffic.record_all(hierarchical_bytes(numel, local, nodes, buffer.dtype))
     return packed.decode(out)

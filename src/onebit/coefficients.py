@@ -1,0 +1,44 @@
+"""The per-tensor coefficients of LAMB and 1-bit LAMB (ALGORITHM.md), on device vectors of one
+entry per parameter: the maths every update backend shares (torch only, no other import)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["compression_factor", "trust_ratio"]
+
+
+def trust_ratio(
+    param_norm: Tensor, update_norm: Tensor, min_coeff: Tensor, max_coeff: Tensor
+) -> tuple[Tensor, Tensor]:
+    """LAMB's ``c = clamp(||p|| / ||u||, c_min, c_max)`` per parameter, and where it is
+    defined (both norms positive); ``c = 1`` elsewhere."""
+    defined = (param_norm > 0) & (update_norm > 0)
+    ratio = torch.where(defined, param_norm / torch.where(defined, update_norm, 1), 1)
+    return torch.where(
+        defined, torch.minimum(torch.maximum(ratio, min_coeff), max_coeff), 1
+    ), defined
+
+
+def compression_factor(
+    max_ratio: Tensor,
+    base_norm: Tensor,
+    full_norm: Tensor,
+    last_factor: Tensor,
+    factor_min: Tensor,
+    factor_max: Tensor,
+    factor_threshold: Tensor,
+) -> Tensor:
+    """1-bit LAMB's per-parameter factor ``f`` that lets the frozen trust ratio adapt.
+
+    ``f = max(d / (sqrt(v_fresh) + eps))`` (``max_ratio``), pulled towards 1 by
+    ``rho = min(1, ||u0|| / ||u||)`` (``f = rho f + 1 - rho``; ``rho = 1`` where
+    ``||u|| = 0``), clamped to ``[f_min, f_max]`` and to within ``factor_threshold`` of the
+    last step's factor."""
+    rho = torch.where(full_norm > 0, base_norm / torch.where(full_norm > 0, full_norm, 1), 1)
+    rho = torch.clamp(rho, max=1)
+    factor = rho * max_ratio + (1 - rho)
+    factor = torch.minimum(torch.maximum(factor, factor_min), factor_max)
+    low, high = last_factor * (1 - factor_threshold), last_factor * (1 + factor_threshold)
+    return torch.minimum(torch.maximum(factor, low), high)

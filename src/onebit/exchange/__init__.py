@@ -1,0 +1,58 @@
+"""The exchange seam: every 1-bit exchange behind one interface (:class:`Exchange`).
+
+* :mod:`~onebit.exchange.protocol`: the two-phase protocol, written once, over segments;
+* :mod:`~onebit.exchange.transport`: ``torch.distributed`` collectives and the checks every
+  rank agrees on;
+* the exchanges an optimizer is built with: :class:`FlatExchange` and
+  :class:`PerTensorExchange` over a process group, :class:`HierarchicalExchange` over nodes,
+  :class:`SimulatedExchange` for many workers in one process.
+"""
+
+from onebit.exchange.base import Exchange
+from onebit.exchange.flat import FlatExchange, PerTensorExchange, per_tensor_error_sizes
+from onebit.exchange.hierarchical import (
+    HierarchicalExchange,
+    HierarchicalWorkspace,
+    NodeGroups,
+    hierarchical_bytes,
+    node_groups,
+    node_topology,
+)
+from onebit.exchange.protocol import (
+    CompressionWorkspace,
+    Layout,
+    PackedResult,
+    exchange_bytes,
+    padded_size,
+)
+from onebit.exchange.simulated import SimulatedExchange, SimulationDiverged
+from onebit.exchange.transport import (
+    KernelMismatchError,
+    NonFiniteError,
+    TrafficCounter,
+    world_size,
+)
+
+__all__ = [
+    "CompressionWorkspace",
+    "Exchange",
+    "FlatExchange",
+    "HierarchicalExchange",
+    "HierarchicalWorkspace",
+    "KernelMismatchError",
+    "Layout",
+    "NodeGroups",
+    "NonFiniteError",
+    "PackedResult",
+    "PerTensorExchange",
+    "SimulatedExchange",
+    "SimulationDiverged",
+    "TrafficCounter",
+    "exchange_bytes",
+    "hierarchical_bytes",
+    "node_groups",
+    "node_topology",
+    "padded_size",
+    "per_tensor_error_sizes",
+    "world_size",
+]

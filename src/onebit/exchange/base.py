@@ -1,0 +1,159 @@
+"""The exchange seam: what an optimizer needs of a 1-bit exchange, whatever its topology."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from onebit.exchange.protocol import PackedResult
+from onebit.exchange.transport import TrafficCounter
+from onebit.kernels import Backend
+
+__all__ = ["Exchange"]
+
+
+class Exchange(ABC):
+    """A 1-bit exchange with two-sided error feedback, owning its error state.
+
+    Built once from what the user asked for (flat over a process group, hierarchical over
+    nodes, per tensor, or many workers simulated in one process), then bound (:meth:`bind`)
+    to the sizes of the tensors it carries, their dtype and device, the backend and the
+    counter its bytes go to. :meth:`exchange` takes the caller's buffer
+    (:meth:`buffer_size` elements) and returns the result in packed form; the error buffers
+    (:meth:`error_sizes`) start at zero on the first call and are updated by every call.
+    :meth:`state_dict` and :meth:`load_state_dict` carry them across checkpoints."""
+
+    def __init__(self) -> None:
+        self.worker_error: Tensor | None = None
+        self.server_error: Tensor | None = None
+        self.numels: tuple[int, ...] | None = None
+
+    # ----------------------------------------------------------------- what it is
+    @property
+    @abstractmethod
+    def topology(self) -> tuple[int, int]:
+        """``(L, M)``: ranks per node and nodes (``L = 1`` for a flat exchange)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.topology[0] * self.topology[1]
+
+    @abstractmethod
+    def buffer_size(self, numels: Sequence[int]) -> int:
+        """Elements of the buffer :meth:`exchange` takes for tensors of these sizes (one
+        after another, then zero padding)."""
+
+    @abstractmethod
+    def error_sizes(self, numels: Sequence[int]) -> tuple[int, int]:
+        """``(worker_error, server_error)`` elements for tensors of these sizes."""
+
+    @abstractmethod
+    def bytes_per_call(self) -> dict[str, int]:
+        """Bytes one rank sends per :meth:`exchange`, by kind of traffic."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of scratch held now (the error buffers not included)."""
+
+    # ----------------------------------------------------------------- use
+    def bind(
+        self,
+        numels: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: Backend,
+        traffic: TrafficCounter,
+    ) -> None:
+        """Carry tensors of ``numels`` elements of ``dtype`` on ``device``, with ``backend``'s
+        kernels, counting bytes in ``traffic``. Binding again with other sizes is an error."""
+        numels = tuple(int(n) for n in numels)
+        if self.numels is not None and self.numels != numels:
+            raise ValueError(
+                f"this exchange carries tensors of {sum(self.numels)} elements; it cannot be "
+                f"bound again to {sum(numels)}"
+            )
+        self.numels, self.dtype, self.device = numels, dtype, device
+        self.backend, self.traffic = backend, traffic
+
+    def errors(self) -> tuple[Tensor, Tensor]:
+        """The error buffers, created (zero) at the first call."""
+        self._require_bound()
+        worker, server = self.error_sizes(self.numels)
+        if self.worker_error is None or self.worker_error.numel() != worker:
+            zeros = dict(dtype=self.dtype, device=self.device)
+            self.worker_error = torch.zeros(worker, **zeros)
+            self.server_error = torch.zeros(server, **zeros)
+        return self.worker_error, self.server_error
+
+    def reset_errors(self) -> None:
+        """Error feedback restarts from zero (nothing is carried into the next call)."""
+        for error in (self.worker_error, self.server_error):
+            if error is not None:
+                error.zero_()
+
+    def exchange(self, buffer: Tensor) -> PackedResult:
+        """The exchanged average of ``buffer`` over the ranks (identical on every rank), in
+        packed form; ``buffer`` is scratch afterwards. Raises
+        :class:`~onebit.exchange.transport.NonFiniteError` on every rank, error state
+        unchanged, when any rank's buffer is not finite."""
+        self._require_bound()
+        if buffer.numel() != self.buffer_size(self.numels):
+            raise ValueError(
+                f"the buffer has {buffer.numel()} elements; this exchange takes "
+                f"{self.buffer_size(self.numels)}"
+            )
+        result = self._exchange(buffer.view(-1), *self.errors())
+        self.traffic.record_all(self.bytes_per_call())
+        return result
+
+    @abstractmethod
+    def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
+        """One exchange of the flat ``buffer`` with these error buffers."""
+
+    def _require_bound(self) -> None:
+        if self.numels is None:
+            raise RuntimeError(f"{type(self).__name__} is used before bind()")
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The error buffers and the topology they belong to."""
+        return {
+            "world_size": self.world_size,
+            "ranks_per_node": self.topology[0],
+            "worker_error": self.worker_error,
+            "server_error": self.server_error,
+        }
+
+    def check_state(self, state: dict[str, Any], numels: Sequence[int]) -> bool:
+        """Whether ``state`` (from :meth:`state_dict`) holds error buffers of this topology,
+        to be loaded; ``False`` for none or another topology (they restart from zero).
+        Raises ``ValueError`` naming the buffer for sizes these tensors cannot have."""
+        worker_error, server_error = state["worker_error"], state["server_error"]
+        saved = (state.get("ranks_per_node", 1), state["world_size"])
+        if worker_error is None or saved != (self.topology[0], self.world_size):
+            return False
+        expected = dict(
+            zip(("worker_error", "server_error"), self.error_sizes(numels), strict=True)
+        )
+        for name, tensor in (("worker_error", worker_error), ("server_error", server_error)):
+            if tensor is None or tensor.numel() != expected[name]:
+                size = None if tensor is None else tensor.numel()
+                raise ValueError(
+                    f"checkpoint's {name} has {size} elements; this optimizer's parameters "
+                    f"({sum(numels)} elements, world size {self.world_size}, nodes of "
+                    f"{self.topology[0]}) need {expected[name]}"
+                )
+        return True
+
+    def load_state_dict(self, state: dict[str, Any] | None, device: torch.device) -> None:
+        """Take the error buffers of ``state`` (checked by :meth:`check_state`), copied to
+        ``device``; ``None`` restarts them from zero."""
+        if state is None:
+            self.worker_error = self.server_error = None
+            return
+        self.worker_error = state["worker_error"].to(device, copy=True)
+        self.server_error = state["server_error"].to(device, copy=True)

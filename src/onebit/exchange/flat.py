@@ -1,0 +1,128 @@
+"""The 1-bit exchange over one process group: one fused buffer, or every tensor alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import Tensor
+
+from onebit.exchange.base import Exchange
+from onebit.exchange.protocol import (
+    CompressionWorkspace,
+    Layout,
+    PackedResult,
+    exchange_bytes,
+    exchange_over_group,
+    padded_size,
+)
+from onebit.exchange.transport import GroupTransport, world_size
+
+__all__ = ["FlatExchange", "PerTensorExchange", "per_tensor_error_sizes"]
+
+
+def per_tensor_error_sizes(numels: Sequence[int], n: int) -> tuple[int, int]:
+    """``(worker_error elements, server_error elements)`` of the per-tensor exchange of
+    tensors of these sizes over ``n`` ranks: ``W = sum_t P_t`` (each tensor padded alone,
+    :func:`~onebit.compression.per_tensor_padded_size`) and ``W / n``."""
+    layout = Layout.per_tensor(numels, n)
+    return layout.width, layout.width // n
+
+
+class FlatExchange(Exchange):
+    """All tensors in one buffer, padded to a multiple of ``8 n``, exchanged as one segment
+    over ``group`` (one worker scale, a server scale per chunk). The result is decoded on the
+    fly by the update kernels."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.workspace = CompressionWorkspace()
+
+    @property
+    def topology(self) -> tuple[int, int]:
+        return 1, world_size(self.group)
+
+    def buffer_size(self, numels: Sequence[int]) -> int:
+        return padded_size(sum(numels), self.world_size)
+
+    def error_sizes(self, numels: Sequence[int]) -> tuple[int, int]:
+        size = self.buffer_size(numels)
+        return size, size // self.world_size
+
+    def _layout(self) -> Layout:
+        return Layout.flat(self.buffer_size(self.numels), self.world_size)
+
+    def bytes_per_call(self) -> dict[str, int]:
+        return {"compressed_allreduce": exchange_bytes(self._layout(), self.dtype)}
+
+    def nbytes(self) -> int:
+        return self.workspace.nbytes()
+
+    def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
+        ws = self.workspace.prepare(self._layout(), self.dtype, self.device, self.backend)
+        transport = GroupTransport(self.group)
+        return exchange_over_group([buffer], [buffer], worker_error, server_error, transport, ws)
+
+
+class PerTensorExchange(Exchange):
+    """Every tensor compressed alone (DeepSpeed's 1-bit Adam): tensor ``t`` zero-padded to
+    ``P_t`` (:func:`~onebit.compression.per_tensor_padded_size`) with its own worker scale,
+    per-chunk server scales and slices of the error buffers; all tensors travel in the same
+    four collectives. The buffer holds the tensors one after another, unpadded; the result
+    decodes into the same layout."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.workspace = CompressionWorkspace()
+
+    @property
+    def topology(self) -> tuple[int, int]:
+        return 1, world_size(self.group)
+
+    def buffer_size(self, numels: Sequence[int]) -> int:
+        return sum(numels)
+
+    def error_sizes(self, numels: Sequence[int]) -> tuple[int, int]:
+        return per_tensor_error_sizes(numels, self.world_size)
+
+    def _layout(self) -> Layout:
+        return Layout.per_tensor(self.numels, self.world_size)
+
+    def bytes_per_call(self) -> dict[str, int]:
+        return {"compressed_allreduce": exchange_bytes(self._layout(), self.dtype)}
+
+    def nbytes(self) -> int:
+        return self.workspace.nbytes()
+
+    def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
+        layout = self._layout()
+        ws = self.workspace.prepare(layout, self.dtype, self.device, self.backend)
+        tensors = buffer.split(layout.numels)
+        segments, padding = padded_segments(tensors, layout, ws)
+        xs = ws.buffer("x", layout.width, self.dtype, self.device).split(layout.sizes)
+        transport = GroupTransport(self.group)
+        result = exchange_over_group(segments, xs, worker_error, server_error, transport, ws)
+        result.padding = padding
+        return result
+
+
+def padded_segments(
+    tensors: Sequence[Tensor], layout: Layout, workspace: CompressionWorkspace
+) -> tuple[list[Tensor], Tensor]:
+    """Each flat tensor padded alone to its segment of ``layout``: the tensor itself where it
+    needs no padding, else a zero-padded copy in the workspace; and that scratch."""
+    padding = workspace.buffer("padded", layout.width, tensors[0].dtype, tensors[0].device)
+    segments, offset = [], 0
+    for tensor, size in zip(tensors, layout.sizes, strict=True):
+        numel = tensor.numel()
+        if numel == size and tensor.is_contiguous():
+            segments.append(tensor.view(-1))
+        else:
+            segment = padding[offset : offset + size]
+            segment[:numel].copy_(tensor.reshape(-1))
+            segment[numel:].zero_()
+            segments.append(segment)
+        offset += size
+    return segments, padding

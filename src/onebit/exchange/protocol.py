@@ -1,0 +1,375 @@
+"""The two-phase 1-bit exchange with error feedback, written once (ALGORITHM.md).
+
+A buffer is laid out as *segments* (:class:`Layout`), each compressed alone: one segment for
+the fused exchange of a flat buffer, one per tensor in DeepSpeed's per-tensor scheme. Over
+``n`` ranks, for every segment ``t`` of ``P_t`` elements (a multiple of ``8 n``):
+
+1. worker side (:meth:`Stages.compress_worker`, :meth:`Stages.update_worker_errors`):
+   ``x = buffer + worker_error``, its packed signs and scale ``a = ||x|| / sqrt(P_t)``,
+   ``worker_error <- x - a sign(x)``; chunk ``j`` of the signs goes to rank ``j``;
+2. server side (:meth:`Stages.compress_server`, :meth:`Stages.update_server_errors`): rank
+   ``j`` averages the chunks it received, ``y = server_error + (1/n) sum_i a_i sign_i``,
+   compresses ``y`` to signs and ``b = ||y|| / sqrt(P_t / n)``,
+   ``server_error <- y - b sign(y)``; every rank gathers every server's signs and scale.
+
+The result (:class:`PackedResult`) stays packed until its consumer decodes it, on the fly
+or into a buffer. :func:`exchange_over_group` moves the bytes between the stages with
+``torch.distributed`` collectives (:class:`~onebit.exchange.transport.GroupTransport`); the
+simulation of many workers in one process (:mod:`onebit.exchange.simulated`) drives the same
+stages in a loop over its workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from onebit.compression import per_tensor_padded_size, scale_dtype
+from onebit.exchange.transport import GroupTransport, finite_problem, worker_scales_problem
+from onebit.kernels import BACKENDS, Backend
+
+__all__ = [
+    "CompressionWorkspace",
+    "Layout",
+    "PackedResult",
+    "Stages",
+    "exchange_bytes",
+    "exchange_over_group",
+    "padded_size",
+]
+
+
+def padded_size(numel: int, world_size: int) -> int:
+    """Smallest multiple of ``8 * world_size`` that is ``>= numel`` (and at least one multiple).
+
+    A buffer of that size splits into ``world_size`` equal chunks of whole bytes of signs.
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    unit = 8 * world_size
+    return max(unit, -(-numel // unit) * unit)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Segments compressed alone over ``n`` ranks: segment ``t`` carries ``numels[t]``
+    values in ``sizes[t]`` elements (a multiple of ``8 n``; the rest is zero padding)."""
+
+    numels: tuple[int, ...]
+    sizes: tuple[int, ...]
+    n: int
+
+    @classmethod
+    def flat(cls, numel: int, n: int) -> Layout:
+        """One segment of ``numel`` elements (a multiple of ``8 n``)."""
+        return cls((numel,), (numel,), n)
+
+    @classmethod
+    def per_tensor(cls, numels: Sequence[int], n: int) -> Layout:
+        """A segment per tensor, each padded alone (:func:`per_tensor_padded_size`)."""
+        return cls(tuple(numels), tuple(per_tensor_padded_size(x, n) for x in numels), n)
+
+    @property
+    def segments(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def width(self) -> int:
+        """Elements of all segments, padding included (the worker error's size)."""
+        return sum(self.sizes)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """Each segment's chunk on one server, ``P_t / n`` (the server error holds these)."""
+        return tuple(size // self.n for size in self.sizes)
+
+    @property
+    def chunk_bytes(self) -> tuple[int, ...]:
+        return tuple(chunk // 8 for chunk in self.chunks)
+
+
+def exchange_bytes(layout: Layout, dtype: torch.dtype) -> int:
+    """Bytes one rank sends in one exchange of ``layout``: its signs for the ``n - 1`` other
+    servers (all-to-all), its server chunks' signs to ``n - 1`` peers (all-gather), and per
+    peer its ``K`` worker scales with the backend code and its ``K`` server scales (scales
+    in :func:`~onebit.compression.scale_dtype` precision)."""
+    n = layout.n
+    if n == 1:
+        return 0
+    scale_bytes = torch.empty((), dtype=scale_dtype(dtype)).element_size()
+    signs = 2 * (n - 1) * (layout.width // n) // 8
+    return signs + (2 * layout.segments + 1) * scale_bytes * (n - 1)
+
+
+class Stages:
+    """The local work of both phases for one layout on one backend, segment by segment
+    (the backend's compression kernels, :mod:`onebit.kernels`), with their scratch."""
+
+    def __init__(
+        self, layout: Layout, backend: Backend, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.layout, self.backend = layout, backend
+        self.kernels = backend.compression
+        self.scratch = [
+            self.kernels.scratch(size, layout.n, dtype, device) for size in layout.sizes
+        ]
+
+    def compress_worker(
+        self,
+        segments: Sequence[Tensor],
+        xs: Sequence[Tensor],
+        errors: Sequence[Tensor],
+        packed: Sequence[Tensor],
+        scales: Tensor,
+    ) -> None:
+        """Per segment: ``x = segment + error`` (in ``xs``, which may be the segments),
+        its packed signs into ``packed`` and ``scales[t] = ||x|| / sqrt(P_t)``."""
+        for t in range(self.layout.segments):
+            scales[t] = self.kernels.worker_compress(
+                segments[t], errors[t], packed[t], xs[t], self.scratch[t]
+            )
+
+    def update_worker_errors(
+        self,
+        segments: Sequence[Tensor],
+        xs: Sequence[Tensor],
+        errors: Sequence[Tensor],
+        packed: Sequence[Tensor],
+        scales: Tensor,
+    ) -> None:
+        """Per segment: ``error = x - scales[t] sign(x)``."""
+        for t in range(self.layout.segments):
+            self.kernels.worker_error_update(
+                segments[t], errors[t], packed[t], scales[t], xs[t], self.scratch[t]
+            )
+
+    def compress_server(
+        self,
+        received: Sequence[Tensor],
+        worker_scales: Tensor,
+        errors: Sequence[Tensor],
+        packed: Sequence[Tensor],
+        scales: Tensor,
+    ) -> None:
+        """Per segment: ``y = error + (1/n) sum_i worker_scales[t, i] sign_i`` of the chunks
+        in ``received[t]`` (``[n, C_t / 8]``), its packed signs and ``scales[t]``."""
+        for t in range(self.layout.segments):
+            scales[t] = self.kernels.server_compress(
+                received[t], worker_scales[t], errors[t], packed[t], self.scratch[t]
+            )
+
+    def update_server_errors(
+        self,
+        received: Sequence[Tensor],
+        worker_scales: Tensor,
+        errors: Sequence[Tensor],
+        packed: Sequence[Tensor],
+        scales: Tensor,
+    ) -> None:
+        """Per segment: ``error = y - scales[t] sign(y)``."""
+        for t in range(self.layout.segments):
+            self.kernels.server_error_update(
+                received[t], worker_scales[t], errors[t], packed[t], scales[t], self.scratch[t]
+            )
+
+
+class CompressionWorkspace:
+    """Scratch memory of the exchange, allocated once and reused: for the most recent layout
+    (and dtype, device, backend), the packed signs (``N / 4`` bytes), the gathered scales
+    and the backend's stage scratch (the reference: ``N`` bools and two chunk-sized buffers;
+    the fused backends: nothing). Each optimizer's exchange owns one; pass your own to
+    :func:`onebit.compressed_allreduce` to reuse it across calls."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._buffers: dict[str, Tensor] = {}
+
+    def prepare(
+        self, layout: Layout, dtype: torch.dtype, device: torch.device, backend: Backend
+    ) -> CompressionWorkspace:
+        key = (layout, dtype, device, backend.name)
+        if key == self._key:
+            return self
+        n, segments, sdtype = layout.n, layout.segments, scale_dtype(dtype)
+        server_bytes = layout.width // n // 8
+        signs = dict(dtype=torch.uint8, device=device)
+        self.worker_packed = torch.empty(layout.width // 8, **signs)
+        self.received = torch.empty(n, server_bytes, **signs)
+        self.server_packed = torch.empty(server_bytes, **signs)
+        self.gathered = torch.empty(n, server_bytes, **signs)
+        # Chunk j of every segment's signs, for rank j; the packed signs themselves when
+        # there is one segment.
+        if segments == 1:
+            self.send = self.worker_packed.view(n, server_bytes)
+        else:
+            self.send = torch.empty(n, server_bytes, **signs)
+        self.local_scales = torch.empty(segments + 1, dtype=sdtype, device=device)  # + code
+        self.worker_scales = torch.empty(n, segments + 1, dtype=sdtype, device=device)
+        self.local_server_scales = torch.empty(segments, dtype=sdtype, device=device)
+        self.server_scales = torch.empty(n, segments, dtype=sdtype, device=device)
+        self.stages = Stages(layout, backend, dtype, device)
+        self._buffers = {}
+        self._key = key
+        return self
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A named scratch buffer (contents undefined), kept for the current layout."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer
+
+    def nbytes(self) -> int:
+        """Bytes of scratch held now."""
+        if self._key is None:
+            return 0
+        tensors = [
+            self.worker_packed,
+            self.received,
+            self.server_packed,
+            self.gathered,
+            self.local_scales,
+            self.worker_scales,
+            self.local_server_scales,
+            self.server_scales,
+            *self._buffers.values(),
+        ]
+        if self.send.data_ptr() != self.worker_packed.data_ptr():
+            tensors.append(self.send)
+        for scratch in self.stages.scratch:
+            tensors.extend(vars(scratch).values() if scratch is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+
+
+@dataclass
+class PackedResult:
+    """The result of an exchange before decoding: row ``j`` of ``signs`` holds server ``j``'s
+    packed signs of chunk ``j`` of every segment, segment after segment; ``scales[j, t]``
+    its scale of segment ``t``. Element ``e`` of segment ``t``'s result is
+    ``+-scales[e // C_t, t]`` (``+`` where its bit is set). Views of the workspace, valid
+    until its next use."""
+
+    signs: Tensor
+    scales: Tensor
+    layout: Layout
+    backend: Backend
+    padding: Tensor | None = None  # scratch for decoding padded segments
+
+    @property
+    def chunk(self) -> int:
+        """Elements of one server's chunk (one segment only: the flat layout that updates
+        decode on the fly)."""
+        self._require_flat()
+        return 8 * self.signs.shape[1]
+
+    @property
+    def chunk_scales(self) -> Tensor:
+        """Each server's scale of the one segment, ``[n]``."""
+        self._require_flat()
+        return self.scales[:, 0]
+
+    def _require_flat(self) -> None:
+        if self.layout.segments != 1:
+            raise ValueError(
+                f"this result has {self.layout.segments} segments; only a one-segment "
+                "result is decoded on the fly (decode it with decode())"
+            )
+
+    @cached_property
+    def _segment_signs(self) -> list[Tensor]:
+        if self.layout.segments == 1:
+            return [self.signs]
+        return [part.contiguous() for part in self.signs.split(self.layout.chunk_bytes, dim=1)]
+
+    def decode_segments(self, targets: Sequence[Tensor]) -> None:
+        """Segment ``t``'s result, all ``P_t`` elements, into ``targets[t]`` (contiguous)."""
+        scales = self.scales.T.contiguous()
+        for t, (signs, target) in enumerate(zip(self._segment_signs, targets, strict=True)):
+            self.backend.compression.decode(signs, scales[t], target.view(-1))
+
+    def decode(self, out: Tensor) -> Tensor:
+        """Write the result into ``out`` and return it: all ``P`` elements of the one segment,
+        or, with several, segment ``t``'s first ``numels[t]`` values one after another."""
+        flat = out.view(-1)
+        if self.layout.segments == 1 and flat.numel() == self.layout.width:
+            self.backend.compression.decode(self.signs, self.chunk_scales, flat)
+            return out
+        scales = self.scales.T.contiguous()
+        offset = 0
+        for t, (numel, size) in enumerate(zip(self.layout.numels, self.layout.sizes, strict=True)):
+            target = flat[offset : offset + numel]
+            if numel == size:
+                self.backend.compression.decode(self._segment_signs[t], scales[t], target)
+            else:
+                if self.padding is None or self.padding.numel() < size:
+                    raise ValueError(f"segment {t} is padded: decoding it needs padding scratch")
+                padded = self.padding[:size]
+                self.backend.compression.decode(self._segment_signs[t], scales[t], padded)
+                target.copy_(padded[:numel])
+            offset += numel
+        return out
+
+
+def exchange_over_group(
+    segments: Sequence[Tensor],
+    xs: Sequence[Tensor],
+    worker_error: Tensor,
+    server_error: Tensor,
+    transport: GroupTransport,
+    workspace: CompressionWorkspace,
+) -> PackedResult:
+    """The two-phase exchange of this rank's ``segments`` (flat, ``P_t`` elements each, of
+    the layout ``workspace`` was prepared for) over ``transport``'s group, with this rank's
+    error state (``worker_error``: ``sum P_t``; ``server_error``: ``sum P_t / n``), updated
+    in place. ``xs`` (one per segment, may be the segments themselves) holds intermediates.
+
+    Every rank's scales and backend are checked after the worker compression and every
+    server's scales after the server compression, before any error state changes: a
+    :class:`~onebit.exchange.transport.NonFiniteError` or
+    :class:`~onebit.exchange.transport.KernelMismatchError` is raised on every rank alike."""
+    ws, stages = workspace, workspace.stages
+    layout, backend = stages.layout, stages.backend
+    count, device = layout.segments, worker_error.device
+    worker_errors = worker_error.view(-1).split(layout.sizes)
+    server_errors = server_error.view(-1).split(layout.chunks)
+    packed = ws.worker_packed.split([size // 8 for size in layout.sizes])
+    server_packed = ws.server_packed.split(layout.chunk_bytes)
+
+    # Phase 1, worker side: compress every segment; check every rank's scales and backend
+    # before any state changes; then send chunk j of every segment's signs to rank j.
+    stages.compress_worker(segments, xs, worker_errors, packed, ws.local_scales)
+    ws.local_scales[count] = backend.code
+    transport.all_gather(ws.worker_scales, ws.local_scales)
+    transport.agree(worker_scales_problem(ws.worker_scales, backend.name, BACKENDS), device)
+    stages.update_worker_errors(segments, xs, worker_errors, packed, ws.local_scales)
+    if count > 1:
+        columns = ws.send.split(layout.chunk_bytes, dim=1)
+        for column, signs in zip(columns, packed, strict=True):
+            column.copy_(signs.view(layout.n, -1))
+    transport.all_to_all(ws.received, ws.send)
+
+    # Phase 1, server side: this rank's chunk of every segment, averaged over all workers
+    # plus the server error, compressed again.
+    if count == 1:
+        received = [ws.received]
+    else:
+        received = [part.contiguous() for part in ws.received.split(layout.chunk_bytes, dim=1)]
+    worker_scales = ws.worker_scales[:, :count].T.contiguous()  # row t: a_0t ... a_(n-1)t
+    stages.compress_server(
+        received, worker_scales, server_errors, server_packed, ws.local_server_scales
+    )
+
+    # Phase 2: every rank gathers every server's scales and signs.
+    transport.all_gather(ws.server_scales, ws.local_server_scales)
+    transport.agree(finite_problem(ws.server_scales.tolist(), "server scale"), device)
+    stages.update_server_errors(
+        received, worker_scales, server_errors, server_packed, ws.local_server_scales
+    )
+    transport.all_gather(ws.gathered, ws.server_packed)
+    return PackedResult(ws.gathered, ws.server_scales, layout, backend)

@@ -1,0 +1,162 @@
+"""How the exchange's bytes move: over a ``torch.distributed`` process group, and the
+bookkeeping every exchange shares (traffic counters, the errors every rank raises together).
+
+Only ``torch.distributed`` collectives are used (``all_to_all_single``,
+``all_gather_single``, ``all_reduce``), so the same code runs on gloo (CPU tensors) and NCCL
+(CUDA tensors). Without an initialised process group, or with a group of one rank,
+everything runs locally with the same maths and no communication.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "GroupTransport",
+    "KernelMismatchError",
+    "NonFiniteError",
+    "TrafficCounter",
+    "all_gather_into",
+    "world_size",
+]
+
+
+class NonFiniteError(FloatingPointError):
+    """A buffer taking part in a collective holds NaN or Inf (raised on every rank)."""
+
+
+class KernelMismatchError(RuntimeError):
+    """Ranks of a group run different compression backends (raised on every rank)."""
+
+
+@dataclass
+class TrafficCounter:
+    """Bytes this process has sent, per kind of collective, and how many calls made them."""
+
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + int(nbytes)
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def record_all(self, bytes_by_kind: dict[str, int]) -> None:
+        """Record one call of each kind that sent bytes (kinds of 0 bytes are left out)."""
+        for kind, nbytes in bytes_by_kind.items():
+            if nbytes:
+                self.record(kind, nbytes)
+
+    def total(self) -> int:
+        """All bytes sent so far, every kind together."""
+        with self._lock:
+            return sum(self.bytes_sent.values())
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_sent.clear()
+            self.calls.clear()
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group``; 1 when ``torch.distributed`` is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+# `all_gather_single` supersedes `all_gather_into_tensor` in newer torch releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_into(output: Tensor, local: Tensor, group: dist.ProcessGroup | None, n: int) -> None:
+    """``output`` (``n`` times ``local``'s size) = every rank's ``local``, in rank order."""
+    if n == 1:
+        output.copy_(local.reshape(output.shape))
+    else:
+        _all_gather_single(output.view(-1), local.reshape(-1), group=group)
+
+
+_PROBLEMS = (NonFiniteError, KernelMismatchError)  # codes 1, 2; 0 is none
+
+
+class GroupTransport:
+    """The collectives of the two-phase exchange over ``group`` (default: the world).
+
+    ``agree_on``, a second group whose ranks must all raise when any of them does (the
+    hierarchical exchange's node), agrees on every check over it too, with one all-reduce
+    of a small integer; the ranks of ``group`` itself see the same gathered values and so
+    raise alike without it."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, agree_on: dist.ProcessGroup | None = None
+    ) -> None:
+        self.group, self.agree_on = group, agree_on
+        self.n = world_size(group)
+
+    def all_gather(self, output: Tensor, local: Tensor) -> None:
+        all_gather_into(output, local, self.group, self.n)
+
+    def all_to_all(self, output: Tensor, local: Tensor) -> None:
+        """Row ``j`` of ``local`` (``[n, ...]``) to rank ``j``; row ``i`` of ``output`` from
+        rank ``i``."""
+        if self.n == 1:
+            output.copy_(local.view_as(output))
+        else:
+            dist.all_to_all_single(output.view(-1), local.reshape(-1), group=self.group)
+
+    def agree(self, problem: Exception | None, device: torch.device) -> None:
+        """Raise ``problem``, or the worst problem any rank of ``agree_on`` found, on every
+        rank of ``agree_on`` (only ``problem`` itself when there is no such group)."""
+        if self.agree_on is not None and world_size(self.agree_on) > 1:
+            code = 0 if problem is None else _PROBLEMS.index(type(problem)) + 1
+            flag = torch.tensor([code], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.agree_on)
+            agreed = int(flag)
+            if agreed and (problem is None or _PROBLEMS.index(type(problem)) + 1 != agreed):
+                problem = _PROBLEMS[agreed - 1](
+                    "compressed_allreduce: another rank of the agreeing group found a "
+                    f"{_PROBLEMS[agreed - 1].__name__}; the error-feedback state was left "
+                    "unchanged"
+                )
+        if problem is not None:
+            raise problem
+
+
+def worker_scales_problem(gathered: Tensor, backend_name: str, names) -> Exception | None:
+    """The error every rank raises if ranks run different backends or a worker scale is not
+    finite (one host read of the gathered ``[scales..., backend code]`` rows; ``names``: the
+    backends' names by code, from 1)."""
+    rows = gathered.tolist()
+    codes = [int(row[-1]) if row[-1] == row[-1] else 0 for row in rows]
+    if len(set(codes)) > 1:
+        by_rank = [names[code - 1] if 0 < code <= len(names) else "?" for code in codes]
+        return KernelMismatchError(
+            f"compressed_allreduce: ranks use different compression backends {by_rank} (by "
+            f"rank; this rank: {backend_name!r}). Install the same packages on every rank, or "
+            "set ONEBIT_KERNELS to the same backend everywhere."
+        )
+    return finite_problem([row[:-1] for row in rows], "worker scale")
+
+
+def finite_problem(scales: list, what: str) -> NonFiniteError | None:
+    """The :class:`NonFiniteError` every rank raises if a gathered scale is not finite
+    (``scales[rank]``: that rank's scale, or a list of its scales)."""
+    bad = [
+        rank
+        for rank, values in enumerate(scales)
+        if not all(map(math.isfinite, values if isinstance(values, list) else [values]))
+    ]
+    if bad:
+        return NonFiniteError(
+            f"compressed_allreduce: non-finite {what} on rank(s) {bad} "
+            f"(NaN or Inf in the buffer); the error-feedback state was left unchanged"
+        )
+    return None

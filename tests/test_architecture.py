@@ -1,0 +1,74 @@
+"""The layering the architecture promises (docs/ARCHITECTURE.md), read from the source: no
+module imports a module that imports it back, and no code below the optimizers' constructors
+picks a backend by comparing its name (backends travel as objects)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import onebit
+from onebit.kernels import BACKENDS
+
+SOURCE = Path(onebit.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in SOURCE.rglob("*.py"):
+        parts = ("onebit", *path.relative_to(SOURCE).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The onebit modules ``name`` imports anywhere in its file (lazy imports too); an
+    import of a name from a package counts as an import of that submodule if it is one."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in modules else base)
+    # A submodule's import of its own package (its __init__) is how Python loads it.
+    return {m for m in found if m in modules and m != name and not name.startswith(m + ".")}
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    cycles = []
+
+    def visit(start: str, node: str, path: list[str]) -> None:
+        for target in sorted(graph[node]):
+            if target == start:
+                cycles.append(" -> ".join([*path, target]))
+            elif target > start and target not in path:
+                visit(start, target, [*path, target])
+
+    for name in sorted(graph):
+        visit(name, name, [name])
+    assert cycles == []
+
+
+def test_no_backend_is_selected_by_comparing_its_name():
+    selector = SOURCE / "kernels" / "__init__.py"
+    comparisons = []
+    for path in SOURCE.rglob("*.py"):
+        if path == selector:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(isinstance(o, ast.Constant) and o.value in BACKENDS for o in operands):
+                    comparisons.append(f"{path.relative_to(SOURCE)}:{node.lineno}")
+    allowed = {"bench/micro.py"}  # the benchmark lists CPU backends (an application, not a layer)
+    assert [c for c in comparisons if c.split(":")[0] not in allowed] == []
