@@ -413,9 +413,10 @@ class _Hyper:
         return self(lambda group: group[name])
 
     def betas(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``b1, 1 - b1, b2, 1 - b2``, each ``1 - b`` computed in double precision and rounded
+        once to the state dtype, as the torch reference rounds it (``alpha=1 - beta``)."""
         b1, b2 = self(lambda g: g["betas"][0]), self(lambda g: g["betas"][1])
-        one = self.dtype(1)
-        return b1, one - b1, b2, one - b2
+        return b1, self(lambda g: 1 - g["betas"][0]), b2, self(lambda g: 1 - g["betas"][1])
 
 
 def _tensor(flat: Any, values: np.ndarray) -> Tensor:
@@ -578,7 +579,8 @@ class NumbaUpdates:
             _tensor(flat, hyper.key("factor_threshold")),
         )
         factor = torch.where(torch.from_numpy(on), factor, last_factor)
-        step = (-hyper.key("lr") * _np(lamb_coeff_freeze * factor)).astype(hyper.dtype)
+        # (-lr c_frz) f, multiplied in the reference's order
+        step = ((-hyper.key("lr") * _np(lamb_coeff_freeze)) * _np(factor)).astype(hyper.dtype)
         _KERNELS("apply_step")(_blocks(flat), on, m, v, p, eps, wd, step)
         return factor
 
