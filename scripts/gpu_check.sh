@@ -179,7 +179,7 @@ for log2 in (24, 26):
     copy = milliseconds(lambda: out.copy_(buffer), 50)
     print(f"2^{log2} float32: one copy {1e3 * copy:.0f} us")
     for name in ("torch", "triton"):
-        backend = kernels.select(buffer, name)
+        backend = kernels.select(buffer, name).compression
         worker_error, server_error = torch.zeros_like(buffer), torch.zeros_like(buffer)
         workspace = onebit.CompressionWorkspace()
 

@@ -2,7 +2,7 @@
 
 1. World size 1: Lamb, OneBitLamb, OneBitAdam and ZeroOneAdam on float64 CUDA parameters
    (triton for the exchange, the torch reference for the update) against float64 CPU
-   parameters (numba where installed): same gradients, clipped with onebit.clip_grad_norm_,
+   parameters (numba where installed): same gradients, clipped by the optimizers' max_grad_norm,
    one row that never gets a gradient (the variance-0 mask), 12 steps across the switch to
    compression (0/1 Adam: dense and 1-bit gradient steps, the freeze, local intervals of 1
    and 2 steps). float64 leaves only summation-order differences (~1e-15), so 1e-9 catches
@@ -35,14 +35,16 @@ def trajectory(kind: str, device: str, rank: int = 0) -> list[torch.Tensor]:
         torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(device))
         for s in SHAPES
     ]
+    clip = {"max_grad_norm": MAX_NORM}
     build = {
-        "lamb": lambda: onebit.Lamb(params, lr=0.01, weight_decay=0.01, max_coeff=0.3),
+        "lamb": lambda: onebit.Lamb(params, lr=0.01, weight_decay=0.01, max_coeff=0.3, **clip),
         "onebit-lamb": lambda: onebit.OneBitLamb(
-            params, lr=0.01, freeze_step=FREEZE, weight_decay=0.01, max_coeff=0.3
+            params, lr=0.01, freeze_step=FREEZE, weight_decay=0.01, max_coeff=0.3, **clip
         ),
-        "onebit-adam": lambda: onebit.OneBitAdam(params, lr=0.01, freeze_step=FREEZE),
+        "onebit-adam": lambda: onebit.OneBitAdam(params, lr=0.01, freeze_step=FREEZE, **clip),
         "zero-one-adam": lambda: onebit.ZeroOneAdam(
             params,
+            **clip,
             lr=0.01,
             weight_decay=0.01,
             var_freeze_step=FREEZE,
@@ -58,7 +60,6 @@ def trajectory(kind: str, device: str, rank: int = 0) -> list[torch.Tensor]:
         for p in params:
             p.grad = torch.randn(p.shape, generator=grads, dtype=torch.float64).to(device)
         params[0].grad[NEVER_READ_ROW] = 0
-        onebit.clip_grad_norm_(params, MAX_NORM, optimizer)
         optimizer.step()
         history.append(torch.cat([p.detach().reshape(-1).cpu() for p in params]))
     return history

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import onebit
+from onebit.testing import spawn_workers
 
 
 def _params_with_gradient(norm: float) -> list[torch.nn.Parameter]:
@@ -106,3 +107,82 @@ def test_bad_arguments_name_the_problem_and_leave_the_gradients(max_norm, worker
     with pytest.raises(ValueError, match=message):
         onebit.clip_grad_norm_(params, max_norm, onebit.Lamb(params), workers=workers)
     assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True))
+
+
+# --------------------------------------------------------------------------- max_grad_norm
+def _clipped_run(rank, world_size, kind, use_ddp, drop_on_rank_1, max_grad_norm):
+    """12 steps of a small model on 2 ranks (4 dense, then 1-bit or 0/1 Adam's kinds), the
+    gradients far above ``max_grad_norm``; with ``drop_on_rank_1`` rank 1 has no gradient
+    for the first bias (``None``, or zeros when it is ``"zeros"``)."""
+    torch.manual_seed(0)  # identical initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    options = dict(lr=0.01, weight_decay=0.01, max_grad_norm=max_grad_norm)
+    if kind == "onebit-lamb":
+        optimizer = onebit.OneBitLamb(model.parameters(), freeze_step=4, **options)
+    else:
+        schedule = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2)
+        optimizer = onebit.ZeroOneAdam(model.parameters(), **schedule, **options)
+    forward = model
+    if use_ddp:
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+        onebit.ddp.register_comm_hook(forward, optimizer)
+    gen = torch.Generator().manual_seed(100 + rank)
+    history, kinds = [], []
+    for _ in range(12):
+        x = torch.randn(16, 6, generator=gen)
+        optimizer.zero_grad(set_to_none=True)
+        kinds.append(optimizer.stage)
+        loss = torch.nn.functional.mse_loss(forward(x), 100 * x.sum(1, keepdim=True))
+        loss.backward()
+        bias = model[0].bias
+        if drop_on_rank_1 and rank == 1:
+            bias.grad = torch.zeros_like(bias) if drop_on_rank_1 == "zeros" else None
+        optimizer.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history, kinds
+
+
+def _same(a, b):
+    return all(
+        torch.equal(x, y) for s, t in zip(a, b, strict=True) for x, y in zip(s, t, strict=True)
+    )
+
+
+@pytest.mark.parametrize("kind", ["onebit-lamb", "zero-one-adam"])
+def test_max_grad_norm_clips_alike_in_a_plain_loop_and_under_ddp(kind):
+    plain = spawn_workers(_clipped_run, 2, args=(kind, False, None, 0.05), timeout_s=120)
+    ddp = spawn_workers(_clipped_run, 2, args=(kind, True, None, 0.05), timeout_s=120)
+    unclipped = spawn_workers(_clipped_run, 2, args=(kind, False, None, 0.0), timeout_s=120)
+    assert len(set(plain[0][1])) >= 2  # dense kinds and others
+    for rank in range(2):
+        assert _same(plain[rank][0], ddp[rank][0]), rank
+    assert not _same(plain[0][0][:4], unclipped[0][0][:4])  # it clips in the dense steps
+    assert not _same(plain[0][0][4:], unclipped[0][0][4:])
+
+
+def test_a_gradient_one_rank_lacks_counts_as_zero_without_a_hang():
+    missing = spawn_workers(
+        _clipped_run, 2, args=("onebit-lamb", False, "none", 0.05), timeout_s=120
+    )
+    zeros = spawn_workers(
+        _clipped_run, 2, args=("onebit-lamb", False, "zeros", 0.05), timeout_s=120
+    )
+    assert _same(missing[0][0], zeros[0][0]) and _same(missing[1][0], zeros[1][0])
+    assert _same(missing[0][0], missing[1][0])
+
+
+def _clip_before_a_self_averaged_step(rank, world_size):
+    params = _params_with_gradient(10.0)
+    optimizer = onebit.OneBitLamb(params, freeze_step=2)
+    before = [p.grad.clone() for p in params]
+    try:
+        onebit.clip_grad_norm_(params, 1.0, optimizer)
+    except ValueError as error:
+        unchanged = all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True))
+        return str(error), unchanged
+    return None, None
+
+
+def test_clip_grad_norm_refuses_to_clip_before_a_step_that_averages_itself():
+    for message, unchanged in spawn_workers(_clip_before_a_self_averaged_step, 2, timeout_s=60):
+        assert message is not None and "max_grad_norm=1.0" in message and unchanged

@@ -71,8 +71,19 @@ def test_tutorial_configs_round_trip(name, caplog):
     report = caplog.text
     for key in ("comm_backend_name", "bias_correction", "gradient_clipping", "fp16"):
         assert key in report
-    assert "clip_grad_norm_" in report and "GradScaler" in report
+    assert "max_grad_norm" in report and "GradScaler" in report
     assert "register_comm_hook" in report
+    clip = json.loads(path.read_text()).get("gradient_clipping", 0.0)
+    assert optimizer.max_grad_norm == clip
+
+
+def test_gradient_clipping_becomes_max_grad_norm_unless_given():
+    config = {"gradient_clipping": 0.5, "optimizer": {"type": "OneBitAdam", "params": {}}}
+    assert onebit.from_deepspeed_config(config, params()).max_grad_norm == 0.5
+    assert onebit.from_deepspeed_config(config, params(), max_grad_norm=2.0).max_grad_norm == 2.0
+    fused_lamb = {"optimizer": {"type": "Lamb", "params": {"max_grad_norm": 3.0}}}
+    fused_lamb["optimizer"]["params"].update(bias_correction=False, eps_inside_sqrt=False)
+    assert onebit.from_deepspeed_config(fused_lamb, params()).max_grad_norm == 3.0
 
 
 def test_keys_left_out_take_deepspeeds_defaults():

@@ -396,6 +396,9 @@ def test_wrong_mask_shape_is_rejected_at_construction():
         ({"factor_threshold": -0.1}, "factor_threshold"),
         ({"min_coeff": 0.0}, "min_coeff"),
         ({"on_nonfinite": "ignore"}, "on_nonfinite"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm"),
+        ({"max_grad_norm": float("nan")}, "max_grad_norm"),
+        ({"max_grad_norm": float("inf")}, "max_grad_norm"),
     ],
 )
 def test_invalid_arguments_name_the_argument(kwargs, name):

@@ -59,12 +59,15 @@ def micro_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, torch.randn(MICRO_BATCH, 4, generator=generator) + inputs[:, :4]
 
 
-def build_optimizer(name: str, params, kernels: str, node_groups=None) -> torch.optim.Optimizer:
+def build_optimizer(
+    name: str, params, kernels: str, node_groups=None, max_grad_norm: float = 0.0
+) -> torch.optim.Optimizer:
+    clip = dict(kernels=kernels, max_grad_norm=max_grad_norm)
     if name == "lamb":
-        return onebit.Lamb(params, lr=0.02, weight_decay=0.01, kernels=kernels)
+        return onebit.Lamb(params, lr=0.02, weight_decay=0.01, **clip)
     if name == "onebit-adam":
         return onebit.OneBitAdam(
-            params, lr=0.01, freeze_step=FREEZE, kernels=kernels, node_groups=node_groups
+            params, lr=0.01, freeze_step=FREEZE, node_groups=node_groups, **clip
         )
     return onebit.OneBitLamb(
         params,
@@ -72,8 +75,8 @@ def build_optimizer(name: str, params, kernels: str, node_groups=None) -> torch.
         freeze_step=FREEZE,
         weight_decay=0.01,
         max_coeff=0.5,
-        kernels=kernels,
         node_groups=node_groups,
+        **clip,
     )
 
 
@@ -81,7 +84,8 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-# (optimizer, workers per node, gradient clipping, kernels); clipping uses the main job's loop.
+# (optimizer, workers per node, gradient clipping, kernels); clipping by the optimizers'
+# max_grad_norm in the real runs, by SimulatedDataParallel's in the simulation.
 CASES = {
     2: [
         ("onebit-lamb", 1, 0.0, "numba"),
@@ -107,21 +111,18 @@ def _real_runs(rank: int, world: int, cases) -> list[tuple[list[torch.Tensor], i
         model = build_model()
         params = list(model.parameters())
         groups = onebit.node_groups(local) if local > 1 else None
-        optimizer = build_optimizer(name, params, kernels, groups)
-        job_loop = clip > 0 or name == "lamb"  # the main job's: average, clip, step
-        if isinstance(optimizer, onebit.OneBitLamb | onebit.OneBitAdam):
-            optimizer.gradients_averaged_by_ddp = job_loop
+        optimizer = build_optimizer(name, params, kernels, groups, max_grad_norm=clip)
         traffic, trajectory, clipped_locally = TrafficCounter(), [], 0
         for step in range(STEPS):
             optimizer.zero_grad(set_to_none=True)
             inputs, targets = micro_batch(step, rank)
             nn.functional.mse_loss(model(inputs), targets).backward()
             compressing = getattr(optimizer, "stage", None) == "compression"
-            if job_loop and not compressing:
+            if name == "lamb":  # the main job averages its dense baseline's gradients
                 average_gradients(params, traffic)
-            if clip:
-                norm = onebit.clip_grad_norm_(params, clip, optimizer)
-                clipped_locally += compressing and bool(norm > clip * math.sqrt(world))
+            if clip and compressing:  # the optimizer clips each rank's own at clip·√W
+                norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in params])
+                clipped_locally += bool(torch.linalg.vector_norm(norms) > clip * math.sqrt(world))
             optimizer.step()
             trajectory.append(flat_params(model))
         trajectories.append((trajectory, clipped_locally))

@@ -154,12 +154,16 @@ def test_resume_skips_a_corrupt_checkpoint(
 
 
 def test_dense_optimizer_without_ddp(workspace: Path) -> None:
-    """AdamW with onebit's own dense gradient averaging: every step sends what LAMB sends."""
+    """AdamW with the job's own dense gradient averaging: every step sends what LAMB sends,
+    and one flag per parameter tensor (whether this rank had its gradient)."""
     out = workspace / "adam"
     assert train(*tiny(workspace, out, "--optimizer", "adam", "--no-ddp", "--lr", "0.01")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["bytes_sent"]["by_stage"]["dense"]["steps"] == STEPS
-    assert summary["bytes_sent"]["total"] == summary["lamb_bytes"] > 0
+    saved = torch.load(checkpoint.step_dir(out / "checkpoints", STEPS) / checkpoint.rank_file(0))
+    tensors = sum(len(group["params"]) for group in saved["optimizer"]["param_groups"])
+    flags = report.dense_allreduce_bytes(tensors, 2, STEPS)
+    assert summary["bytes_sent"]["total"] == summary["lamb_bytes"] + flags > flags > 0
     metrics = report.read_metrics(out)
     assert metrics.validation[-1]["loss"] < metrics.validation[0]["loss"]
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from onebit.optim._common import clip_by_total_norm_
 
 
 def clip_grad_norm_(
@@ -28,6 +29,11 @@ def clip_grad_norm_(
     has norm ``max_norm`` and sampling noise dominates them. Clipping a rank's own gradient
     at ``max_norm`` instead shrinks the frozen-variance update as W grows. Returns the total
     norm of the gradients before clipping, as torch's does.
+
+    In a plain loop of several ranks (no DDP hook) a onebit optimizer averages the gradients
+    of its dense steps itself, inside ``step()``, after this call: clipping then would clip
+    each rank's own gradient, not their mean, so it raises; give the optimizer
+    ``max_grad_norm`` instead, which clips what the update uses.
     """
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
@@ -37,6 +43,18 @@ def clip_grad_norm_(
         raise ValueError(
             f"workers must be an int >= 1 (the data-parallel world size), got {workers!r}"
         )
-    if not getattr(optimizer, "needs_averaged_gradients", True):
+    averaged = getattr(optimizer, "needs_averaged_gradients", True)
+    averages_itself = not getattr(optimizer, "gradients_averaged_by_ddp", True)
+    if averaged and averages_itself and optimizer.world_size > 1:
+        raise ValueError(
+            f"the next {type(optimizer).__name__}.step() averages the gradients over its "
+            f"{optimizer.world_size} ranks itself, after this call, so clip_grad_norm_ would "
+            "clip each rank's own gradient instead of their mean: construct the optimizer "
+            f"with max_grad_norm={max_norm} instead (it clips after the average), or use "
+            "DistributedDataParallel with onebit.ddp.register_comm_hook"
+        )
+    if not averaged:
         max_norm *= math.sqrt(optimizer.world_size if workers is None else workers)
-    return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    return clip_by_total_norm_([p.grad for p in parameters if p.grad is not None], max_norm)

@@ -69,13 +69,9 @@ def register_comm_hook(model: DistributedDataParallel, optimizer: OneBitOptimize
             f"{type(optimizer).__name__}"
         )
     group = model.process_group
-    if optimizer.process_group is None:
-        optimizer.process_group = group
-    elif optimizer.process_group != group:
-        raise ValueError("the optimizer's process_group differs from the DDP model's")
+    optimizer.attach_to_ddp(group)
     model.register_comm_hook(OneBitHookState(optimizer, group), onebit_hook)
     model.register_forward_pre_hook(_SyncFollowsStage(optimizer))
-    optimizer.gradients_averaged_by_ddp = True
 
 
 class _SyncFollowsStage:

@@ -58,8 +58,8 @@ _IGNORED = {
         "group (nccl on GPU, gloo on CPU)"
     ),
     "max_grad_norm": (
-        "onebit's optimizers do not clip; clip gradients yourself "
-        "(torch.nn.utils.clip_grad_norm_) before step()"
+        "DeepSpeed's 1-bit optimizers store it but never read it; the top-level "
+        "gradient_clipping sets onebit's max_grad_norm"
     ),
 }
 # Keys DeepSpeed's 1-bit optimizers store but never read. DeepSpeed's Lamb (FusedLamb) reads
@@ -70,7 +70,10 @@ _AMSGRAD = "amsgrad"
 
 # Top-level sections the engine acted on, and what replaces each.
 _ENGINE_SECTIONS = {
-    "gradient_clipping": "clip with torch.nn.utils.clip_grad_norm_(model.parameters(), value)",
+    "gradient_clipping": (
+        "mapped onto the optimizer's max_grad_norm: step() clips the averaged gradients at "
+        "it in dense steps and each rank's own at value·√W in the others"
+    ),
     "fp16": "torch.autocast(dtype=torch.float16) and torch.amp.GradScaler (scaler.step(optimizer))",
     "bf16": "torch.autocast(dtype=torch.bfloat16); no loss scaling needed",
     "amp": "torch.autocast and torch.amp.GradScaler",
@@ -109,9 +112,11 @@ def from_deepspeed_config(
     update (so its warm-up has one update fewer); 0/1 Adam's schedules are counted in updates
     (ALGORITHM.md, "0/1 Adam", difference 1). Accepted with an info message: ``cuda_aware``,
     ``comm_backend_name``, ``max_grad_norm``, and the 1-bit types' ``bias_correction`` and
-    ``eps_inside_sqrt`` (which DeepSpeed's 1-bit optimizers never read). Other top-level
-    sections (``gradient_clipping``, ``fp16``, ``train_batch_size``, ``scheduler``...) are
-    listed, with what replaces each, in one info message (rank 0).
+    ``eps_inside_sqrt`` (which DeepSpeed's 1-bit optimizers never read). The top-level
+    ``gradient_clipping`` becomes ``max_grad_norm`` (as does ``optimizer.params.max_grad_norm``
+    of ``Lamb``, which DeepSpeed's FusedLamb reads), unless ``options`` give one. Other
+    top-level sections (``fp16``, ``train_batch_size``, ``scheduler``...) are listed, with
+    what replaces each, in one info message (rank 0).
 
     Raises:
         ValueError: naming the problem, for a config without an ``optimizer`` section, another
@@ -148,7 +153,9 @@ def from_deepspeed_config(
         )
     if given.get(_AMSGRAD):
         raise ValueError("amsgrad: true is not supported (DeepSpeed's optimizers reject it too)")
-    ignored = [key for key in _IGNORED if key in given]
+    ignored = [
+        key for key in _IGNORED if key in given and not (cls is Lamb and key == "max_grad_norm")
+    ]
     if cls is Lamb:
         enabled = {k: True for k, default in _LAMB_VARIANTS.items() if given.get(k, default)}
         if enabled:
@@ -163,6 +170,12 @@ def from_deepspeed_config(
     kwargs = {key: given[key] for key in mapped if key in given}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
+    if cls is Lamb and "max_grad_norm" in given:
+        kwargs["max_grad_norm"] = float(given["max_grad_norm"])
+    if config.get("gradient_clipping"):
+        kwargs["max_grad_norm"] = float(config["gradient_clipping"])
+    if "max_grad_norm" in options:
+        kwargs.pop("max_grad_norm", None)
     optimizer = cls(params, **kwargs, **options)
     _report(name, cls, ignored, given, config)
     return optimizer

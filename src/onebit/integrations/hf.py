@@ -15,8 +15,9 @@ on the model the Trainer wraps, when training begins::
 
 Gradient clipping (the Trainer's ``max_grad_norm``, ``accelerator.clip_grad_norm_``) clips
 each rank's local gradients at ``max_grad_norm`` in the compression stage, as DeepSpeed's
-engine did; with many ranks of small batches that shrinks the update, where
-:func:`onebit.clip_grad_norm_` in a loop of one's own clips them at ``max_grad_norm·√W``.
+engine did; with many ranks of small batches that shrinks the update. To clip them at
+``max_grad_norm·√W`` instead, give the optimizer ``max_grad_norm`` and the Trainer
+``max_grad_norm=0``: ``step()`` then clips what its update uses.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Return one onebit optimizer from ``configure_optimizers`` and train with
 Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` cannot do this: it registers hooks only
 on CUDA (silently dropping them on CPU), and before ``configure_optimizers`` has created the
 optimizer the hook must follow. Gradient clipping (``gradient_clip_val``) clips each rank's
-local gradients in the compression stage, as DeepSpeed's engine did.
+local gradients in the compression stage, as DeepSpeed's engine did; the optimizer's
+``max_grad_norm`` (without ``gradient_clip_val``) clips them at ``max_grad_norm·√W`` instead.
 """
 
 from __future__ import annotations

@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+
+def check_max_grad_norm(max_grad_norm: float) -> None:
+    if not (max_grad_norm >= 0.0 and math.isfinite(max_grad_norm)):
+        raise ValueError(
+            f"Invalid max_grad_norm={max_grad_norm}: it must be a finite number >= 0 "
+            "(0: no clipping)"
+        )
+
+
+def clip_by_total_norm_(grads: list[Tensor], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s rule on these tensors, in place: all scaled by
+    ``min(1, max_norm / (||g|| + 1e-6))``, ``||g||`` the 2-norm of all of them together
+    (summed as torch sums it: each tensor's norm, then the norm of the norms, so the result
+    is torch's to the bit). Returns ``||g||``; no host synchronisation."""
+    if not grads:
+        return torch.zeros(())
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coef.to(grad.device))
+    return total
 
 
 def check_lr(lr: float) -> None:

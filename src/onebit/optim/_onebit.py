@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -85,7 +86,9 @@ class OneBitOptimizer(FlatOptimizer):
         verify_every: int,
         kernels: str | None,
         node_groups: NodeGroups | None = None,
+        max_grad_norm: float = 0.0,
     ) -> None:
+        _common.check_max_grad_norm(max_grad_norm)
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(
                 f"Invalid freeze_step={freeze_step}: it must be an int >= 1 (the number of "
@@ -101,7 +104,8 @@ class OneBitOptimizer(FlatOptimizer):
         self._exchange: Exchange | None = None
         self._exchange_given = False  # by use_exchange, not built from the arguments
         self.on_nonfinite = on_nonfinite
-        self.gradients_averaged_by_ddp = False
+        self.max_grad_norm = max_grad_norm
+        self._gradients_averaged_by_ddp = False
         self._counters: dict[str, Any] = {
             "step": 0,
             "skipped_steps": 0,
@@ -164,6 +168,22 @@ class OneBitOptimizer(FlatOptimizer):
         ``"allreduce"``, ``"compressed_allreduce"`` (or ``"intra_node"`` and ``"inter_node"``
         with ``node_groups``) and ``"gradient_check"`` (the first compression step's)."""
         return dict(self._traffic.bytes_sent)
+
+    @property
+    def gradients_averaged_by_ddp(self) -> bool:
+        """Whether ``DistributedDataParallel`` averages the gradients of the dense steps
+        (:meth:`attach_to_ddp`); otherwise ``step()`` averages them itself."""
+        return self._gradients_averaged_by_ddp
+
+    def attach_to_ddp(self, process_group: dist.ProcessGroup | None) -> None:
+        """Let DDP (over ``process_group``) average the gradients of the dense steps; called
+        by :func:`onebit.ddp.register_comm_hook`, whose hook does it. The optimizer's group
+        becomes DDP's (it must be the same if one was given)."""
+        if self.process_group is None:
+            self.process_group = process_group
+        elif self.process_group != process_group:
+            raise ValueError("the optimizer's process_group differs from the DDP model's")
+        self._gradients_averaged_by_ddp = True
 
     def count_bytes_sent(self, stage: str, nbytes: int) -> None:
         """Add traffic sent on this optimizer's behalf outside ``step()`` (the DDP hook)."""
@@ -310,6 +330,7 @@ class OneBitOptimizer(FlatOptimizer):
             if stage in self.DENSE_KINDS:
                 applied = self._warmup_step(flat, grads)
             else:
+                self._clip_own_gradients(grads)
                 applied = self._exchanged_step(stage, flat, grads)
         finally:
             self.count_bytes_sent(stage, self._traffic.total() - traffic_before)
@@ -385,10 +406,20 @@ class OneBitOptimizer(FlatOptimizer):
             grads = flat.views(flat.grad)
         else:
             present = [grad is not None for grad in grads]
+        if self.max_grad_norm:
+            present_grads = [g for g, has in zip(grads, present, strict=True) if has]
+            _common.clip_by_total_norm_(present_grads, self.max_grad_norm)
         self._expose_new_state(flat, present)
         if not self._warmup_update(flat, grads, present):
             return self._skip("warm-up gradients")
         return True
+
+    def _clip_own_gradients(self, grads: Sequence[Tensor | None]) -> None:
+        """With ``max_grad_norm``: this rank's own gradients clipped at ``max_grad_norm·√W``
+        (W workers of the exchange; ALGORITHM.md, "Gradient clipping")."""
+        if self.max_grad_norm:
+            threshold = self.max_grad_norm * math.sqrt(self.exchange.world_size)
+            _common.clip_by_total_norm_([g for g in grads if g is not None], threshold)
 
     def _exchanged_step(self, kind: str, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
         """A step of a kind that does not average densely; here ``"compression"``: the local
@@ -431,8 +462,9 @@ class OneBitOptimizer(FlatOptimizer):
     def local_momentum(self) -> Tensor:
         """In the compression stage: the momentum the next ``step()`` would send for the
         gradients in ``.grad``, ``s_p (b1 m_p + (1 - b1) g_p)`` in the padded exchange buffer
-        (overwritten by the next call and by ``step()``). Nothing else changes, except that
-        the first call of the stage sets up its state, as its first ``step()`` would."""
+        (overwritten by the next call and by ``step()``), from the gradients clipped as
+        ``step()`` clips them (``max_grad_norm``). Nothing else changes, except that the first
+        call of the stage sets up its state, as its first ``step()`` would."""
         if self.stage != COMPRESSION:
             raise RuntimeError(
                 f"local_momentum() is for the compression stage; step {self.step_count + 1} "
@@ -441,6 +473,7 @@ class OneBitOptimizer(FlatOptimizer):
         flat = self._flat_state()
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
         buffer = self._exchange_buffer_for(flat)
+        self._clip_own_gradients(grads)
         self._scaled_local_momentum(flat, grads, buffer)
         return buffer
 

@@ -57,6 +57,8 @@ class Lamb(FlatOptimizer):
         weight_decay: decoupled weight decay ``lambda``, added to the update.
         max_coeff, min_coeff: bounds of the trust ratio.
         kernels: the backend of the update, as in :class:`onebit.OneBitLamb`.
+        max_grad_norm: if positive, the gradients are clipped at it first (as
+            ``torch.nn.utils.clip_grad_norm_`` clips them); 0 (default): no clipping.
     """
 
     def __init__(
@@ -69,9 +71,12 @@ class Lamb(FlatOptimizer):
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
         kernels: str | None = None,
+        max_grad_norm: float = 0.0,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
+        _common.check_max_grad_norm(max_grad_norm)
+        self.max_grad_norm = max_grad_norm
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -90,6 +95,8 @@ class Lamb(FlatOptimizer):
         flat = self._flat_state()
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
         present = [grad is not None for grad in grads]
+        if self.max_grad_norm:
+            _common.clip_by_total_norm_([g for g in grads if g is not None], self.max_grad_norm)
         if any(present):
             self._expose_new_state(flat, present)
             coeff, _ = self.updates.lamb_step_(flat, grads, present, False)

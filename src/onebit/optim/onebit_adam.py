@@ -27,8 +27,9 @@ class OneBitAdam(OneBitOptimizer):
     1 bit per element, then the same update with ``v`` frozen. No bias correction.
 
     Arguments as DeepSpeed's ``OnebitAdam``; ``process_group``, ``on_nonfinite``,
-    ``verify_every``, ``kernels``, ``node_groups`` and the ``exp_avg_mask`` group option as in
-    :class:`onebit.OneBitLamb`, and ``compression``, how the momentum is exchanged:
+    ``verify_every``, ``kernels``, ``node_groups``, ``max_grad_norm`` and the
+    ``exp_avg_mask`` group option as in :class:`onebit.OneBitLamb`, and ``compression``, how
+    the momentum is exchanged:
 
     * ``"fused"`` (default): one :func:`onebit.compressed_allreduce` of all tensors, each
       scaled by ``s_p`` as in :class:`OneBitLamb`.
@@ -52,6 +53,7 @@ class OneBitAdam(OneBitOptimizer):
         kernels: str | None = None,
         node_groups: NodeGroups | None = None,
         compression: str = "fused",
+        max_grad_norm: float = 0.0,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         if compression not in COMPRESSIONS:
@@ -72,6 +74,7 @@ class OneBitAdam(OneBitOptimizer):
             verify_every=verify_every,
             kernels=kernels,
             node_groups=node_groups,
+            max_grad_norm=max_grad_norm,
         )
 
     def _warmup_update(

@@ -70,6 +70,11 @@ class OneBitLamb(OneBitOptimizer):
         node_groups: ``(intra_group, inter_group)`` from :func:`onebit.node_groups` to
             exchange hierarchically: dense within a node, 1 bit between nodes (about ``L``
             times fewer bytes between nodes of ``L`` ranks); ``None`` for the flat exchange.
+        max_grad_norm: if positive, ``step()`` clips the gradients its update uses (as
+            ``torch.nn.utils.clip_grad_norm_`` does): the averaged ones at ``max_grad_norm``
+            in the warm-up (after its own average, or DDP's), each rank's own at
+            ``max_grad_norm·√W`` in the compression stage (W ranks; ALGORITHM.md,
+            "Gradient clipping"). 0 (default): no clipping.
 
     Works with ``torch.amp.GradScaler`` (``scaler.step(optimizer)``): the step unscales the
     gradients itself and skips on every rank when any rank overflowed. A failed collective
@@ -96,6 +101,7 @@ class OneBitLamb(OneBitOptimizer):
         verify_every: int = 0,
         kernels: str | None = None,
         node_groups: NodeGroups | None = None,
+        max_grad_norm: float = 0.0,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
@@ -123,6 +129,7 @@ class OneBitLamb(OneBitOptimizer):
             verify_every=verify_every,
             kernels=kernels,
             node_groups=node_groups,
+            max_grad_norm=max_grad_norm,
         )
 
     _SCALARS = {

@@ -130,7 +130,9 @@ class ZeroOneAdam(OneBitOptimizer):
             short runs whose variance schedule reaches past the learning-rate warm-up,
             ``"momentum"`` keeps up with 1-bit Adam where ``"gradient"`` falls behind
             (docs/ZERO-ONE-ADAM.md).
-        process_group, on_nonfinite, verify_every, kernels: as in :class:`onebit.OneBitLamb`.
+        process_group, on_nonfinite, verify_every, kernels, max_grad_norm: as in
+            :class:`onebit.OneBitLamb` (the variance updates clip the averaged gradients, the
+            other steps each rank's own, at ``max_grad_norm·√W``).
             A non-finite local gradient in a local or synchronisation step is ignored on that
             rank alone (with a warning, or an error with ``on_nonfinite="raise"``).
 
@@ -157,6 +159,7 @@ class ZeroOneAdam(OneBitOptimizer):
         on_nonfinite: str = "skip",
         verify_every: int = 0,
         kernels: str | None = None,
+        max_grad_norm: float = 0.0,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         for name, value, meaning in (
@@ -184,6 +187,7 @@ class ZeroOneAdam(OneBitOptimizer):
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,
             kernels=kernels,
+            max_grad_norm=max_grad_norm,
         )
         self._counters["bytes_sent"] = dict.fromkeys(STEP_KINDS, 0)
         # The gradient check runs once, at the first step that exchanges local values.

@@ -123,13 +123,17 @@ def build_optimizer(
     config: TrainConfig,
     params: list[nn.Parameter],
     node_groups: NodeGroups | None = None,
+    max_grad_norm: float = 0.0,
 ) -> torch.optim.Optimizer:
     """The optimizer named by ``config.optimizer`` with the config's hyper-parameters; the
-    1-bit optimizers exchange hierarchically over ``node_groups`` when given."""
+    1-bit optimizers exchange hierarchically over ``node_groups`` when given; onebit's
+    optimizers clip at ``max_grad_norm`` in ``step()`` (torch's AdamW does not clip)."""
     common: dict[str, Any] = dict(
         lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
     trust = dict(max_coeff=config.max_coeff, min_coeff=config.min_coeff)
+    if config.optimizer != "adam":
+        common["max_grad_norm"] = max_grad_norm
     if config.optimizer == "lamb":
         return onebit.Lamb(params, **common, **trust)
     if config.optimizer == "onebit-lamb":
@@ -165,6 +169,11 @@ def build_optimizer(
     return torch.optim.AdamW(params, **common)
 
 
+def clips_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` clips the gradients in its ``step()`` (onebit's optimizers)."""
+    return hasattr(optimizer, "max_grad_norm")
+
+
 # No annotations: DistributedDataParallel inspects them and rejects postponed (string) ones.
 def counted_allreduce_hook(traffic, bucket):
     """DDP's default mean allreduce, with its bytes counted in ``traffic``."""
@@ -175,14 +184,24 @@ def counted_allreduce_hook(traffic, bucket):
 
 
 def average_gradients(params: list[nn.Parameter], traffic: TrafficCounter) -> None:
-    """Mean of every gradient over ranks in one dense allreduce (what DDP does, without it)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    """Mean of every gradient over ranks in one dense allreduce (what DDP does, without it),
+    for the dense baselines of a plain loop (onebit's optimizers average in ``step()``).
+
+    Every parameter has its place whatever gradients this rank has, with one flag each that
+    says whether it had one (so ranks that differ in which gradients exist still send the
+    same buffer): a gradient missing on some ranks counts as zero, and a parameter no rank
+    has a gradient for keeps none."""
+    sizes = [p.numel() for p in params]
+    flat = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
+    values, flags = flat[: sum(sizes)].split(sizes), flat[sum(sizes) :]
+    for index, (param, value) in enumerate(zip(params, values, strict=True)):
+        if param.grad is not None:
+            value.copy_(param.grad.reshape(-1))
+            flags[index] = 1
     onebit.allreduce_mean_(flat, traffic=traffic)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    for param, value, flag in zip(params, values, flags.tolist(), strict=True):
+        if flag > 0:
+            param.grad = value.view_as(param).clone()
 
 
 @dataclasses.dataclass
@@ -343,7 +362,7 @@ class _Trainer:
         averaging's bytes) and the module the forward pass runs through."""
         config = self.config
         groups = onebit.node_groups(config.node_size) if config.hierarchical else None
-        self.optimizer = build_optimizer(config, self.params, groups)
+        self.optimizer = build_optimizer(config, self.params, groups, config.grad_clip)
         self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
         self.forward: nn.Module = self.model
         if config.ddp:
@@ -355,9 +374,6 @@ class _Trainer:
                 onebit.ddp.register_comm_hook(self.forward, self.optimizer)
             else:
                 self.forward.register_comm_hook(self.dense_traffic, counted_allreduce_hook)
-        elif config.uses_onebit:
-            # The job averages the warm-up gradients itself (see _gradient_step).
-            self.optimizer.gradients_averaged_by_ddp = True
 
     def _link_bytes(self) -> dict[str, int]:
         """Bytes this rank has sent in the hierarchical exchange so far, per link kind."""
@@ -486,19 +502,17 @@ class _Trainer:
     def _gradient_step(
         self, step: int, inputs: torch.Tensor, labels: torch.Tensor
     ) -> tuple[float, int]:
-        """This rank's forward and backward pass on its slice of the global batch, gradient
-        averaging (in uncompressed steps), clipping and the optimizer step; returns the
-        global batch's summed MLM loss and number of masked tokens."""
+        """This rank's forward and backward pass on its slice of the global batch, then the
+        optimizer step; returns the global batch's summed MLM loss and number of masked
+        tokens. The 1-bit optimizers average (in their dense steps) and clip in ``step()``;
+        the dense baselines' gradients are averaged by DDP or, in a plain loop, here."""
         config = self.config
-        averaged = not config.uses_onebit or self.optimizer.needs_averaged_gradients
         loss, masked = self._worker_loss(step, self.rank.rank, inputs, labels)
         loss.backward()
-        if not config.ddp and averaged:
-            # Averaged before they are clipped, as under DDP: clipping each rank's own
-            # gradients would give another update than clipping their mean.
+        if not config.ddp and not config.uses_onebit:
             average_gradients(self.params, self.dense_traffic)
-        if config.grad_clip > 0:
-            onebit.clip_grad_norm_(self.params, config.grad_clip, self.optimizer)
+        if config.grad_clip > 0 and not clips_in_step(self.optimizer):
+            torch.nn.utils.clip_grad_norm_(self.params, config.grad_clip)
         self.optimizer.step()
         totals = torch.tensor([loss.item() * masked, masked], dtype=torch.float64)
         dist.all_reduce(totals)
