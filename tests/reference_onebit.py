@@ -30,6 +30,7 @@ def reference_run(
     masks=None,
     compression="fused",
     node_size=1,
+    bucket_elements=None,
 ):
     """Return the parameters after each step, as lists of float64 tensors.
 
@@ -38,7 +39,9 @@ def reference_run(
     too); grad_fn(rank, i, p) is worker rank's
     gradient of tensor i at parameter value p. compression="per_tensor" (1-bit Adam only)
     exchanges each tensor alone, as DeepSpeed's OnebitAdam does; node_size > 1 exchanges the
-    fused buffer hierarchically over nodes of that many workers.
+    fused buffer hierarchically over nodes of that many workers; bucket_elements cuts the
+    fused buffer into buckets of that many elements (rounded down to a multiple of 8n), each
+    exchanged alone with its own error buffers (ALGORITHM.md, "Bucketed exchange").
     """
     b1, b2 = hyper["betas"]
     eps = hyper["eps"]
@@ -55,6 +58,15 @@ def reference_run(
     unit = 8 * n
     padded = max(unit, -(-total // unit) * unit)
     we = torch.zeros(n, padded // node_size, dtype=torch.float64)
+    bucket = max(unit, (bucket_elements or padded) // unit * unit)
+    buckets = [(start, min(start + bucket, padded)) for start in range(0, padded, bucket)]
+    bucket_errors = [
+        (
+            torch.zeros(n, e - s, dtype=torch.float64),
+            torch.zeros(n, (e - s) // n, dtype=torch.float64),
+        )
+        for s, e in buckets
+    ]
     se = torch.zeros(n, padded // n, dtype=torch.float64)
     # Per tensor: padded alone to a multiple of n * lcm(n, 8), its own error buffers.
     unit_alone = n * math.lcm(n, 8)
@@ -120,6 +132,12 @@ def reference_run(
                 result, we, se = simulate_hierarchical_compressed_allreduce(
                     buffers, we, se, node_size
                 )
+            elif len(buckets) > 1:
+                result = torch.empty(padded, dtype=torch.float64)
+                for b, (start, end) in enumerate(buckets):
+                    result[start:end], *bucket_errors[b] = simulate_compressed_allreduce(
+                        buffers[:, start:end].contiguous(), *bucket_errors[b]
+                    )
             else:
                 result, we, se = simulate_compressed_allreduce(buffers, we, se)
             offset = 0

@@ -263,6 +263,10 @@ def test_hierarchical_exchange_on_two_nodes_of_two(
         ),
         (["--no-launch"], "needs torchrun's environment variables; ['RANK'"),
         (
+            ["--corpus", "/nonexistent/corpus.txt"],
+            "--corpus /nonexistent/corpus.txt does not exist",
+        ),
+        (
             ["--steps", "50", "--lr-warmup-steps", "50"],
             "--lr-warmup-steps must be in [0, --steps=50)",
         ),
@@ -273,6 +277,7 @@ def test_bad_options_are_named(
 ) -> None:
     assert onebit_main(["train", "--out", str(tmp_path / "run"), *args]) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing written
     assert not (tmp_path / "run").exists()
 
 

@@ -3,12 +3,14 @@
 * :mod:`~onebit.exchange.protocol`: the two-phase protocol, written once, over segments;
 * :mod:`~onebit.exchange.transport`: ``torch.distributed`` collectives and the checks every
   rank agrees on;
-* the exchanges an optimizer is built with: :class:`FlatExchange` and
-  :class:`PerTensorExchange` over a process group, :class:`HierarchicalExchange` over nodes,
-  :class:`SimulatedExchange` for many workers in one process.
+* the exchanges an optimizer is built with: :class:`FlatExchange`,
+  :class:`BucketedExchange` and :class:`PerTensorExchange` over a process group,
+  :class:`HierarchicalExchange` over nodes, :class:`SimulatedExchange` for many workers in
+  one process.
 """
 
 from onebit.exchange.base import Exchange
+from onebit.exchange.bucketed import BucketedExchange, BucketedResult
 from onebit.exchange.flat import FlatExchange, PerTensorExchange, per_tensor_error_sizes
 from onebit.exchange.hierarchical import (
     HierarchicalExchange,
@@ -34,6 +36,8 @@ from onebit.exchange.transport import (
 )
 
 __all__ = [
+    "BucketedExchange",
+    "BucketedResult",
     "CompressionWorkspace",
     "Exchange",
     "FlatExchange",

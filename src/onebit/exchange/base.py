@@ -59,6 +59,11 @@ class Exchange(ABC):
     def nbytes(self) -> int:
         """Bytes of scratch held now (the error buffers not included)."""
 
+    def layout_key(self, numels: Sequence[int]) -> list[int] | None:
+        """What, beyond the topology, fixes where each error value belongs (the bucketed
+        exchange's bucket sizes); ``None`` for the one-buffer layout. Checkpoints save it."""
+        return None
+
     # ----------------------------------------------------------------- use
     def bind(
         self,
@@ -120,21 +125,39 @@ class Exchange(ABC):
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The error buffers and the topology they belong to."""
-        return {
+        """The error buffers and the topology (and layout) they belong to."""
+        state = {
             "world_size": self.world_size,
             "ranks_per_node": self.topology[0],
             "worker_error": self.worker_error,
             "server_error": self.server_error,
         }
+        if self.numels is not None and self.layout_key(self.numels) is not None:
+            state["buckets"] = self.layout_key(self.numels)
+        return state
+
+    def restart_reason(self, state: dict[str, Any], numels: Sequence[int]) -> str | None:
+        """Why the error buffers of ``state`` (from :meth:`state_dict`) cannot be used here
+        (another topology or layout), or ``None``."""
+        saved = (state.get("ranks_per_node", 1), state["world_size"])
+        if saved != (self.topology[0], self.world_size):
+            return (
+                f"saved with world size {saved[1]} in nodes of {saved[0]} ranks, now "
+                f"{self.world_size} in nodes of {self.topology[0]}"
+            )
+        if state.get("buckets") != self.layout_key(numels):
+            return (
+                f"saved with buckets of {state.get('buckets') or 'one buffer'}, now "
+                f"{self.layout_key(numels) or 'one buffer'}"
+            )
+        return None
 
     def check_state(self, state: dict[str, Any], numels: Sequence[int]) -> bool:
-        """Whether ``state`` (from :meth:`state_dict`) holds error buffers of this topology,
-        to be loaded; ``False`` for none or another topology (they restart from zero).
+        """Whether ``state`` (from :meth:`state_dict`) holds error buffers of this topology
+        and layout, to be loaded; ``False`` for none or another one (they restart from zero).
         Raises ``ValueError`` naming the buffer for sizes these tensors cannot have."""
         worker_error, server_error = state["worker_error"], state["server_error"]
-        saved = (state.get("ranks_per_node", 1), state["world_size"])
-        if worker_error is None or saved != (self.topology[0], self.world_size):
+        if worker_error is None or self.restart_reason(state, numels) is not None:
             return False
         expected = dict(
             zip(("worker_error", "server_error"), self.error_sizes(numels), strict=True)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,10 +37,12 @@ __all__ = [
     "CompressionWorkspace",
     "Layout",
     "PackedResult",
+    "PendingExchange",
     "Stages",
     "exchange_bytes",
     "exchange_over_group",
     "padded_size",
+    "start_exchange",
 ]
 
 
@@ -261,16 +264,23 @@ class PackedResult:
     backend: Backend
     padding: Tensor | None = None  # scratch for decoding padded segments
 
+    # The flat layout that update kernels decode on the fly (one segment only): the signs of
+    # every element in element order, and the scale of each chunk [bounds[c], bounds[c+1]).
     @property
-    def chunk(self) -> int:
-        """Elements of one server's chunk (one segment only: the flat layout that updates
-        decode on the fly)."""
+    def flat_signs(self) -> Tensor:
+        """The packed signs of all elements, element ``e`` at bit ``e`` (MSB first)."""
         self._require_flat()
-        return 8 * self.signs.shape[1]
+        return self.signs.view(-1)
+
+    @property
+    def chunk_bounds(self) -> np.ndarray:
+        """``[n + 1]`` int64: chunk ``c`` holds elements ``[bounds[c], bounds[c + 1])``."""
+        self._require_flat()
+        return np.arange(self.signs.shape[0] + 1, dtype=np.int64) * (8 * self.signs.shape[1])
 
     @property
     def chunk_scales(self) -> Tensor:
-        """Each server's scale of the one segment, ``[n]``."""
+        """Each chunk's scale, ``[n]``."""
         self._require_flat()
         return self.scales[:, 0]
 
@@ -316,6 +326,20 @@ class PackedResult:
         return out
 
 
+@dataclass
+class PendingExchange:
+    """An exchange whose result is in, its error updates not yet applied (:meth:`commit`
+    applies them; until then the segments, ``xs`` and the workspace must stay as they are)."""
+
+    result: PackedResult
+    _commit: object
+
+    def commit(self) -> PackedResult:
+        """Apply the error updates; the result."""
+        self._commit()
+        return self.result
+
+
 def exchange_over_group(
     segments: Sequence[Tensor],
     xs: Sequence[Tensor],
@@ -333,6 +357,21 @@ def exchange_over_group(
     server's scales after the server compression, before any error state changes: a
     :class:`~onebit.exchange.transport.NonFiniteError` or
     :class:`~onebit.exchange.transport.KernelMismatchError` is raised on every rank alike."""
+    return start_exchange(segments, xs, worker_error, server_error, transport, workspace).commit()
+
+
+def start_exchange(
+    segments: Sequence[Tensor],
+    xs: Sequence[Tensor],
+    worker_error: Tensor,
+    server_error: Tensor,
+    transport: GroupTransport,
+    workspace: CompressionWorkspace,
+) -> PendingExchange:
+    """:func:`exchange_over_group` with the error updates left for the caller to apply
+    (``commit()``), so that several exchanges can all be checked before any error state
+    changes (the bucketed exchange). The error updates read only what the exchange leaves in
+    ``xs``, the segments and the workspace, so applying them later gives the same bits."""
     ws, stages = workspace, workspace.stages
     layout, backend = stages.layout, stages.backend
     count, device = layout.segments, worker_error.device
@@ -347,7 +386,6 @@ def exchange_over_group(
     ws.local_scales[count] = backend.code
     transport.all_gather(ws.worker_scales, ws.local_scales)
     transport.agree(worker_scales_problem(ws.worker_scales, backend.name, BACKENDS), device)
-    stages.update_worker_errors(segments, xs, worker_errors, packed, ws.local_scales)
     if count > 1:
         columns = ws.send.split(layout.chunk_bytes, dim=1)
         for column, signs in zip(columns, packed, strict=True):
@@ -368,8 +406,12 @@ def exchange_over_group(
     # Phase 2: every rank gathers every server's scales and signs.
     transport.all_gather(ws.server_scales, ws.local_server_scales)
     transport.agree(finite_problem(ws.server_scales.tolist(), "server scale"), device)
-    stages.update_server_errors(
-        received, worker_scales, server_errors, server_packed, ws.local_server_scales
-    )
     transport.all_gather(ws.gathered, ws.server_packed)
-    return PackedResult(ws.gathered, ws.server_scales, layout, backend)
+
+    def commit() -> None:
+        stages.update_worker_errors(segments, xs, worker_errors, packed, ws.local_scales)
+        stages.update_server_errors(
+            received, worker_scales, server_errors, server_packed, ws.local_server_scales
+        )
+
+    return PendingExchange(PackedResult(ws.gathered, ws.server_scales, layout, backend), commit)

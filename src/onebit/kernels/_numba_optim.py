@@ -283,8 +283,8 @@ def momentum(blocks, active, m, grads, offsets, b1, omb1, scale, out):
 def onebit_lamb_a(
     blocks, active, signs, values, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
 ):
-    """Pass A over the exchange's blocks ``(segment, start, end, server)``; ``values[b]`` is
-    ``scales[server] / s[segment]`` of block ``b``."""
+    """Pass A over the exchange's blocks ``(segment, start, end, chunk)``; ``values[b]`` is
+    ``scales[chunk] / s[segment]`` of block ``b``."""
     out = np.zeros((blocks.shape[0], 3), np.float64)
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
@@ -374,16 +374,18 @@ def _block_table(offsets: bytes) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _exchange_block_table(offsets: bytes, chunk: int) -> np.ndarray:
-    """``[B, 4]`` rows ``(segment, start, end, server)``: the blocks split further at the
-    borders of the exchange's chunks of ``chunk`` elements (server ``j`` holds elements
-    ``[j chunk, (j + 1) chunk)``)."""
+def _exchange_block_table(offsets: bytes, bounds: bytes) -> np.ndarray:
+    """``[B, 4]`` rows ``(segment, start, end, chunk)``: the blocks split further at the
+    borders of the exchange's chunks (chunk ``c`` holds elements ``[bounds[c],
+    bounds[c + 1])``; ``offsets`` and ``bounds`` as int64 bytes)."""
+    borders = np.frombuffer(bounds, dtype=np.int64)
     rows = []
     for segment, start, end in _block_table(offsets):
         cut = start
         while cut < end:
-            stop = min(end, (cut // chunk + 1) * chunk)
-            rows.append((segment, cut, stop, cut // chunk))
+            chunk = int(np.searchsorted(borders, cut, side="right")) - 1
+            stop = min(end, int(borders[chunk + 1]))
+            rows.append((segment, cut, stop, chunk))
             cut = stop
     return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
 
@@ -392,10 +394,9 @@ def _blocks(flat: Any) -> np.ndarray:
     return _block_table(np.ascontiguousarray(flat.offsets, dtype=np.int64).tobytes())
 
 
-def _exchange_blocks(flat: Any, chunk: int) -> np.ndarray:
-    return _exchange_block_table(
-        np.ascontiguousarray(flat.offsets, dtype=np.int64).tobytes(), chunk
-    )
+def _exchange_blocks(flat: Any, bounds: np.ndarray) -> np.ndarray:
+    offsets = np.ascontiguousarray(flat.offsets, dtype=np.int64).tobytes()
+    return _exchange_block_table(offsets, np.ascontiguousarray(bounds, dtype=np.int64).tobytes())
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -456,10 +457,10 @@ def _mask_array(flat: Any, mask: Tensor | None) -> np.ndarray:
 
 
 def _block_values(flat: Any, packed: Any, scaling: Tensor):
-    """The exchange's block table and each block's ``scales[server] * (1 / s[segment])``,
+    """The exchange's block table and each block's ``scales[chunk] * (1 / s[segment])``,
     rounded once as the reference's ``+-b_j * (1 / s)`` (``packed``: an exchange result in
-    the flat layout, :class:`onebit.exchange.PackedResult`)."""
-    blocks = _exchange_blocks(flat, packed.chunk)
+    the flat layout: ``flat_signs``, ``chunk_bounds`` and ``chunk_scales``)."""
+    blocks = _exchange_blocks(flat, packed.chunk_bounds)
     inverse = _np(scaling.reciprocal())
     scales = _np(packed.chunk_scales.to(flat.dtype))
     values = (scales[blocks[:, 3]] * inverse[blocks[:, 0]]).astype(inverse.dtype)
@@ -551,7 +552,7 @@ class NumbaUpdates:
         partials = _KERNELS("onebit_lamb_a")(
             blocks,
             on,
-            _np(packed.signs.view(-1)),
+            _np(packed.flat_signs),
             values,
             _mask_array(flat, mask),
             m,
@@ -599,7 +600,7 @@ class NumbaUpdates:
         _KERNELS("onebit_adam")(
             blocks,
             _active(active),
-            _np(packed.signs.view(-1)),
+            _np(packed.flat_signs),
             values,
             _mask_array(flat, mask),
             _np(flat.exp_avg),

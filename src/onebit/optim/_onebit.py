@@ -18,6 +18,7 @@ from torch import Tensor
 from onebit.collectives import allreduce_mean_
 from onebit.consistency import ReplicaMismatchError, verify_replicas
 from onebit.exchange import (
+    BucketedExchange,
     Exchange,
     FlatExchange,
     HierarchicalExchange,
@@ -87,8 +88,20 @@ class OneBitOptimizer(FlatOptimizer):
         kernels: str | None,
         node_groups: NodeGroups | None = None,
         max_grad_norm: float = 0.0,
+        bucket_cap_mb: float | None = None,
     ) -> None:
         _common.check_max_grad_norm(max_grad_norm)
+        if bucket_cap_mb is not None:
+            if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
+                raise ValueError(
+                    f"Invalid bucket_cap_mb={bucket_cap_mb}: it must be a finite number > 0 "
+                    "(or None: the whole buffer in one exchange)"
+                )
+            if node_groups is not None or self.compression != "fused":
+                raise ValueError(
+                    "bucket_cap_mb buckets the flat fused exchange: not with node_groups or "
+                    f"compression={self.compression!r}"
+                )
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(
                 f"Invalid freeze_step={freeze_step}: it must be an int >= 1 (the number of "
@@ -120,6 +133,12 @@ class OneBitOptimizer(FlatOptimizer):
         self._check_node_groups()
         self._traffic = TrafficCounter()
         super().__init__(params, defaults, kernels)
+        self.bucket_cap_mb = bucket_cap_mb
+        self._bucket_elements = None
+        if bucket_cap_mb is not None:
+            dtypes = {_common.state_dtype(p) for p in _common.trainable_params(self)}
+            element = 8 if dtypes == {torch.float64} else 4
+            self._bucket_elements = max(1, int(bucket_cap_mb * 2**20) // element)
 
     # ----------------------------------------------------------------- what users see
     @property
@@ -230,6 +249,8 @@ class OneBitOptimizer(FlatOptimizer):
             return PerTensorExchange(self.process_group)
         if self.node_groups:
             return HierarchicalExchange(self.node_groups)
+        if self._bucket_elements:
+            return BucketedExchange(self.process_group, self._bucket_elements)
         return FlatExchange(self.process_group)
 
     def use_exchange(self, exchange: Exchange) -> None:
@@ -252,6 +273,8 @@ class OneBitOptimizer(FlatOptimizer):
                 "the simulated optimizer must run in one process: give it no node_groups "
                 "and no process group of more than one rank"
             )
+        if self.bucket_cap_mb is not None:
+            raise ValueError("bucket_cap_mb is not simulated: give the optimizer none")
         if self._exchange is not None and self._exchange.worker_error is not None:
             raise ValueError(
                 "use_exchange() must come before the first exchange (or checkpoint load): "
@@ -612,6 +635,7 @@ class OneBitOptimizer(FlatOptimizer):
         _common.validate_checkpoint(self, state_dict)
         numels = [p.numel() for p in _common.trainable_params(self)]
         errors_fit = self.exchange.check_state(extra, numels)
+        restart = self.exchange.restart_reason(extra, numels)
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
         _common.restore_state_precision(self, state_dict)
         self._counters = {
@@ -624,9 +648,7 @@ class OneBitOptimizer(FlatOptimizer):
         self._replicas_verified = False
         if extra["worker_error"] is not None and not errors_fit:
             warnings.warn(
-                f"checkpoint was saved with world size {extra['world_size']} in nodes of "
-                f"{extra.get('ranks_per_node', 1)} ranks, now {self.exchange.world_size} in "
-                f"nodes of {self.topology[0]}: the error-feedback buffers are reset to zero",
+                f"checkpoint was {restart}: the error-feedback buffers are reset to zero",
                 UserWarning,
                 stacklevel=2,
             )

@@ -27,7 +27,7 @@ class OneBitAdam(OneBitOptimizer):
     1 bit per element, then the same update with ``v`` frozen. No bias correction.
 
     Arguments as DeepSpeed's ``OnebitAdam``; ``process_group``, ``on_nonfinite``,
-    ``verify_every``, ``kernels``, ``node_groups``, ``max_grad_norm`` and the
+    ``verify_every``, ``kernels``, ``node_groups``, ``max_grad_norm``, ``bucket_cap_mb`` and the
     ``exp_avg_mask`` group option as in :class:`onebit.OneBitLamb`, and ``compression``, how
     the momentum is exchanged:
 
@@ -54,6 +54,7 @@ class OneBitAdam(OneBitOptimizer):
         node_groups: NodeGroups | None = None,
         compression: str = "fused",
         max_grad_norm: float = 0.0,
+        bucket_cap_mb: float | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         if compression not in COMPRESSIONS:
@@ -75,6 +76,7 @@ class OneBitAdam(OneBitOptimizer):
             kernels=kernels,
             node_groups=node_groups,
             max_grad_norm=max_grad_norm,
+            bucket_cap_mb=bucket_cap_mb,
         )
 
     def _warmup_update(

@@ -75,6 +75,10 @@ class OneBitLamb(OneBitOptimizer):
             in the warm-up (after its own average, or DDP's), each rank's own at
             ``max_grad_norm·√W`` in the compression stage (W ranks; ALGORITHM.md,
             "Gradient clipping"). 0 (default): no clipping.
+        bucket_cap_mb: exchange the momentum in buckets of this many MiB, each compressed
+            alone (ALGORITHM.md, "Bucketed exchange"; flat exchange only); ``None``
+            (default): the whole buffer in one exchange. Today the buckets are exchanged one
+            after another in ``step()``.
 
     Works with ``torch.amp.GradScaler`` (``scaler.step(optimizer)``): the step unscales the
     gradients itself and skips on every rank when any rank overflowed. A failed collective
@@ -102,6 +106,7 @@ class OneBitLamb(OneBitOptimizer):
         kernels: str | None = None,
         node_groups: NodeGroups | None = None,
         max_grad_norm: float = 0.0,
+        bucket_cap_mb: float | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
@@ -130,6 +135,7 @@ class OneBitLamb(OneBitOptimizer):
             kernels=kernels,
             node_groups=node_groups,
             max_grad_norm=max_grad_norm,
+            bucket_cap_mb=bucket_cap_mb,
         )
 
     _SCALARS = {

@@ -1,0 +1,134 @@
+"""The fused buffer exchanged in buckets, each compressed alone (ALGORITHM.md, "Bucketed
+exchange")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from onebit.exchange.base import Exchange
+from onebit.exchange.protocol import (
+    CompressionWorkspace,
+    Layout,
+    PackedResult,
+    exchange_bytes,
+    padded_size,
+    start_exchange,
+)
+from onebit.exchange.transport import GroupTransport, world_size
+
+__all__ = ["BucketedExchange", "BucketedResult", "bucket_ranges"]
+
+
+def bucket_ranges(numel: int, bucket_elements: int, n: int) -> list[tuple[int, int]]:
+    """The buckets ``[k E, min((k + 1) E, numel))`` of a padded buffer of ``numel`` elements
+    (a multiple of ``8 n``), ``E`` = ``bucket_elements`` rounded down to a multiple of
+    ``8 n`` (at least ``8 n``)."""
+    unit = 8 * n
+    size = max(unit, bucket_elements // unit * unit)
+    return [(start, min(start + size, numel)) for start in range(0, numel, size)]
+
+
+@dataclass
+class BucketedResult:
+    """The buckets' results in the flat layout: bucket ``k``'s
+    :class:`~onebit.exchange.protocol.PackedResult` covers elements ``[start_k, end_k)``."""
+
+    parts: list[tuple[int, PackedResult]]  # (start, result), in element order
+
+    @property
+    def flat_signs(self) -> Tensor:
+        return torch.cat([part.flat_signs for _, part in self.parts])
+
+    @property
+    def chunk_bounds(self) -> np.ndarray:
+        starts = [start + part.chunk_bounds[:-1] for start, part in self.parts]
+        last_start, last = self.parts[-1]
+        return np.concatenate([*starts, [last_start + last.chunk_bounds[-1]]])
+
+    @property
+    def chunk_scales(self) -> Tensor:
+        return torch.cat([part.chunk_scales for _, part in self.parts])
+
+    def decode(self, out: Tensor) -> Tensor:
+        """Every bucket's result into its range of ``out`` (the padded buffer's size)."""
+        flat = out.view(-1)
+        for start, part in self.parts:
+            part.decode(flat[start : start + part.layout.width])
+        return out
+
+
+class BucketedExchange(Exchange):
+    """The fused, padded buffer cut into buckets of ``bucket_elements`` (rounded down to a
+    multiple of ``8 n``, :func:`bucket_ranges`), each exchanged alone over ``group``, the
+    last bucket first; every bucket's checks come before any error state changes. One bucket
+    is the flat exchange, bit for bit."""
+
+    def __init__(self, group: dist.ProcessGroup | None, bucket_elements: int) -> None:
+        super().__init__()
+        if (
+            isinstance(bucket_elements, bool)
+            or not isinstance(bucket_elements, int)
+            or bucket_elements < 1
+        ):
+            raise ValueError(f"bucket_elements must be a positive int, got {bucket_elements!r}")
+        self.group, self.bucket_elements = group, bucket_elements
+        self._workspaces: list[CompressionWorkspace] = []
+
+    @property
+    def topology(self) -> tuple[int, int]:
+        return 1, world_size(self.group)
+
+    def buffer_size(self, numels: Sequence[int]) -> int:
+        return padded_size(sum(numels), self.world_size)
+
+    def error_sizes(self, numels: Sequence[int]) -> tuple[int, int]:
+        size = self.buffer_size(numels)
+        return size, size // self.world_size
+
+    def buckets(self, numels: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """``(start, end)`` of every bucket, in element order, for tensors of ``numels``
+        elements (default: the bound ones)."""
+        if numels is None:
+            self._require_bound()
+            numels = self.numels
+        size = self.buffer_size(numels)
+        return bucket_ranges(size, self.bucket_elements, self.world_size)
+
+    def layout_key(self, numels: Sequence[int]) -> list[int] | None:
+        sizes = [end - start for start, end in self.buckets(numels)]
+        return sizes if len(sizes) > 1 else None
+
+    def bytes_per_call(self) -> dict[str, int]:
+        n = self.world_size
+        total = sum(exchange_bytes(Layout.flat(e - s, n), self.dtype) for s, e in self.buckets())
+        return {"compressed_allreduce": total}
+
+    def nbytes(self) -> int:
+        return sum(ws.nbytes() for ws in self._workspaces)
+
+    def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
+        buckets, n = self.buckets(), self.world_size
+        while len(self._workspaces) < len(buckets):
+            self._workspaces.append(CompressionWorkspace())
+        server_starts = np.concatenate([[0], np.cumsum([(e - s) // n for s, e in buckets])])
+        transport = GroupTransport(self.group)
+        pending = []
+        for k in reversed(range(len(buckets))):  # the order backward finishes them in
+            start, end = buckets[k]
+            ws = self._workspaces[k].prepare(
+                Layout.flat(end - start, n), self.dtype, self.device, self.backend
+            )
+            segment = buffer[start:end]
+            server = server_error[int(server_starts[k]) : int(server_starts[k + 1])]
+            exchange = start_exchange(
+                [segment], [segment], worker_error[start:end], server, transport, ws
+            )
+            pending.append((start, exchange))
+        parts = sorted((start, exchange.commit()) for start, exchange in pending)
+        return BucketedResult(parts)

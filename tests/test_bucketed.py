@@ -1,0 +1,228 @@
+"""The bucketed exchange (ALGORITHM.md, "Bucketed exchange") on real gloo processes: against
+the test oracle bucket by bucket, inside the optimizers against the float64 model, one bucket
+equal to the whole-buffer exchange, resume, another layout, non-finite input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from oracle import simulate_compressed_allreduce
+from reference_onebit import reference_run
+from test_onebit_optimizers import (
+    FREEZE,
+    GROUP_HYPER,
+    HYPER,
+    MASK,
+    STEPS,
+    assert_follows_model_and_ranks_agree,
+    build,
+    grad_fn,
+    initial_params,
+    set_grads,
+)
+
+import onebit
+from onebit import kernels
+from onebit.exchange import BucketedExchange, TrafficCounter
+from onebit.exchange.bucketed import bucket_ranges
+from onebit.testing import spawn_workers
+
+CPU_BACKENDS = [name for name in kernels.available() if name != "triton"]
+NUMELS = [37, 100, 13]  # 150 elements, padded to 160 (n = 2, 4) or 168 (n = 3)
+BUCKET = 70  # elements: buckets of 64, 64, 32 at n = 2 and 4; 48, 48, 48, 24 at n = 3
+CALLS = 3
+
+
+def _inputs(world: int, numel: int, call: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10 * world + call)
+    return torch.randn(world, numel, generator=gen) * torch.linspace(0.5, 2.0, numel)
+
+
+def _bucketed_calls(rank: int, world: int, backend: str):
+    exchange = BucketedExchange(None, BUCKET)
+    chosen = kernels.select(torch.zeros(8), backend)
+    exchange.bind(NUMELS, torch.float32, torch.device("cpu"), chosen, TrafficCounter())
+    size = exchange.buffer_size(NUMELS)
+    results = []
+    for call in range(CALLS):
+        buffer = _inputs(world, size, call)[rank].clone()
+        results.append(exchange.exchange(buffer).decode(torch.empty(size)))
+    errors = exchange.worker_error.clone(), exchange.server_error.clone()
+    return results, errors, exchange.buckets(), exchange.traffic.bytes_sent
+
+
+@pytest.mark.parametrize(("world", "backend"), [(w, b) for w in (2, 3, 4) for b in CPU_BACKENDS])
+def test_every_bucket_equals_the_oracle_bit_for_bit(world, backend):
+    ranks = spawn_workers(_bucketed_calls, world, args=(backend,), timeout_s=120)
+    buckets = ranks[0][2]
+    sizes = [end - start for start, end in buckets]
+    assert len(sizes) >= 3 and len(set(sizes)) == 2  # several buckets, the last one smaller
+    size = buckets[-1][1]
+    oracle = [(torch.zeros(world, e - s), torch.zeros(world, (e - s) // world)) for s, e in buckets]
+    for call in range(CALLS):
+        inputs = _inputs(world, size, call)
+        expected = torch.empty(size)
+        for b, (start, end) in enumerate(buckets):
+            expected[start:end], *oracle[b] = simulate_compressed_allreduce(
+                inputs[:, start:end].contiguous(), *oracle[b], kernels=backend
+            )
+        for rank in range(world):
+            assert torch.equal(ranks[rank][0][call], expected), (call, rank)
+    offset = 0
+    for rank in range(world):
+        worker_error, server_error = ranks[rank][1]
+        for b, (start, end) in enumerate(buckets):
+            chunk = (end - start) // world
+            assert torch.equal(worker_error[start:end], oracle[b][0][rank]), (rank, b)
+            assert torch.equal(server_error[offset : offset + chunk], oracle[b][1][rank])
+            offset += chunk
+        offset = 0
+    scales = 3 * 4 * (world - 1) * len(buckets)  # worker scale, code, server scale per bucket
+    assert ranks[0][3]["compressed_allreduce"] == CALLS * (
+        2 * (world - 1) * size // world // 8 + scales
+    )
+
+
+def test_bucket_ranges():
+    assert bucket_ranges(152, 50, 2) == [(0, 48), (48, 96), (96, 144), (144, 152)]
+    assert bucket_ranges(152, 5, 2) == [(s, s + 16) for s in range(0, 144, 16)] + [(144, 152)]
+    assert bucket_ranges(152, 1000, 2) == [(0, 152)]
+
+
+def _optimizer_runs(rank: int, world: int):
+    """1-bit LAMB and 1-bit Adam with buckets of 16 elements (4 buckets of the 56 padded to
+    64 at n = 2), and 1-bit LAMB with one bucket beside the whole-buffer exchange."""
+    out = {}
+    for name, kind, bucket in (
+        ("lamb", "lamb", 16 * 8 / 2**20),
+        ("adam", "adam", 16 * 8 / 2**20),
+        ("one bucket", "lamb", 1.0),
+        ("whole buffer", "lamb", None),
+    ):
+        params, optimizer = build(kind, torch.float64, bucket_cap_mb=bucket)
+        history = []
+        for _ in range(STEPS):
+            set_grads(params, rank)
+            optimizer.step()
+            history.append([p.detach().clone() for p in params])
+        out[name] = history, optimizer.error_feedback, optimizer.bytes_sent
+    return out
+
+
+def test_optimizers_with_buckets_follow_the_model_and_one_bucket_is_the_whole_buffer():
+    world = 2
+    results = spawn_workers(_optimizer_runs, world, timeout_s=180)
+    masks = [None, None, None, MASK]
+    for name, kind in (("lamb", "lamb"), ("adam", "adam")):
+        expected = reference_run(
+            kind,
+            initial_params(),
+            grad_fn,
+            world,
+            STEPS,
+            FREEZE,
+            GROUP_HYPER,
+            HYPER,
+            masks,
+            bucket_elements=16,
+        )
+        histories = [results[rank][name][0] for rank in range(world)]
+        assert_follows_model_and_ranks_agree(histories, expected, 1e-9, f"bucketed {name}")
+        flat = reference_run(
+            kind, initial_params(), grad_fn, world, STEPS, FREEZE, GROUP_HYPER, HYPER, masks
+        )
+        assert not torch.equal(flat[-1][0], expected[-1][0])  # more scales: another trajectory
+    for rank in range(world):
+        one, whole = results[rank]["one bucket"], results[rank]["whole buffer"]
+        assert all(
+            torch.equal(a, b)
+            for s, t in zip(one[0], whole[0], strict=True)
+            for a, b in zip(s, t, strict=True)
+        )
+        assert all(torch.equal(a, b) for a, b in zip(one[1], whole[1], strict=True))
+        assert one[2] == whole[2]
+    compressed = results[0]["lamb"][2]["compression"] - results[0]["whole buffer"][2]["compression"]
+    assert compressed == (STEPS - FREEZE) * 3 * 8 * (world - 1) * 3  # 3 more buckets' scalars
+
+
+def _resume(rank: int, world: int, tmp_path):
+    params, optimizer = build("lamb", torch.float64, bucket_cap_mb=16 * 8 / 2**20)
+    history = []
+    for step in range(STEPS):
+        if step == FREEZE + 3:
+            path = tmp_path / f"rank{rank}.pt"
+            torch.save(optimizer.state_dict(), path)
+            weights = [p.detach().clone() for p in params]
+            params, optimizer = build("lamb", torch.float64, bucket_cap_mb=16 * 8 / 2**20)
+            for p, w in zip(params, weights, strict=True):
+                p.data.copy_(w)
+            optimizer.load_state_dict(torch.load(path))
+        set_grads(params, rank)
+        optimizer.step()
+        history.append([p.detach().clone() for p in params])
+    return history
+
+
+def test_resume_from_a_bucketed_checkpoint_is_bit_identical(tmp_path):
+    resumed = spawn_workers(_resume, 2, args=(tmp_path,), timeout_s=120)
+    straight = spawn_workers(_optimizer_runs, 2, timeout_s=180)
+    for rank in range(2):
+        for a, b in zip(resumed[rank], straight[rank]["lamb"][0], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_another_bucket_layout_restarts_the_error_buffers_with_a_warning():
+    params, optimizer = build("lamb", torch.float64, bucket_cap_mb=16 * 8 / 2**20)
+    for _ in range(FREEZE + 2):
+        set_grads(params, 0)
+        optimizer.step()
+    state = optimizer.state_dict()
+    assert state["onebit"]["buckets"] == [16, 16, 16, 8]
+    for other in (None, 24 * 8 / 2**20):
+        _, fresh = build("lamb", torch.float64, bucket_cap_mb=other)
+        with pytest.warns(UserWarning, match="saved with buckets of \\[16, 16, 16, 8\\]"):
+            fresh.load_state_dict(state)
+        assert fresh.error_feedback == (None, None)
+    _, same = build("lamb", torch.float64, bucket_cap_mb=16 * 8 / 2**20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(state)
+    assert torch.equal(same.error_feedback[0], optimizer.error_feedback[0])
+
+
+def _non_finite_in_a_later_bucket(rank: int, world: int):
+    params, optimizer = build("lamb", torch.float64, bucket_cap_mb=16 * 8 / 2**20)
+    for _ in range(FREEZE + 2):
+        set_grads(params, rank)
+        optimizer.step()
+    errors = [e.clone() for e in optimizer.error_feedback]
+    weights = [p.detach().clone() for p in params]
+    set_grads(params, rank)
+    if rank == 1:
+        params[0].grad[0, 0] = float("inf")  # bucket 0: exchanged last, after the others
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    untouched = all(
+        torch.equal(a, b) for a, b in zip(errors, optimizer.error_feedback, strict=True)
+    )
+    unmoved = all(torch.equal(p.detach(), w) for p, w in zip(params, weights, strict=True))
+    skipped = any("skipped on every rank" in str(w.message) for w in caught)
+    return untouched, unmoved, skipped, optimizer.skipped_steps
+
+
+def test_a_non_finite_later_bucket_skips_on_every_rank_with_the_state_untouched():
+    for untouched, unmoved, skipped, count in spawn_workers(
+        _non_finite_in_a_later_bucket, 2, timeout_s=120
+    ):
+        assert untouched and unmoved and skipped and count == 1
+
+
+def test_bad_bucket_options_are_named():
+    param = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="Invalid bucket_cap_mb=0"):
+        onebit.OneBitLamb([param], bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="bucket_cap_mb buckets the flat fused exchange"):
+        onebit.OneBitAdam([param], bucket_cap_mb=1.0, compression="per_tensor")
