@@ -11,16 +11,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.exchange.base import Exchange
+from onebit.exchange.flat import FlatExchange
 from onebit.exchange.protocol import (
     CompressionWorkspace,
     Layout,
     PackedResult,
     exchange_bytes,
-    padded_size,
     start_exchange,
 )
-from onebit.exchange.transport import GroupTransport, world_size
+from onebit.exchange.transport import GroupTransport
 
 __all__ = ["BucketedExchange", "BucketedResult", "bucket_ranges"]
 
@@ -63,33 +62,22 @@ class BucketedResult:
         return out
 
 
-class BucketedExchange(Exchange):
+class BucketedExchange(FlatExchange):
     """The fused, padded buffer cut into buckets of ``bucket_elements`` (rounded down to a
     multiple of ``8 n``, :func:`bucket_ranges`), each exchanged alone over ``group``, the
     last bucket first; every bucket's checks come before any error state changes. One bucket
-    is the flat exchange, bit for bit."""
+    is the flat exchange, bit for bit (the same buffer and error sizes as it)."""
 
     def __init__(self, group: dist.ProcessGroup | None, bucket_elements: int) -> None:
-        super().__init__()
+        super().__init__(group)
         if (
             isinstance(bucket_elements, bool)
             or not isinstance(bucket_elements, int)
             or bucket_elements < 1
         ):
             raise ValueError(f"bucket_elements must be a positive int, got {bucket_elements!r}")
-        self.group, self.bucket_elements = group, bucket_elements
+        self.bucket_elements = bucket_elements
         self._workspaces: list[CompressionWorkspace] = []
-
-    @property
-    def topology(self) -> tuple[int, int]:
-        return 1, world_size(self.group)
-
-    def buffer_size(self, numels: Sequence[int]) -> int:
-        return padded_size(sum(numels), self.world_size)
-
-    def error_sizes(self, numels: Sequence[int]) -> tuple[int, int]:
-        size = self.buffer_size(numels)
-        return size, size // self.world_size
 
     def buckets(self, numels: Sequence[int] | None = None) -> list[tuple[int, int]]:
         """``(start, end)`` of every bucket, in element order, for tensors of ``numels``

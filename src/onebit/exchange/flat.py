@@ -18,7 +18,7 @@ from onebit.exchange.protocol import (
 )
 from onebit.exchange.transport import GroupTransport, world_size
 
-__all__ = ["FlatExchange", "PerTensorExchange", "per_tensor_error_sizes"]
+__all__ = ["FlatExchange", "GroupExchange", "PerTensorExchange", "per_tensor_error_sizes"]
 
 
 def per_tensor_error_sizes(numels: Sequence[int], n: int) -> tuple[int, int]:
@@ -29,10 +29,8 @@ def per_tensor_error_sizes(numels: Sequence[int], n: int) -> tuple[int, int]:
     return layout.width, layout.width // n
 
 
-class FlatExchange(Exchange):
-    """All tensors in one buffer, padded to a multiple of ``8 n``, exchanged as one segment
-    over ``group`` (one worker scale, a server scale per chunk). The result is decoded on the
-    fly by the update kernels."""
+class GroupExchange(Exchange):
+    """An exchange over the ranks of ``group`` (default: the world), flat, with its workspace."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -42,6 +40,15 @@ class FlatExchange(Exchange):
     @property
     def topology(self) -> tuple[int, int]:
         return 1, world_size(self.group)
+
+    def nbytes(self) -> int:
+        return self.workspace.nbytes()
+
+
+class FlatExchange(GroupExchange):
+    """All tensors in one buffer, padded to a multiple of ``8 n``, exchanged as one segment
+    over ``group`` (one worker scale, a server scale per chunk). The result is decoded on the
+    fly by the update kernels."""
 
     def buffer_size(self, numels: Sequence[int]) -> int:
         return padded_size(sum(numels), self.world_size)
@@ -56,30 +63,18 @@ class FlatExchange(Exchange):
     def bytes_per_call(self) -> dict[str, int]:
         return {"compressed_allreduce": exchange_bytes(self._layout(), self.dtype)}
 
-    def nbytes(self) -> int:
-        return self.workspace.nbytes()
-
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
         ws = self.workspace.prepare(self._layout(), self.dtype, self.device, self.backend)
         transport = GroupTransport(self.group)
         return exchange_over_group([buffer], [buffer], worker_error, server_error, transport, ws)
 
 
-class PerTensorExchange(Exchange):
+class PerTensorExchange(GroupExchange):
     """Every tensor compressed alone (DeepSpeed's 1-bit Adam): tensor ``t`` zero-padded to
     ``P_t`` (:func:`~onebit.compression.per_tensor_padded_size`) with its own worker scale,
     per-chunk server scales and slices of the error buffers; all tensors travel in the same
     four collectives. The buffer holds the tensors one after another, unpadded; the result
     decodes into the same layout."""
-
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
-        self.group = group
-        self.workspace = CompressionWorkspace()
-
-    @property
-    def topology(self) -> tuple[int, int]:
-        return 1, world_size(self.group)
 
     def buffer_size(self, numels: Sequence[int]) -> int:
         return sum(numels)
@@ -92,9 +87,6 @@ class PerTensorExchange(Exchange):
 
     def bytes_per_call(self) -> dict[str, int]:
         return {"compressed_allreduce": exchange_bytes(self._layout(), self.dtype)}
-
-    def nbytes(self) -> int:
-        return self.workspace.nbytes()
 
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
         layout = self._layout()

@@ -224,9 +224,13 @@ def _error(command: str, exc: BaseException) -> int:
 
 
 def _given_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`TrainConfig` fields set on the command line (corpus paths made absolute)."""
+    """The :class:`TrainConfig` fields set on the command line (corpus paths made absolute,
+    each checked to exist before anything is written)."""
     given = given_options(TrainConfig, args)
     if "corpus" in given:
+        missing = [p for p in given["corpus"] if not Path(p).exists()]
+        if missing:
+            raise ValueError(f"--corpus {' '.join(missing)} does not exist")
         given["corpus"] = [str(Path(p).resolve()) for p in given["corpus"]]
     return given
 

@@ -270,9 +270,6 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         _choice("onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS)
         _choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
-        for path in self.corpus or []:
-            if not Path(path).exists():
-                raise ValueError(f"--corpus {path} does not exist")
         if self.optimizer == "onebit-adam" and self.node_size > 1:
             if self.onebit_adam_compression == "per_tensor":
                 raise ValueError(
