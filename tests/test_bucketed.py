@@ -198,10 +198,13 @@ def test_another_bucket_layout_restarts_the_error_buffers_with_a_warning():
             fresh.load_state_dict(state)
         assert fresh.error_feedback == (None, None)
     _, same = build("lamb", torch.float64, bucket_cap_mb=16 * 8 / 2**20)
+    _, again = build("lamb", torch.float64, bucket_cap_mb=16 * 8 / 2**20)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same.load_state_dict(state)
+        again.load_state_dict(same.state_dict())  # saved again before any step
     assert torch.equal(same.error_feedback[0], optimizer.error_feedback[0])
+    assert torch.equal(again.error_feedback[0], optimizer.error_feedback[0])
 
 
 def _non_finite_in_a_later_bucket(rank: int, world: int):

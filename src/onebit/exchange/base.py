@@ -124,16 +124,18 @@ class Exchange(ABC):
             raise RuntimeError(f"{type(self).__name__} is used before bind()")
 
     # ----------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The error buffers and the topology (and layout) they belong to."""
+    def state_dict(self, numels: Sequence[int] | None = None) -> dict[str, Any]:
+        """The error buffers and the topology (and layout, for tensors of ``numels``
+        elements, default the bound ones) they belong to."""
         state = {
             "world_size": self.world_size,
             "ranks_per_node": self.topology[0],
             "worker_error": self.worker_error,
             "server_error": self.server_error,
         }
-        if self.numels is not None and self.layout_key(self.numels) is not None:
-            state["buckets"] = self.layout_key(self.numels)
+        numels = self.numels if numels is None else numels
+        if numels is not None and self.layout_key(numels) is not None:
+            state["buckets"] = self.layout_key(numels)
         return state
 
     def restart_reason(self, state: dict[str, Any], numels: Sequence[int]) -> str | None:

@@ -221,19 +221,23 @@ class OneBitOptimizer(FlatOptimizer):
     def process_group(self, group: dist.ProcessGroup | None) -> None:
         """Set before training (the DDP hook sets DDP's group): an exchange built from the
         old group is built again, keeping its error state if the topology is the same."""
-        self._process_group = group
+        previous, self._process_group = self._process_group, group
         old = self._exchange
         if old is None or self._exchange_given:
             return
-        self._exchange = self._build_exchange()
+        new = self._build_exchange()
+        if old.worker_error is not None and old.topology != new.topology:
+            self._process_group = previous  # nothing changed
+            raise ValueError(
+                f"the process group of {type(self).__name__} cannot change from "
+                f"{old.world_size} to {new.world_size} ranks once its exchange holds "
+                "error-feedback state"
+            )
+        if old.numels is not None:
+            new.bind(old.numels, old.dtype, old.device, old.backend, old.traffic)
         if old.worker_error is not None:
-            if old.topology != self._exchange.topology:
-                raise ValueError(
-                    f"the process group of {type(self).__name__} cannot change from "
-                    f"{old.world_size} to {self._exchange.world_size} ranks once its exchange "
-                    "holds error-feedback state"
-                )
-            self._exchange.load_state_dict(old.state_dict(), old.worker_error.device)
+            new.load_state_dict(old.state_dict(), old.worker_error.device)
+        self._exchange = new
 
     @property
     def exchange(self) -> Exchange:
@@ -611,7 +615,7 @@ class OneBitOptimizer(FlatOptimizer):
             "skipped_steps": self._counters["skipped_steps"],
             "bytes_sent": dict(self._counters["bytes_sent"]),
             "compression": self.compression,
-            **self.exchange.state_dict(),
+            **self.exchange.state_dict([p.numel() for p in _common.trainable_params(self)]),
         }
         return state
 
