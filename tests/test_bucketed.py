@@ -120,9 +120,24 @@ def _optimizer_runs(rank: int, world: int):
     return out
 
 
-def test_optimizers_with_buckets_follow_the_model_and_one_bucket_is_the_whole_buffer():
+def _on_two_ranks(rank: int, world: int, directory):
+    """Every run the optimizer tests below read, in one pair of processes."""
+    return {
+        "runs": _optimizer_runs(rank, world),
+        "resume": _resume(rank, world, directory),
+        "non_finite": _non_finite_in_a_later_bucket(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bucketed")
+    return spawn_workers(_on_two_ranks, 2, args=(directory,), timeout_s=240)
+
+
+def test_optimizers_with_buckets_follow_the_model_and_one_bucket_is_the_whole_buffer(two_ranks):
     world = 2
-    results = spawn_workers(_optimizer_runs, world, timeout_s=180)
+    results = [ranks["runs"] for ranks in two_ranks]
     masks = [None, None, None, MASK]
     for name, kind in (("lamb", "lamb"), ("adam", "adam")):
         expected = reference_run(
@@ -179,8 +194,8 @@ def _bucketed_lamb(rank: int, tmp_path):
     return history
 
 
-def test_resume_from_a_bucketed_checkpoint_is_bit_identical(tmp_path):
-    for straight, resumed in spawn_workers(_resume, 2, args=(tmp_path,), timeout_s=120):
+def test_resume_from_a_bucketed_checkpoint_is_bit_identical(two_ranks):
+    for straight, resumed in (ranks["resume"] for ranks in two_ranks):
         for a, b in zip(resumed, straight, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -228,10 +243,8 @@ def _non_finite_in_a_later_bucket(rank: int, world: int):
     return untouched, unmoved, skipped, optimizer.skipped_steps
 
 
-def test_a_non_finite_later_bucket_skips_on_every_rank_with_the_state_untouched():
-    for untouched, unmoved, skipped, count in spawn_workers(
-        _non_finite_in_a_later_bucket, 2, timeout_s=120
-    ):
+def test_a_non_finite_later_bucket_skips_on_every_rank_with_the_state_untouched(two_ranks):
+    for untouched, unmoved, skipped, count in (ranks["non_finite"] for ranks in two_ranks):
         assert untouched and unmoved and skipped and count == 1
 
 

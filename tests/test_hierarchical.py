@@ -124,14 +124,21 @@ def _optimizer_run(rank: int, world: int, directory: str, use_ddp: bool, stop: i
     return history, opt.bytes_sent
 
 
+def _plain_ddp_and_resumed(rank: int, world: int, directory: str):
+    """The plain loop (saving its checkpoint), the DDP path and the resumed plain loop, one
+    after another in the same processes."""
+    return [
+        _optimizer_run(rank, world, directory, use_ddp, 10, resume)
+        for use_ddp, resume in ((False, False), (True, False), (False, True))
+    ]
+
+
 def test_optimizer_on_two_nodes_of_two_ranks_plain_ddp_and_resume_agree(tmp_path):
-    directory = str(tmp_path)
-    plain = spawn_workers(_optimizer_run, 4, args=(directory, False, 10, False), timeout_s=180)
+    runs = spawn_workers(_plain_ddp_and_resumed, 4, args=(str(tmp_path),), timeout_s=240)
+    plain, ddp, resumed = ([runs[rank][kind] for rank in range(4)] for kind in range(3))
     for step in range(10):
         for rank in range(1, 4):
             assert torch.equal(plain[rank][0][step], plain[0][0][step]), (rank, step + 1)
-    ddp = spawn_workers(_optimizer_run, 4, args=(directory, True, 10, False), timeout_s=180)
-    resumed = spawn_workers(_optimizer_run, 4, args=(directory, False, 10, True), timeout_s=180)
     for rank in range(4):
         resumed_steps = zip(plain[rank][0][6:], resumed[rank][0], strict=True)
         assert all(torch.equal(a, b) for a, b in resumed_steps), f"rank {rank}: resume differs"

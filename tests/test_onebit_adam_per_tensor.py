@@ -14,7 +14,7 @@ from test_onebit_optimizers import (
     HYPER,
     MASK,
     STEPS,
-    _run_with_checkpoint,
+    _uninterrupted_and_resumed,
     assert_follows_model_and_ranks_agree,
     initial_params,
     set_grads,
@@ -90,13 +90,9 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
 
 
 def test_resume_mid_compression_is_bit_identical(tmp_path):
-    save_at = FREEZE + 5
-    mode = ("adam", "per_tensor")
-    args = (str(tmp_path), 0, STEPS, save_at, *mode)
-    uninterrupted = spawn_workers(_run_with_checkpoint, 2, args=args, timeout_s=120)
-    args = (str(tmp_path), save_at, STEPS, -1, *mode)
-    resumed = spawn_workers(_run_with_checkpoint, 2, args=args, timeout_s=120)
-    for (a, step_a, bytes_a), (b, step_b, bytes_b) in zip(uninterrupted, resumed, strict=True):
+    args = (str(tmp_path), FREEZE + 5, "adam", "per_tensor")
+    runs = spawn_workers(_uninterrupted_and_resumed, 2, args=args, timeout_s=120)
+    for (a, step_a, bytes_a), (b, step_b, bytes_b) in runs:
         assert step_a == step_b == STEPS
         assert bytes_a == bytes_b
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -170,15 +170,20 @@ def _run_with_checkpoint(
     return [p.detach().clone() for p in params], opt.step_count, opt.bytes_sent
 
 
+def _uninterrupted_and_resumed(rank, world_size, directory, save_at, *mode):
+    """The run straight through (saving at ``save_at``), then resumed from that checkpoint
+    by a fresh optimizer, in the same processes (``mode``: kind and compression)."""
+    return (
+        _run_with_checkpoint(rank, world_size, directory, 0, STEPS, save_at, *mode),
+        _run_with_checkpoint(rank, world_size, directory, save_at, STEPS, -1, *mode),
+    )
+
+
 def test_resume_from_compression_stage_checkpoint_is_bit_identical(tmp_path):
-    save_at = FREEZE + 7
-    uninterrupted = spawn_workers(
-        _run_with_checkpoint, 2, args=(str(tmp_path), 0, STEPS, save_at), timeout_s=120
+    runs = spawn_workers(
+        _uninterrupted_and_resumed, 2, args=(str(tmp_path), FREEZE + 7), timeout_s=120
     )
-    resumed = spawn_workers(
-        _run_with_checkpoint, 2, args=(str(tmp_path), save_at, STEPS, -1), timeout_s=120
-    )
-    for (a, step_a, bytes_a), (b, step_b, bytes_b) in zip(uninterrupted, resumed, strict=True):
+    for (a, step_a, bytes_a), (b, step_b, bytes_b) in runs:
         assert step_a == step_b == STEPS
         assert bytes_a == bytes_b
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
@@ -205,9 +210,13 @@ def _plain_or_ddp(rank, world_size, use_ddp):
     return history, opt.bytes_sent, synced
 
 
+def _plain_and_ddp(rank, world_size):
+    return _plain_or_ddp(rank, world_size, False), _plain_or_ddp(rank, world_size, True)
+
+
 def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
-    plain = spawn_workers(_plain_or_ddp, 2, args=(False,), timeout_s=120)
-    ddp = spawn_workers(_plain_or_ddp, 2, args=(True,), timeout_s=120)
+    runs = spawn_workers(_plain_and_ddp, 2, timeout_s=120)
+    plain, ddp = [run[0] for run in runs], [run[1] for run in runs]
     for rank in range(2):
         for step, (a, b) in enumerate(zip(plain[rank][0], ddp[rank][0], strict=True)):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step + 1}"
