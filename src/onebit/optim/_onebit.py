@@ -62,7 +62,8 @@ class OneBitOptimizer(FlatOptimizer):
     is identical on every rank. :class:`ZeroOneAdam` has four kinds.
 
     The exchange (:class:`onebit.exchange.Exchange`) is built once from the arguments (flat
-    over ``process_group``, hierarchical over ``node_groups``, or per tensor), or given with
+    over ``process_group``, in buckets with ``bucket_cap_mb``, hierarchical over
+    ``node_groups``, or per tensor), or given with
     :meth:`use_exchange` (the simulation of many workers); it owns the error-feedback state.
     State lives in a :class:`~onebit.optim._flat.FlatState` (built at the first step) and is
     updated in whole-buffer passes by :attr:`updates`; ``self.state[p]`` holds views of it.
