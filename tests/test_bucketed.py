@@ -254,3 +254,34 @@ def test_bad_bucket_options_are_named():
         onebit.OneBitLamb([param], bucket_cap_mb=0)
     with pytest.raises(ValueError, match="bucket_cap_mb buckets the flat fused exchange"):
         onebit.OneBitAdam([param], bucket_cap_mb=1.0, compression="per_tensor")
+
+
+def test_the_buckets_phases_are_pipelined(monkeypatch):
+    """Bucket k+1's signs are sent before bucket k's server phase, and its server phase
+    before bucket k finishes (the order of the steps, recorded in one process)."""
+    from onebit.exchange import protocol
+
+    steps = []
+    for name in ("send_workers", "send_servers", "finish"):
+        original = getattr(protocol.Round, name)
+
+        def record(self, original=original, name=name):
+            steps.append((name, self.segments[0].data_ptr()))
+            return original(self)
+
+        monkeypatch.setattr(protocol.Round, name, record)
+    exchange = BucketedExchange(None, 16)
+    exchange.bind(
+        [40], torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()
+    )
+    buffer = torch.randn(exchange.buffer_size([40]))
+    exchange.exchange(buffer)
+    starts = {ptr: index for index, ptr in enumerate(dict.fromkeys(p for _, p in steps))}
+    order = [(name, starts[ptr]) for name, ptr in steps]
+    assert order == [
+        ("send_workers", 0),
+        ("send_workers", 1), ("send_servers", 0),
+        ("send_workers", 2), ("send_servers", 1), ("finish", 0),
+        ("send_servers", 2), ("finish", 1),
+        ("finish", 2),
+    ]  # fmt: skip

@@ -16,8 +16,8 @@ from onebit.exchange.protocol import (
     CompressionWorkspace,
     Layout,
     PackedResult,
+    Round,
     exchange_bytes,
-    start_exchange,
 )
 from onebit.exchange.transport import GroupTransport
 
@@ -65,7 +65,8 @@ class BucketedResult:
 class BucketedExchange(FlatExchange):
     """The fused, padded buffer cut into buckets of ``bucket_elements`` (rounded down to a
     multiple of ``8 n``, :func:`bucket_ranges`), each exchanged alone over ``group``, the
-    last bucket first; every bucket's checks come before any error state changes. One bucket
+    last bucket first and the buckets' phases pipelined; every bucket's checks come before
+    any error state changes. One bucket
     is the flat exchange, bit for bit (the same buffer and error sizes as it)."""
 
     def __init__(self, group: dist.ProcessGroup | None, bucket_elements: int) -> None:
@@ -101,22 +102,44 @@ class BucketedExchange(FlatExchange):
         return sum(ws.nbytes() for ws in self._workspaces)
 
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
+        """Every bucket's exchange, pipelined: bucket ``k + 1``'s worker phase is sent
+        before bucket ``k``'s server phase runs, and its server phase before bucket ``k``
+        finishes, so the link carries one bucket while the CPU compresses another. Each
+        bucket's steps and collectives run in the same order on every rank."""
         buckets, n = self.buckets(), self.world_size
         while len(self._workspaces) < len(buckets):
             self._workspaces.append(CompressionWorkspace())
         server_starts = np.concatenate([[0], np.cumsum([(e - s) // n for s, e in buckets])])
         transport = GroupTransport(self.group)
-        pending = []
-        for k in reversed(range(len(buckets))):  # the order backward finishes them in
+        order = list(reversed(range(len(buckets))))  # the order backward finishes them in
+        rounds = []
+        for k in order:
             start, end = buckets[k]
             ws = self._workspaces[k].prepare(
                 Layout.flat(end - start, n), self.dtype, self.device, self.backend
             )
             segment = buffer[start:end]
             server = server_error[int(server_starts[k]) : int(server_starts[k + 1])]
-            exchange = start_exchange(
-                [segment], [segment], worker_error[start:end], server, transport, ws
+            rounds.append(
+                Round([segment], [segment], worker_error[start:end], server, transport, ws)
             )
-            pending.append((start, exchange))
-        parts = sorted((start, exchange.commit()) for start, exchange in pending)
+        finished = [None] * len(rounds)
+        try:
+            for tick in range(len(rounds) + 2):
+                for step in range(3):  # the newest bucket's workers, then older ones' steps
+                    i = tick - step
+                    if 0 <= i < len(rounds):
+                        if step == 0:
+                            rounds[i].send_workers()
+                        elif step == 1:
+                            rounds[i].send_servers()
+                        else:
+                            finished[i] = rounds[i].finish()
+        except BaseException:
+            for exchange in rounds:
+                exchange.drain()
+            raise
+        parts = sorted(
+            (buckets[k][0], exchange.commit()) for k, exchange in zip(order, finished, strict=True)
+        )
         return BucketedResult(parts)

@@ -101,16 +101,25 @@ class GroupTransport:
         self.group, self.agree_on = group, agree_on
         self.n = world_size(group)
 
-    def all_gather(self, output: Tensor, local: Tensor) -> None:
-        all_gather_into(output, local, self.group, self.n)
+    def all_gather(self, output: Tensor, local: Tensor, async_op: bool = False):
+        """``output`` = every rank's ``local``, in rank order; with ``async_op`` the
+        collective's work to wait on (``None`` where nothing is sent)."""
+        if self.n == 1:
+            output.copy_(local.reshape(output.shape))
+            return None
+        return _all_gather_single(
+            output.view(-1), local.reshape(-1), group=self.group, async_op=async_op
+        )
 
-    def all_to_all(self, output: Tensor, local: Tensor) -> None:
+    def all_to_all(self, output: Tensor, local: Tensor, async_op: bool = False):
         """Row ``j`` of ``local`` (``[n, ...]``) to rank ``j``; row ``i`` of ``output`` from
-        rank ``i``."""
+        rank ``i``; with ``async_op`` the work to wait on (``None`` where nothing is sent)."""
         if self.n == 1:
             output.copy_(local.view_as(output))
-        else:
-            dist.all_to_all_single(output.view(-1), local.reshape(-1), group=self.group)
+            return None
+        return dist.all_to_all_single(
+            output.view(-1), local.reshape(-1), group=self.group, async_op=async_op
+        )
 
     def agree(self, problem: Exception | None, device: torch.device) -> None:
         """Raise ``problem``, or the worst problem any rank of ``agree_on`` found, on every

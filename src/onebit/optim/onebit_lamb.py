@@ -77,8 +77,9 @@ class OneBitLamb(OneBitOptimizer):
             "Gradient clipping"). 0 (default): no clipping.
         bucket_cap_mb: exchange the momentum in buckets of this many MiB, each compressed
             alone (ALGORITHM.md, "Bucketed exchange"; flat exchange only); ``None``
-            (default): the whole buffer in one exchange. Today the buckets are exchanged one
-            after another in ``step()``.
+            (default): the whole buffer in one exchange. ``step()`` exchanges the buckets
+            pipelined (one on the wire while another is compressed); overlapping them with
+            backward is still to come.
 
     Works with ``torch.amp.GradScaler`` (``scaler.step(optimizer)``): the step unscales the
     gradients itself and skips on every rank when any rank overflowed. A failed collective
