@@ -172,3 +172,15 @@ def test_optimizers_run_inside_data_parallel_subgroups_at_the_same_time():
     results = spawn_workers(_two_data_parallel_groups, 4, timeout_s=120)
     assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
     assert not torch.equal(results[0], results[1])
+
+
+def test_error_buffers_of_another_dtype_are_named_before_anything_is_sent():
+    buffer = torch.zeros(16)
+    with pytest.raises(ValueError, match="worker_error is torch.float64 on cpu"):
+        onebit.hierarchical_compressed_allreduce(
+            buffer, torch.zeros(16, dtype=torch.float64), torch.zeros(16), None, None
+        )
+    with pytest.raises(ValueError, match="server_error must be contiguous"):
+        onebit.hierarchical_compressed_allreduce(
+            buffer, torch.zeros(16), torch.zeros(16, 2)[:, 0], None, None
+        )

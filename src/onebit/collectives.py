@@ -23,6 +23,7 @@ from onebit.exchange.flat import padded_segments, per_tensor_error_sizes
 from onebit.exchange.protocol import (
     CompressionWorkspace,
     Layout,
+    check_error_state,
     exchange_bytes,
     exchange_over_group,
     padded_size,
@@ -93,16 +94,6 @@ def compressed_allreduce_per_tensor_bytes(numels: Sequence[int], n: int, dtype: 
     return exchange_bytes(Layout.per_tensor(numels, n), dtype)
 
 
-def _check_error_state(name: str, tensor: Tensor, like: Tensor) -> None:
-    if tensor.dtype != like.dtype or tensor.device != like.device:
-        raise ValueError(
-            f"{name} is {tensor.dtype} on {tensor.device}; it must match the buffer "
-            f"({like.dtype} on {like.device})"
-        )
-    if not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
 def _validate(buffer: Tensor, worker_error: Tensor, server_error: Tensor, n: int) -> None:
     numel = buffer.numel()
     if not buffer.is_floating_point():
@@ -121,8 +112,8 @@ def _validate(buffer: Tensor, worker_error: Tensor, server_error: Tensor, n: int
             f"server_error has {server_error.numel()} elements; it must be "
             f"buffer.numel() // world_size = {numel} // {n} = {numel // n}"
         )
-    _check_error_state("worker_error", worker_error, buffer)
-    _check_error_state("server_error", server_error, buffer)
+    check_error_state("worker_error", worker_error, buffer)
+    check_error_state("server_error", server_error, buffer)
     if not buffer.is_contiguous():
         raise ValueError("buffer must be contiguous")
 
@@ -223,13 +214,7 @@ def _validate_per_tensor(
                 f"{name} has {tensor.numel()} elements; these tensors need {expected} over "
                 f"{n} ranks (onebit.per_tensor_error_sizes)"
             )
-        if tensor.dtype != worker_error.dtype or tensor.device != worker_error.device:
-            raise ValueError(
-                f"{name} is {tensor.dtype} on {tensor.device}; it must match worker_error "
-                f"({worker_error.dtype} on {worker_error.device})"
-            )
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+        check_error_state(name, tensor, worker_error, "worker_error")
 
 
 def compressed_allreduce_per_tensor(

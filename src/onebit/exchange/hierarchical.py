@@ -23,6 +23,7 @@ from onebit.exchange.protocol import (
     CompressionWorkspace,
     Layout,
     PackedResult,
+    check_error_state,
     exchange_bytes,
     exchange_over_group,
     padded_size,
@@ -265,6 +266,7 @@ def hierarchical_compressed_allreduce(
                 f"{name} has {tensor.numel()} elements; the hierarchical exchange needs "
                 f"{expected} for a buffer of {numel} over {nodes} nodes of {local} ranks"
             )
+        check_error_state(name, tensor, buffer)
     if out is None:
         out = torch.empty_like(buffer)
     backend = select(buffer, kernels)

@@ -40,11 +40,26 @@ __all__ = [
     "PendingExchange",
     "Round",
     "Stages",
+    "check_error_state",
     "exchange_bytes",
     "exchange_over_group",
     "padded_size",
     "start_exchange",
 ]
+
+
+def check_error_state(
+    name: str, tensor: Tensor, like: Tensor, like_name: str = "the buffer"
+) -> None:
+    """Raise ``ValueError`` naming ``name`` unless the error buffer ``tensor`` has
+    ``like``'s dtype and device and is contiguous."""
+    if tensor.dtype != like.dtype or tensor.device != like.device:
+        raise ValueError(
+            f"{name} is {tensor.dtype} on {tensor.device}; it must match {like_name} "
+            f"({like.dtype} on {like.device})"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
 
 
 def padded_size(numel: int, world_size: int) -> int:

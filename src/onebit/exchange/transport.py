@@ -76,12 +76,19 @@ def world_size(group: dist.ProcessGroup | None = None) -> int:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_gather_into(output: Tensor, local: Tensor, group: dist.ProcessGroup | None, n: int) -> None:
-    """``output`` (``n`` times ``local``'s size) = every rank's ``local``, in rank order."""
+def all_gather_into(
+    output: Tensor,
+    local: Tensor,
+    group: dist.ProcessGroup | None,
+    n: int,
+    async_op: bool = False,
+):
+    """``output`` (``n`` times ``local``'s size) = every rank's ``local``, in rank order;
+    with ``async_op`` the collective's work to wait on (``None`` where nothing is sent)."""
     if n == 1:
         output.copy_(local.reshape(output.shape))
-    else:
-        _all_gather_single(output.view(-1), local.reshape(-1), group=group)
+        return None
+    return _all_gather_single(output.view(-1), local.reshape(-1), group=group, async_op=async_op)
 
 
 _PROBLEMS = (NonFiniteError, KernelMismatchError)  # codes 1, 2; 0 is none
@@ -102,14 +109,8 @@ class GroupTransport:
         self.n = world_size(group)
 
     def all_gather(self, output: Tensor, local: Tensor, async_op: bool = False):
-        """``output`` = every rank's ``local``, in rank order; with ``async_op`` the
-        collective's work to wait on (``None`` where nothing is sent)."""
-        if self.n == 1:
-            output.copy_(local.reshape(output.shape))
-            return None
-        return _all_gather_single(
-            output.view(-1), local.reshape(-1), group=self.group, async_op=async_op
-        )
+        """:func:`all_gather_into` over this transport's group."""
+        return all_gather_into(output, local, self.group, self.n, async_op)
 
     def all_to_all(self, output: Tensor, local: Tensor, async_op: bool = False):
         """Row ``j`` of ``local`` (``[n, ...]``) to rank ``j``; row ``i`` of ``output`` from
