@@ -252,7 +252,7 @@ def test_bad_bucket_options_are_named():
     param = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="Invalid bucket_cap_mb=0"):
         onebit.OneBitLamb([param], bucket_cap_mb=0)
-    with pytest.raises(ValueError, match="bucket_cap_mb buckets the flat fused exchange"):
+    with pytest.raises(ValueError, match="bucket the flat fused exchange"):
         onebit.OneBitAdam([param], bucket_cap_mb=1.0, compression="per_tensor")
 
 

@@ -10,7 +10,7 @@
 """
 
 from onebit.exchange.base import Exchange
-from onebit.exchange.bucketed import BucketedExchange, BucketedResult
+from onebit.exchange.bucketed import BucketedExchange, BucketedResult, BucketPipeline
 from onebit.exchange.flat import FlatExchange, PerTensorExchange, per_tensor_error_sizes
 from onebit.exchange.hierarchical import (
     HierarchicalExchange,
@@ -38,6 +38,7 @@ from onebit.exchange.transport import (
 __all__ = [
     "BucketedExchange",
     "BucketedResult",
+    "BucketPipeline",
     "CompressionWorkspace",
     "Exchange",
     "FlatExchange",

@@ -105,15 +105,19 @@ class Exchange(ABC):
         packed form; ``buffer`` is scratch afterwards. Raises
         :class:`~onebit.exchange.transport.NonFiniteError` on every rank, error state
         unchanged, when any rank's buffer is not finite."""
+        result = self._exchange(self._checked(buffer), *self.errors())
+        self.traffic.record_all(self.bytes_per_call())
+        return result
+
+    def _checked(self, buffer: Tensor) -> Tensor:
+        """``buffer`` flat, once it is known to be of :meth:`buffer_size` elements."""
         self._require_bound()
         if buffer.numel() != self.buffer_size(self.numels):
             raise ValueError(
                 f"the buffer has {buffer.numel()} elements; this exchange takes "
                 f"{self.buffer_size(self.numels)}"
             )
-        result = self._exchange(buffer.view(-1), *self.errors())
-        self.traffic.record_all(self.bytes_per_call())
-        return result
+        return buffer.view(-1)
 
     @abstractmethod
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:

@@ -21,7 +21,7 @@ from onebit.exchange.protocol import (
 )
 from onebit.exchange.transport import GroupTransport
 
-__all__ = ["BucketedExchange", "BucketedResult", "bucket_ranges"]
+__all__ = ["BucketPipeline", "BucketedExchange", "BucketedResult", "bucket_ranges"]
 
 
 def bucket_ranges(numel: int, bucket_elements: int, n: int) -> list[tuple[int, int]]:
@@ -101,11 +101,20 @@ class BucketedExchange(FlatExchange):
     def nbytes(self) -> int:
         return sum(ws.nbytes() for ws in self._workspaces)
 
+    def begin(self, buffer: Tensor) -> BucketPipeline:
+        """An exchange of ``buffer`` whose buckets the caller starts one by one, in
+        :attr:`BucketPipeline.order`, as their values become final (the exchange overlapped
+        with backward); :meth:`BucketPipeline.complete` gives what :meth:`exchange` gives
+        and counts its bytes. Until then ``buffer``'s started buckets must stay as they are."""
+        pipeline = self._pipeline(self._checked(buffer), *self.errors())
+        pipeline.on_complete = lambda: self.traffic.record_all(self.bytes_per_call())
+        return pipeline
+
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
-        """Every bucket's exchange, pipelined: bucket ``k + 1``'s worker phase is sent
-        before bucket ``k``'s server phase runs, and its server phase before bucket ``k``
-        finishes, so the link carries one bucket while the CPU compresses another. Each
-        bucket's steps and collectives run in the same order on every rank."""
+        """Every bucket's exchange, pipelined (:class:`BucketPipeline`), started in order."""
+        return self._pipeline(buffer, worker_error, server_error).complete()
+
+    def _pipeline(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
         buckets, n = self.buckets(), self.world_size
         while len(self._workspaces) < len(buckets):
             self._workspaces.append(CompressionWorkspace())
@@ -123,23 +132,82 @@ class BucketedExchange(FlatExchange):
             rounds.append(
                 Round([segment], [segment], worker_error[start:end], server, transport, ws)
             )
-        finished = [None] * len(rounds)
-        try:
-            for tick in range(len(rounds) + 2):
-                for step in range(3):  # the newest bucket's workers, then older ones' steps
-                    i = tick - step
-                    if 0 <= i < len(rounds):
-                        if step == 0:
-                            rounds[i].send_workers()
-                        elif step == 1:
-                            rounds[i].send_servers()
-                        else:
-                            finished[i] = rounds[i].finish()
-        except BaseException:
-            for exchange in rounds:
-                exchange.drain()
-            raise
+        return BucketPipeline(buckets, order, rounds)
+
+
+class BucketPipeline:
+    """One bucketed exchange in progress. Bucket ``order[i]`` is started by the ``i``-th
+    :meth:`start_next`; every call is one tick of the pipeline: bucket ``order[i]``'s worker
+    phase is sent, then ``order[i - 1]``'s server phase runs and ``order[i - 2]``'s result
+    is taken, so the link carries one bucket while the CPU compresses another.
+    :meth:`complete` starts the rest and drains the pipeline. The ticks, and so every
+    collective, come in the same order on every rank, whenever each is called. A failed
+    step drains what is in flight and is raised again by :meth:`complete`; no error state
+    changes before every bucket's checks have passed."""
+
+    def __init__(
+        self,
+        buckets: list[tuple[int, int]],
+        order: list[int],
+        rounds: list[Round],
+    ) -> None:
+        self.buckets, self.order, self.rounds = buckets, order, rounds
+        self._finished: list = [None] * len(rounds)
+        self._tick = 0
+        self.on_complete = lambda: None  # called once the result is in
+        self.failure: BaseException | None = None
+
+    @property
+    def started(self) -> int:
+        """Buckets whose worker phase has been sent."""
+        return min(self._tick, len(self.rounds))
+
+    @property
+    def next_bucket(self) -> int | None:
+        """The bucket the next :meth:`start_next` starts (``None``: all are started)."""
+        return self.order[self._tick] if self._tick < len(self.rounds) else None
+
+    def start_next(self) -> None:
+        """Start :attr:`next_bucket` (its range of the buffer final now) and advance the
+        older buckets one phase each. After a failure, nothing more is started."""
+        if self.failure is None:
+            self._advance()
+
+    def complete(self) -> BucketedResult:
+        """Start every bucket not yet started, wait for all, apply every bucket's error
+        updates; the result. Raises a failure of any step, error state unchanged."""
+        while self.failure is None and self._tick < len(self.rounds) + 2:
+            self._advance()
+        if self.failure is not None:
+            raise self.failure
         parts = sorted(
-            (buckets[k][0], exchange.commit()) for k, exchange in zip(order, finished, strict=True)
+            (self.buckets[k][0], pending.commit())
+            for k, pending in zip(self.order, self._finished, strict=True)
         )
+        self.on_complete()
         return BucketedResult(parts)
+
+    def cancel(self) -> None:
+        """Wait for what is in flight and drop the exchange (error state unchanged)."""
+        for exchange in self.rounds:
+            exchange.drain()
+        self._tick = len(self.rounds) + 2
+        self._finished = [None] * len(self.rounds)
+
+    def _advance(self) -> None:
+        tick, count = self._tick, len(self.rounds)
+        try:
+            for phase in range(3):  # the newest bucket's workers, then older ones' phases
+                i = tick - phase
+                if 0 <= i < count:
+                    if phase == 0:
+                        self.rounds[i].send_workers()
+                    elif phase == 1:
+                        self.rounds[i].send_servers()
+                    else:
+                        self._finished[i] = self.rounds[i].finish()
+        except BaseException as error:
+            for exchange in self.rounds:
+                exchange.drain()
+            self.failure = error
+        self._tick += 1

@@ -122,6 +122,7 @@ class UpdateKernels(Protocol):
         scaling: Tensor,
         out: Tensor,
         active: Sequence[bool],
+        only: Sequence[int] | None = None,
     ) -> None: ...
 
     def adam_momentum_step_(

@@ -519,9 +519,12 @@ class NumbaUpdates:
         scaling: Tensor,
         out: Tensor,
         active: Sequence[bool],
+        only: Sequence[int] | None = None,
     ) -> None:
-        arrays, betas = _momentum_inputs(flat, grads, active)
-        _KERNELS("momentum")(*arrays, *betas, _np(scaling.to(flat.dtype)), _np(out))
+        (blocks, *arrays), betas = _momentum_inputs(flat, grads, active)
+        if only is not None:
+            blocks = blocks[np.isin(blocks[:, 0], np.asarray(only, dtype=np.int64))]
+        _KERNELS("momentum")(blocks, *arrays, *betas, _np(scaling.to(flat.dtype)), _np(out))
 
     def adam_momentum_step_(
         self, flat: Any, grads: Sequence[Tensor], active: Sequence[bool]

@@ -34,12 +34,15 @@ from onebit.exchange.transport import all_gather_into
 from onebit.optim import _common
 from onebit.optim._base import FlatOptimizer
 from onebit.optim._flat import FlatState
+from onebit.optim._overlap import BackwardOverlap, bucket_members
 
 logger = logging.getLogger("onebit")
 
 WARMUP = "warmup"
 COMPRESSION = "compression"
 NONFINITE_POLICIES = ("skip", "raise")
+#: The buckets of ``overlap_backward`` when no ``bucket_cap_mb`` is given (DDP's default).
+DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 class CommunicationError(RuntimeError):
@@ -90,8 +93,20 @@ class OneBitOptimizer(FlatOptimizer):
         node_groups: NodeGroups | None = None,
         max_grad_norm: float = 0.0,
         bucket_cap_mb: float | None = None,
+        overlap_backward: bool = False,
     ) -> None:
         _common.check_max_grad_norm(max_grad_norm)
+        if not isinstance(overlap_backward, bool):
+            raise ValueError(f"overlap_backward must be True or False, got {overlap_backward!r}")
+        if overlap_backward:
+            if max_grad_norm:
+                raise ValueError(
+                    "overlap_backward=True sends each bucket's momentum during backward, before "
+                    "the total norm of the gradients that max_grad_norm clips by is known: use "
+                    "one of them"
+                )
+            if bucket_cap_mb is None:
+                bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
         if bucket_cap_mb is not None:
             if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
                 raise ValueError(
@@ -100,8 +115,8 @@ class OneBitOptimizer(FlatOptimizer):
                 )
             if node_groups is not None or self.compression != "fused":
                 raise ValueError(
-                    "bucket_cap_mb buckets the flat fused exchange: not with node_groups or "
-                    f"compression={self.compression!r}"
+                    "bucket_cap_mb and overlap_backward bucket the flat fused exchange: not "
+                    f"with node_groups or compression={self.compression!r}"
                 )
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(
@@ -140,6 +155,28 @@ class OneBitOptimizer(FlatOptimizer):
             dtypes = {_common.state_dtype(p) for p in _common.trainable_params(self)}
             element = 8 if dtypes == {torch.float64} else 4
             self._bucket_elements = max(1, int(bucket_cap_mb * 2**20) // element)
+        self._overlap = None
+        if overlap_backward:
+            self._overlap = BackwardOverlap(
+                _common.trainable_params(self), self._overlaps_this_step, self._begin_overlap
+            )
+
+    @property
+    def overlap_backward(self) -> bool:
+        """Whether the compression stage's exchange starts during backward."""
+        return self._overlap is not None
+
+    @property
+    def buckets_started(self) -> int:
+        """With ``overlap_backward``: buckets of the coming step whose exchange has started
+        (during backward); 0 otherwise."""
+        return 0 if self._overlap is None else self._overlap.buckets_started
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside only accumulate gradients: with ``overlap_backward``, the
+        exchange starts in the next backward pass outside (gradient accumulation, as
+        ``DistributedDataParallel.no_sync``). Without it, nothing to do."""
+        return contextlib.nullcontext() if self._overlap is None else self._overlap.no_sync()
 
     # ----------------------------------------------------------------- what users see
     @property
@@ -342,18 +379,19 @@ class OneBitOptimizer(FlatOptimizer):
         """One optimizer step; in the compression stage, one compressed exchange."""
         loss = self._evaluate(closure)
         flat = self._flat_state()
+        if self._overlap is not None and getattr(self, "grad_scale", None) is not None:
+            self._overlap.cancel()
+            raise RuntimeError(
+                "overlap_backward=True reads the gradients while backward produces them, "
+                "before GradScaler's scale could be taken out: construct the optimizer with "
+                "overlap_backward=False to train with a GradScaler"
+            )
         self._unscale_for_grad_scaler(flat.params)
         stage = self.stage
         traffic_before = self._traffic.total()
         try:
-            due = self.verify_every and self.step_count % self.verify_every == 0
-            self._verification_pending |= bool(due) or not self._replicas_verified
-            if self._verification_pending and self._replicas_agree():
-                with self._collective():
-                    verify_replicas(
-                        self._replica_tensors(flat), self.process_group, step=self.step_count + 1
-                    )
-                self._replicas_verified, self._verification_pending = True, False
+            if not self._overlaps_this_step():  # else after the exchange (_exchanged_step)
+                self._verify_replicas_if_due(flat)
             grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
             if stage in self.DENSE_KINDS:
                 applied = self._warmup_step(flat, grads)
@@ -361,11 +399,25 @@ class OneBitOptimizer(FlatOptimizer):
                 self._clip_own_gradients(grads)
                 applied = self._exchanged_step(stage, flat, grads)
         finally:
+            if self._overlap is not None:
+                self._overlap.cancel()  # nothing stays in flight after a step, even a failed one
             self.count_bytes_sent(stage, self._traffic.total() - traffic_before)
         if applied:
             flat.refresh_half_params()
             self._counters["step"] += 1
         return loss
+
+    def _verify_replicas_if_due(self, flat: FlatState) -> None:
+        """The replica check, at the first step and every ``verify_every``, once the
+        replicas agree by design (one small all-gather)."""
+        due = self.verify_every and self.step_count % self.verify_every == 0
+        self._verification_pending |= bool(due) or not self._replicas_verified
+        if self._verification_pending and self._replicas_agree():
+            with self._collective():
+                verify_replicas(
+                    self._replica_tensors(flat), self.process_group, step=self.step_count + 1
+                )
+            self._replicas_verified, self._verification_pending = True, False
 
     def _replicas_agree(self) -> bool:
         """Whether every rank's parameters are bit-identical by design before the next step
@@ -451,19 +503,54 @@ class OneBitOptimizer(FlatOptimizer):
 
     def _exchanged_step(self, kind: str, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
         """A step of a kind that does not average densely; here ``"compression"``: the local
-        momentum through :attr:`exchange`, then ``_compressed_update``."""
+        momentum through :attr:`exchange`, then ``_compressed_update``. With
+        ``overlap_backward`` (after the stage's first step) the exchange started during
+        backward, and the replica check comes after it, so that every rank's collectives
+        keep one order."""
         buffer = self._exchange_buffer_for(flat)
         try:
-            self._scaled_local_momentum(flat, grads, buffer)
-            if not self._gradients_checked and self.step_count == self.freeze_step:
-                with self._collective():  # the first compression step only (not on resume)
-                    self._check_gradients_are_local(buffer)
-            with self._collective():
-                packed = self.exchange.exchange(buffer)
+            if self._overlaps_this_step():
+                with self._collective():
+                    packed = self._overlap.complete()
+                self._verify_replicas_if_due(flat)
+            else:
+                self._scaled_local_momentum(flat, grads, buffer)
+                if not self._gradients_checked and self.step_count == self.freeze_step:
+                    with self._collective():  # the first compression step only (not on resume)
+                        self._check_gradients_are_local(buffer)
+                with self._collective():
+                    packed = self.exchange.exchange(buffer)
         except NonFiniteError:
             return self._skip("a rank's local momentum")
         self._compressed_update(flat, packed, buffer, self._mask, self._has_state)
         return True
+
+    def _overlaps_this_step(self) -> bool:
+        """Whether the next step's exchange starts during backward: ``overlap_backward``, in
+        the compression stage, after its first step (which sets the stage up) or the first
+        after a checkpoint load. The same on every rank."""
+        return (
+            self._overlap is not None
+            and self._exchange_buffer is not None
+            and self.stage == COMPRESSION
+        )
+
+    def _begin_overlap(self):
+        """The step's bucketed exchange, for :class:`~onebit.optim._overlap.BackwardOverlap`:
+        its pipeline, the tensors in each bucket, how to form their momenta, and which
+        tensors need no gradient (those left out of the stage)."""
+        flat, buffer, exchange = self._flat, self._exchange_buffer, self.exchange
+        buffer[flat.numel :].zero_()
+        members = bucket_members(flat.offsets, exchange.buckets())
+
+        def form(only: Sequence[int]) -> None:
+            grads = [None] * len(flat.params)
+            for index in only:
+                grads[index] = _common.dense_grad(flat.params[index], flat.dtype)
+            self._scaled_local_momentum(flat, grads, buffer, only)
+
+        ready = [not has for has in self._has_state]
+        return exchange.begin(buffer), members, form, ready
 
     def _bind_exchange(self, flat: FlatState) -> Exchange:
         """:attr:`exchange`, bound to the flat state's tensors, backend and traffic counter."""
@@ -474,17 +561,26 @@ class OneBitOptimizer(FlatOptimizer):
         return exchange
 
     def _scaled_local_momentum(
-        self, flat: FlatState, grads: Sequence[Tensor | None], buffer: Tensor
+        self,
+        flat: FlatState,
+        grads: Sequence[Tensor | None],
+        buffer: Tensor,
+        only: Sequence[int] | None = None,
     ) -> None:
-        """``buffer = s_p (b1 m_p + (1 - b1) g_p)`` of this rank's gradients, padded."""
+        """``buffer = s_p (b1 m_p + (1 - b1) g_p)`` of this rank's gradients, padded; with
+        ``only``, just those tensors' ranges (the padding untouched)."""
+        selected = set(range(len(grads)) if only is None else only)
         local = [  # a parameter without a gradient on this rank contributes zeros
-            torch.zeros(p.shape, dtype=flat.dtype, device=flat.device) if g is None else g
-            for p, g in zip(flat.params, grads, strict=True)
+            torch.zeros(p.shape, dtype=flat.dtype, device=flat.device)
+            if g is None and index in selected
+            else g
+            for index, (p, g) in enumerate(zip(flat.params, grads, strict=True))
         ]
         self.updates.scaled_momentum(
-            flat, local, flat.scalars["scaling_coeff"], buffer, self._has_state
+            flat, local, flat.scalars["scaling_coeff"], buffer, self._has_state, only
         )
-        buffer[flat.numel :].zero_()
+        if only is None:
+            buffer[flat.numel :].zero_()
 
     @torch.no_grad()
     def local_momentum(self) -> Tensor:
@@ -497,6 +593,11 @@ class OneBitOptimizer(FlatOptimizer):
             raise RuntimeError(
                 f"local_momentum() is for the compression stage; step {self.step_count + 1} "
                 f"is in the warm-up (freeze_step={self.freeze_step})"
+            )
+        if self._overlap is not None and self._overlap.in_flight:
+            raise RuntimeError(
+                "local_momentum() would overwrite the momentum whose exchange started during "
+                "backward (overlap_backward=True); call it before backward or after step()"
             )
         flat = self._flat_state()
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
@@ -638,6 +739,8 @@ class OneBitOptimizer(FlatOptimizer):
                 f"compression={saved_compression!r} to resume"
             )
         _common.validate_checkpoint(self, state_dict)
+        if self._overlap is not None:
+            self._overlap.cancel()
         numels = [p.numel() for p in _common.trainable_params(self)]
         errors_fit = self.exchange.check_state(extra, numels)
         restart = self.exchange.restart_reason(extra, numels)

@@ -196,19 +196,21 @@ def scaled_momentum(
     scaling: Tensor,
     out: Tensor,
     active: Sequence[bool],
+    only: Sequence[int] | None = None,
 ) -> None:
     """``out[p] = s_p (b1 m_p + (1 - b1) g_p)`` for every active parameter with its local
     gradient ``g_p`` in ``grads``; zeros for the others (the caller zeroes any padded tail
-    of ``out``)."""
+    of ``out``). With ``only``, just those parameters' ranges of ``out`` are written."""
     m, g, target = flat.views(flat.exp_avg), grads, flat.views(out)
-    indices = _active_indices(active)
+    selected = range(len(active)) if only is None else only
+    indices = [index for index in selected if active[index]]
     for group, idx in _by_group(flat, indices):
         beta1 = group["betas"][0]
         torch._foreach_copy_(_pick(target, idx), _pick(m, idx))
         torch._foreach_mul_(_pick(target, idx), beta1)
         torch._foreach_add_(_pick(target, idx), _pick(g, idx), alpha=1 - beta1)
     _scale_each(_pick(target, indices), scaling[indices])
-    inactive = [view for view, is_active in zip(target, active, strict=True) if not is_active]
+    inactive = [target[index] for index in selected if not active[index]]
     if inactive:
         torch._foreach_zero_(inactive)
 

@@ -27,9 +27,9 @@ class OneBitAdam(OneBitOptimizer):
     1 bit per element, then the same update with ``v`` frozen. No bias correction.
 
     Arguments as DeepSpeed's ``OnebitAdam``; ``process_group``, ``on_nonfinite``,
-    ``verify_every``, ``kernels``, ``node_groups``, ``max_grad_norm``, ``bucket_cap_mb`` and the
-    ``exp_avg_mask`` group option as in :class:`onebit.OneBitLamb`, and ``compression``, how
-    the momentum is exchanged:
+    ``verify_every``, ``kernels``, ``node_groups``, ``max_grad_norm``, ``bucket_cap_mb``,
+    ``overlap_backward`` and the ``exp_avg_mask`` group option as in
+    :class:`onebit.OneBitLamb`, and ``compression``, how the momentum is exchanged:
 
     * ``"fused"`` (default): one :func:`onebit.compressed_allreduce` of all tensors, each
       scaled by ``s_p`` as in :class:`OneBitLamb`.
@@ -55,6 +55,7 @@ class OneBitAdam(OneBitOptimizer):
         compression: str = "fused",
         max_grad_norm: float = 0.0,
         bucket_cap_mb: float | None = None,
+        overlap_backward: bool = False,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         if compression not in COMPRESSIONS:
@@ -77,6 +78,7 @@ class OneBitAdam(OneBitOptimizer):
             node_groups=node_groups,
             max_grad_norm=max_grad_norm,
             bucket_cap_mb=bucket_cap_mb,
+            overlap_backward=overlap_backward,
         )
 
     def _warmup_update(

@@ -77,9 +77,16 @@ class OneBitLamb(OneBitOptimizer):
             "Gradient clipping"). 0 (default): no clipping.
         bucket_cap_mb: exchange the momentum in buckets of this many MiB, each compressed
             alone (ALGORITHM.md, "Bucketed exchange"; flat exchange only); ``None``
-            (default): the whole buffer in one exchange. ``step()`` exchanges the buckets
-            pipelined (one on the wire while another is compressed); overlapping them with
-            backward is still to come.
+            (default): the whole buffer in one exchange, or 25 MiB buckets with
+            ``overlap_backward``. The buckets' phases are pipelined (one on the wire while
+            another is compressed).
+        overlap_backward: in the compression stage, start each bucket's exchange during
+            backward, as soon as its last gradient is accumulated (ALGORITHM.md, "Exchange
+            overlapped with backward"); ``step()`` waits for the rest. The same result as
+            without, bit for bit; the gradients are read when backward produces them, so
+            not with ``max_grad_norm`` or ``GradScaler``, and passes that only accumulate
+            gradients run under :meth:`no_sync`. Plain loops and DDP (with
+            :func:`onebit.ddp.register_comm_hook`) alike.
 
     Works with ``torch.amp.GradScaler`` (``scaler.step(optimizer)``): the step unscales the
     gradients itself and skips on every rank when any rank overflowed. A failed collective
@@ -108,6 +115,7 @@ class OneBitLamb(OneBitOptimizer):
         node_groups: NodeGroups | None = None,
         max_grad_norm: float = 0.0,
         bucket_cap_mb: float | None = None,
+        overlap_backward: bool = False,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
@@ -137,6 +145,7 @@ class OneBitLamb(OneBitOptimizer):
             node_groups=node_groups,
             max_grad_norm=max_grad_norm,
             bucket_cap_mb=bucket_cap_mb,
+            overlap_backward=overlap_backward,
         )
 
     _SCALARS = {
