@@ -257,8 +257,9 @@ def test_bad_bucket_options_are_named():
 
 
 def test_the_buckets_phases_are_pipelined(monkeypatch):
-    """Bucket k+1's signs are sent before bucket k's server phase, and its server phase
-    before bucket k finishes (the order of the steps, recorded in one process)."""
+    """Every bucket's worker signs are sent first (what runs during backward with
+    overlap_backward), then bucket k+1's server phase runs before bucket k finishes (the
+    order of the steps, recorded in one process)."""
     from onebit.exchange import protocol
 
     steps = []
@@ -279,9 +280,9 @@ def test_the_buckets_phases_are_pipelined(monkeypatch):
     starts = {ptr: index for index, ptr in enumerate(dict.fromkeys(p for _, p in steps))}
     order = [(name, starts[ptr]) for name, ptr in steps]
     assert order == [
-        ("send_workers", 0),
-        ("send_workers", 1), ("send_servers", 0),
-        ("send_workers", 2), ("send_servers", 1), ("finish", 0),
+        ("send_workers", 0), ("send_workers", 1), ("send_workers", 2),
+        ("send_servers", 0),
+        ("send_servers", 1), ("finish", 0),
         ("send_servers", 2), ("finish", 1),
         ("finish", 2),
     ]  # fmt: skip

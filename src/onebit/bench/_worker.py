@@ -42,6 +42,8 @@ from onebit.bench.settings import (
     HIERARCHICAL_METHOD,
     METHODS,
     ONEBIT_METHODS,
+    OVERLAP_METHODS,
+    PLAIN_METHODS,
     ZERO_ONE_ADAM_METHOD,
     ZERO_ONE_ADAM_SCHEDULE,
     zero_one_adam_arm,
@@ -101,7 +103,11 @@ class _Method:
                 if name == HIERARCHICAL_METHOD:
                     node_groups = onebit.node_groups(cfg["workers_per_node"])
                 optimizer = onebit.OneBitLamb(
-                    params, freeze_step=self.freeze_step, node_groups=node_groups, **lamb_kwargs
+                    params,
+                    freeze_step=self.freeze_step,
+                    node_groups=node_groups,
+                    overlap_backward=name in OVERLAP_METHODS,
+                    **lamb_kwargs,
                 )
         elif name == ZERO_ONE_ADAM_METHOD:
             self.freeze_step, self.step_kinds = zero_one_adam_arm(cfg["skip_steps"] + cfg["steps"])
@@ -114,7 +120,7 @@ class _Method:
             )
         else:
             optimizer = onebit.Lamb(params, **lamb_kwargs)
-        if name != "onebit-lamb":
+        if name not in PLAIN_METHODS:
             ddp_kwargs: dict[str, Any] = {}
             if name.startswith("powersgd-"):
                 # One bucket. PowerSGD issues its second and third collectives from the

@@ -32,6 +32,7 @@ from onebit.bench.settings import (
     HIERARCHICAL_METHOD,
     ONEBIT_LAMB_METHODS,
     ONEBIT_METHODS,
+    OVERLAP_METHODS,
     ZERO_ONE_ADAM_METHOD,
 )
 from onebit.optim.zero_one_adam import STEP_KINDS, step_kind
@@ -314,6 +315,29 @@ def _hierarchical_targets(raw: dict[str, Any]) -> dict[str, Any]:
     return targets
 
 
+def _overlap_targets(summary: dict[str, Any]) -> dict[str, Any]:
+    """The overlapped exchange's targets: its compression-stage step within 1.2x of the
+    compute-only step, and never slower than LAMB (each path present)."""
+    overlapped = [m for m in OVERLAP_METHODS if m in summary]
+    compute, lamb = summary.get("lamb-compute"), summary.get("lamb")
+    targets: dict[str, Any] = {}
+    if not overlapped or not compute or not lamb:
+        return targets
+    ratios = {m: summary[m]["t_comp"] / compute["t_comp"] for m in overlapped}
+    targets["overlap_within_1.2x_compute"] = _target(
+        max(ratios.values()) <= 1.2,
+        ", ".join(
+            f"{m} compression-stage step / compute-only step = {r:.2f}" for m, r in ratios.items()
+        ),
+    )
+    vs_lamb = {m: summary[m]["t_comp"] / lamb["t_comp"] for m in overlapped}
+    targets["overlap_not_slower_than_lamb"] = _target(
+        max(vs_lamb.values()) <= 1.0,
+        ", ".join(f"{m} compression-stage step / LAMB step = {r:.2f}" for m, r in vs_lamb.items()),
+    )
+    return targets
+
+
 def _targets(raw: dict[str, Any]) -> dict[str, Any]:
     summary, derived, settings = raw["summary"], raw["derived"], raw["settings"]
     targets: dict[str, Any] = {}
@@ -368,6 +392,7 @@ def _targets(raw: dict[str, Any]) -> dict[str, Any]:
             f"(w = {settings['freeze_fraction']:.2f}) "
             f"{ideal_speedup(s, w=settings['freeze_fraction']):.2f}x; " + "; ".join(parts),
         )
+    targets.update(_overlap_targets(summary))
     if settings["bandwidth"] is None:
         parts, met = [], True
         for m in lamb_paths:

@@ -1,4 +1,4 @@
-"""``onebit bench cluster``, ``onebit bench sweep`` and ``onebit bench report``.
+"""``onebit bench cluster``, ``sweep``, ``report`` and ``exchange``.
 
 The options of ``cluster`` and ``sweep`` are the fields of
 :class:`~onebit.bench.settings.ComparisonSettings`; ``sweep`` adds the bandwidths and worker
@@ -119,8 +119,36 @@ def _report_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exchange_command(args: argparse.Namespace) -> int:
+    from onebit.bench.cluster import unavailable_reason
+    from onebit.bench.exchange_wire import format_rows, run_exchange_bench
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(
+            f"onebit bench exchange: the emulated cluster needs root and iproute2: {reason}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        print(f"onebit bench exchange: no folder for --output {args.output}", file=sys.stderr)
+        return 2
+    rows = run_exchange_bench(args.log2, args.bandwidths, args.bucket_cap_mb, args.calls)
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=1) + "\n")
+    print(format_rows(rows, args.log2))
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"must be a finite number > 0, got {value}")
+    return value
+
+
 def register(subparsers: Any) -> None:
-    """Add ``cluster``, ``sweep`` and ``report`` to the ``onebit bench`` sub-commands."""
+    """Add ``cluster``, ``sweep``, ``report`` and ``exchange`` to ``onebit bench``."""
     cluster = subparsers.add_parser(
         "cluster",
         help="1-bit LAMB vs LAMB, fp16 and PowerSGD hooks on an emulated cluster (root)",
@@ -171,3 +199,35 @@ def register(subparsers: Any) -> None:
         "(default: the --run-steps each was run with)",
     )
     report.set_defaults(handler=_report_command)
+
+    exchange = subparsers.add_parser(
+        "exchange",
+        help="the 1-bit exchange alone (whole buffer, bucketed) against the dense allreduce, "
+        "2 emulated hosts (root)",
+        description="Time the 1-bit exchange of 2^LOG2 float32 on two emulated hosts per link "
+        "rate, whole-buffer and bucketed, beside the dense allreduce and the sign bytes' time "
+        "at line rate.",
+    )
+    exchange.add_argument(
+        "--log2", type=checked_type(_positive_int), default=25, help="2^LOG2 elements (25)"
+    )
+    exchange.add_argument(
+        "--bandwidths",
+        type=checked_type(_bandwidth_list),
+        default=[None, "1gbit", "100mbit"],
+        help="comma-separated link rates, 'none' = unshaped (default: none,1gbit,100mbit)",
+    )
+    exchange.add_argument(
+        "--bucket-cap-mb",
+        type=checked_type(_positive_float),
+        default=25.0,
+        help="buckets of the bucketed exchange, MiB (25)",
+    )
+    exchange.add_argument(
+        "--calls",
+        type=checked_type(_positive_int),
+        default=5,
+        help="calls timed per exchange (5; the first is not counted)",
+    )
+    exchange.add_argument("--output", default=None, help="write the rows as JSON here")
+    exchange.set_defaults(handler=_exchange_command)

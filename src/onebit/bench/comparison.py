@@ -12,6 +12,7 @@ starts) and runs, in one run, with the same model, data and per-worker batch, th
 ``lamb-compute``          the same with a no-op DDP hook: compute only, no traffic
 ``onebit-lamb-ddp``       1-bit LAMB, DDP communication-hook path
 ``onebit-lamb``           1-bit LAMB, plain path (no DDP)
+``onebit-lamb-*overlap``  the same two, the exchange overlapped with backward
 ``onebit-lamb-hier``      1-bit LAMB, hierarchical exchange over the nodes, DDP hook path
 ``onebit-adam``           1-bit Adam, DDP communication-hook path
 ``zero-one-adam``         0/1 Adam, DDP communication-hook path, each kind of step timed

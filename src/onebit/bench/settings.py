@@ -39,6 +39,14 @@ METHODS: dict[str, Method] = {
     "lamb-compute": Method("LAMB + DDP, no-op hook (compute only)", "compute-only"),
     "onebit-lamb-ddp": Method("1-bit LAMB, DDP hook path", "1-bit LAMB (DDP hook)"),
     "onebit-lamb": Method("1-bit LAMB, plain path", "1-bit LAMB (plain)"),
+    "onebit-lamb-ddp-overlap": Method(
+        "1-bit LAMB, DDP hook path, exchange overlapped with backward (25 MB buckets)",
+        "1-bit LAMB overlapped (DDP hook)",
+    ),
+    "onebit-lamb-overlap": Method(
+        "1-bit LAMB, plain path, exchange overlapped with backward (25 MB buckets)",
+        "1-bit LAMB overlapped (plain)",
+    ),
     "onebit-lamb-hier": Method(
         "1-bit LAMB, hierarchical exchange (dense in a node, 1-bit between nodes), DDP hook path",
         "1-bit LAMB (hier.)",
@@ -51,8 +59,12 @@ METHODS: dict[str, Method] = {
 }
 #: The baseline and its compute-only twin, against which the others are compared.
 BASELINE_METHODS = ("lamb", "lamb-compute")
-ONEBIT_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-lamb-hier", "onebit-adam")
-ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-lamb-hier")
+#: 1-bit LAMB with ``overlap_backward=True``.
+OVERLAP_METHODS = ("onebit-lamb-ddp-overlap", "onebit-lamb-overlap")
+#: The methods that run without DDP (the optimizer averages warm-up gradients itself).
+PLAIN_METHODS = ("onebit-lamb", "onebit-lamb-overlap")
+ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-lamb-hier", *OVERLAP_METHODS)
+ONEBIT_METHODS = (*ONEBIT_LAMB_METHODS, "onebit-adam")
 #: The flat 1-bit LAMB methods, against which the hierarchical one is compared.
 FLAT_ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb")
 HIERARCHICAL_METHOD = "onebit-lamb-hier"

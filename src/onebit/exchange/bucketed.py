@@ -136,14 +136,20 @@ class BucketedExchange(FlatExchange):
 
 
 class BucketPipeline:
-    """One bucketed exchange in progress. Bucket ``order[i]`` is started by the ``i``-th
-    :meth:`start_next`; every call is one tick of the pipeline: bucket ``order[i]``'s worker
-    phase is sent, then ``order[i - 1]``'s server phase runs and ``order[i - 2]``'s result
-    is taken, so the link carries one bucket while the CPU compresses another.
-    :meth:`complete` starts the rest and drains the pipeline. The ticks, and so every
-    collective, come in the same order on every rank, whenever each is called. A failed
-    step drains what is in flight and is raised again by :meth:`complete`; no error state
-    changes before every bucket's checks have passed."""
+    """One bucketed exchange in progress, in two passes over the buckets in :attr:`order`:
+
+    1. each bucket's worker phase (its worker compression, its scales gathered and its signs
+       sent, asynchronously): :meth:`start_next` runs it for :attr:`next_bucket` as soon as
+       that bucket's values are final, and never waits for the network, so it can run
+       inside backward;
+    2. in :meth:`complete`, after any worker phase still to run: bucket ``i``'s server phase
+       (which waits for its signs), then bucket ``i - 1``'s result, for ``i = 0, 1, ...``,
+       so one bucket's server signs travel while the next bucket's server compresses.
+
+    Every rank issues the same collectives in the same order (all worker phases, then the
+    server phases, bucket by bucket), wherever each step runs. A failed step drains what is
+    in flight and is raised by :meth:`complete`; no error state changes before every
+    bucket's checks have passed."""
 
     def __init__(
         self,
@@ -153,31 +159,36 @@ class BucketPipeline:
     ) -> None:
         self.buckets, self.order, self.rounds = buckets, order, rounds
         self._finished: list = [None] * len(rounds)
-        self._tick = 0
+        self._sent = 0  # buckets whose worker phase has run
         self.on_complete = lambda: None  # called once the result is in
         self.failure: BaseException | None = None
 
     @property
     def started(self) -> int:
         """Buckets whose worker phase has been sent."""
-        return min(self._tick, len(self.rounds))
+        return self._sent
 
     @property
     def next_bucket(self) -> int | None:
         """The bucket the next :meth:`start_next` starts (``None``: all are started)."""
-        return self.order[self._tick] if self._tick < len(self.rounds) else None
+        return self.order[self._sent] if self._sent < len(self.rounds) else None
 
     def start_next(self) -> None:
-        """Start :attr:`next_bucket` (its range of the buffer final now) and advance the
-        older buckets one phase each. After a failure, nothing more is started."""
-        if self.failure is None:
-            self._advance()
+        """Send :attr:`next_bucket`'s worker phase (its range of the buffer final now).
+        After a failure, nothing more is sent."""
+        if self.failure is None and self._sent < len(self.rounds):
+            self._run(self.rounds[self._sent].send_workers)
+            self._sent += 1
 
     def complete(self) -> BucketedResult:
-        """Start every bucket not yet started, wait for all, apply every bucket's error
-        updates; the result. Raises a failure of any step, error state unchanged."""
-        while self.failure is None and self._tick < len(self.rounds) + 2:
-            self._advance()
+        """Send every worker phase not yet sent, run the server phases, wait for all and
+        apply every bucket's error updates; the result. Raises a failure of any step, error
+        state unchanged."""
+        while self.failure is None and self._sent < len(self.rounds):
+            self.start_next()
+        for i in range(len(self.rounds) + 1):
+            if self.failure is None:
+                self._run(lambda i=i: self._server_phase(i))
         if self.failure is not None:
             raise self.failure
         parts = sorted(
@@ -191,23 +202,20 @@ class BucketPipeline:
         """Wait for what is in flight and drop the exchange (error state unchanged)."""
         for exchange in self.rounds:
             exchange.drain()
-        self._tick = len(self.rounds) + 2
-        self._finished = [None] * len(self.rounds)
+        self._sent = len(self.rounds)
+        self.failure = self.failure or RuntimeError("the exchange was cancelled")
 
-    def _advance(self) -> None:
-        tick, count = self._tick, len(self.rounds)
+    def _server_phase(self, i: int) -> None:
+        """Bucket ``i``'s server phase, then bucket ``i - 1``'s result."""
+        if i < len(self.rounds):
+            self.rounds[i].send_servers()
+        if i > 0:
+            self._finished[i - 1] = self.rounds[i - 1].finish()
+
+    def _run(self, step) -> None:
         try:
-            for phase in range(3):  # the newest bucket's workers, then older ones' phases
-                i = tick - phase
-                if 0 <= i < count:
-                    if phase == 0:
-                        self.rounds[i].send_workers()
-                    elif phase == 1:
-                        self.rounds[i].send_servers()
-                    else:
-                        self._finished[i] = self.rounds[i].finish()
+            step()
         except BaseException as error:
             for exchange in self.rounds:
                 exchange.drain()
             self.failure = error
-        self._tick += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -213,6 +214,19 @@ class TrainConfig:
         "dense averaging inside a node, 1-bit only between nodes; must divide the number of "
         "workers; 1 = the flat exchange (the dense optimizers ignore it)",
     )
+    bucket_cap_mb: float | None = option(
+        None,
+        group=_SYSTEM,
+        help="1-bit LAMB / 1-bit Adam (fused, flat exchange): exchange the momentum in buckets "
+        "of this many MiB, each compressed alone, their phases pipelined",
+        default_help="the whole buffer at once (25 with --overlap-backward)",
+    )
+    overlap_backward: bool = option(
+        False,
+        group=_SYSTEM,
+        help="1-bit LAMB / 1-bit Adam (fused, flat exchange): start each bucket's exchange "
+        "during backward, as soon as its gradients are in (needs --grad-clip 0)",
+    )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
     eval_every: int | None = option(
@@ -305,7 +319,31 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         check_positive("--timeout", self.timeout)
         check_non_negative("--grad-clip", self.grad_clip)
+        self._validate_buckets()
         self._validate_hyperparameters()
+
+    def _validate_buckets(self) -> None:
+        """``--bucket-cap-mb`` and ``--overlap-backward``: the flat fused exchange only."""
+        if self.bucket_cap_mb is None and not self.overlap_backward:
+            return
+        flag = "--overlap-backward" if self.overlap_backward else "--bucket-cap-mb"
+        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < math.inf:
+            raise ValueError(
+                f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}"
+            )
+        fused = self.optimizer == "onebit-lamb" or (
+            self.optimizer == "onebit-adam" and self.onebit_adam_compression == "fused"
+        )
+        if not fused or self.node_size > 1:
+            raise ValueError(
+                f"{flag} buckets the flat fused exchange of onebit-lamb and onebit-adam "
+                "(--onebit-adam-compression fused, --node-size 1)"
+            )
+        if self.overlap_backward and self.grad_clip > 0:
+            raise ValueError(
+                "--overlap-backward sends each bucket during backward, before the gradient "
+                "norm that --grad-clip clips by is known: add --grad-clip 0"
+            )
 
     def _validate_hyperparameters(self) -> None:
         """The optimizers' own checks (:mod:`onebit.optim._common`), made before any worker

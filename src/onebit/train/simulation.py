@@ -87,6 +87,11 @@ def check_simulated(config: TrainConfig) -> None:
             "--onebit-adam-compression per_tensor is not simulated (the simulation exchanges "
             "the fused momentum buffer)"
         )
+    if config.bucket_cap_mb is not None or config.overlap_backward:
+        raise ValueError(
+            "--bucket-cap-mb and --overlap-backward are not simulated (the simulation "
+            "exchanges the whole momentum buffer at once)"
+        )
 
 
 def simulate(

@@ -132,6 +132,7 @@ def build_optimizer(
         lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
     trust = dict(max_coeff=config.max_coeff, min_coeff=config.min_coeff)
+    buckets = dict(bucket_cap_mb=config.bucket_cap_mb, overlap_backward=config.overlap_backward)
     if config.optimizer != "adam":
         common["max_grad_norm"] = max_grad_norm
     if config.optimizer == "lamb":
@@ -141,6 +142,7 @@ def build_optimizer(
             params,
             freeze_step=config.freeze_step,
             node_groups=node_groups,
+            **buckets,
             **common,
             **trust,
             coeff_beta=config.coeff_beta,
@@ -164,6 +166,7 @@ def build_optimizer(
             freeze_step=config.freeze_step,
             node_groups=node_groups,
             compression=config.onebit_adam_compression,
+            **buckets,
             **common,
         )
     return torch.optim.AdamW(params, **common)

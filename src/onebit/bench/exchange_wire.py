@@ -1,0 +1,118 @@
+"""``onebit bench exchange``: the 1-bit exchange alone on two emulated hosts, per link rate.
+
+Each rank (one per host, one torch thread) times, on the same ``2^k`` float32 elements, one
+copy into a preallocated buffer followed by
+
+* ``dense``: ``dist.all_reduce`` of the buffer (what DDP sends for LAMB);
+* ``whole``: the whole-buffer 1-bit exchange (:class:`~onebit.exchange.FlatExchange`);
+* ``bucketed``: the pipelined bucketed exchange (:class:`~onebit.exchange.BucketedExchange`,
+  ``--bucket-cap-mb`` buckets), what ``bucket_cap_mb`` and ``overlap_backward`` run;
+
+fastest of the calls after the first. Reported against the time of the sign bytes each rank
+sends at the link's rate, ``2 (n - 1) / n * N / 8`` bytes, and the exchange's own unshaped
+time (when ``none`` is among the rates): the exchange's ideal is the larger of the two.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+RANK_FLAG = "--rank-main"
+HOSTS = 2
+
+
+def _rank_main(log2: int, bucket_elements: int, calls: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from onebit import kernels
+    from onebit.exchange import BucketedExchange, FlatExchange, TrafficCounter
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    n = 1 << log2
+    values = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+    buffer = torch.empty(n)
+    backend = kernels.select(buffer)
+    exchanges = {"whole": FlatExchange(None), "bucketed": BucketedExchange(None, bucket_elements)}
+    for exchange in exchanges.values():
+        exchange.bind([n], torch.float32, torch.device("cpu"), backend, TrafficCounter())
+
+    def dense() -> None:
+        dist.all_reduce(buffer)
+
+    runs = {
+        "dense": dense,
+        **{name: lambda e=e: e.exchange(buffer) for name, e in exchanges.items()},
+    }
+    seconds: dict[str, Any] = {}
+    for name, run in runs.items():
+        times = []
+        for _ in range(calls):
+            dist.barrier()
+            start = time.perf_counter()
+            buffer.copy_(values)
+            run()
+            times.append(time.perf_counter() - start)
+        seconds[name] = min(times[1:])
+    seconds["buckets"] = len(exchanges["bucketed"].buckets())
+    if dist.get_rank() == 0:
+        print(json.dumps(seconds), flush=True)
+    dist.destroy_process_group()
+
+
+def run_exchange_bench(
+    log2: int, bandwidths: list[str | None], bucket_cap_mb: float, calls: int
+) -> list[dict[str, Any]]:
+    """One row per link rate (``None``: unshaped): the three timings and the wire time."""
+    from onebit.bench.cluster import EmulatedCluster
+
+    n = 1 << log2
+    bucket_elements = max(1, int(bucket_cap_mb * 2**20) // 4)
+    rows = []
+    for bandwidth in bandwidths:
+        with EmulatedCluster(HOSTS, bandwidth=bandwidth) as cluster:
+            argv = [sys.executable, "-m", __name__, RANK_FLAG, str(log2)]
+            argv += [str(bucket_elements), str(calls)]
+            processes = cluster.launch_ranks(argv, stdout=subprocess.PIPE)
+            outputs = [p.communicate(timeout=1800)[0] for p in processes]
+            if any(p.returncode for p in processes):
+                raise RuntimeError(f"a rank failed at bandwidth {bandwidth or 'none'}")
+            rate = cluster.rate_bits_per_second
+        row = json.loads(outputs[0].strip().splitlines()[-1])
+        row["bandwidth"] = bandwidth
+        row["wire"] = 2 * (HOSTS - 1) / HOSTS * n / 8 / (rate / 8) if rate else None
+        rows.append(row)
+    unshaped = next((r for r in rows if r["bandwidth"] is None), None)
+    for row in rows:
+        floors = [t for t in (row["wire"], unshaped and unshaped["bucketed"]) if t]
+        row["ideal"] = max(floors) if floors else None
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]], log2: int) -> str:
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f} s"
+
+    head = (
+        f"| link (2 hosts, 2^{log2} float32) | dense allreduce | 1-bit, whole buffer | "
+        "1-bit, bucketed (pipelined) | sign bytes at line rate | bucketed / max(line rate, "
+        "unshaped bucketed) | bucketed / dense |"
+    )
+    out = [head, "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{r['bucketed'] / r['ideal']:.2f}x" if r["ideal"] else "-"
+        out.append(
+            f"| {r['bandwidth'] or 'unshaped'} | {cell(r['dense'])} | {cell(r['whole'])} | "
+            f"{cell(r['bucketed'])} ({r['buckets']} buckets) | {cell(r['wire'])} | {ratio} | "
+            f"{r['bucketed'] / r['dense']:.2f}x |"
+        )
+    return "\n".join(out)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == [RANK_FLAG]:
+    _rank_main(*(int(a) for a in sys.argv[2:5]))
