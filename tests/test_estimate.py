@@ -20,6 +20,7 @@ from onebit.estimate.model import (
     flat_exchange,
     hierarchical_exchange,
     local_compression_seconds,
+    overlapped_exchange,
 )
 from onebit.estimate.validate import (
     EMULATED_BURST_EFFICIENCY,
@@ -82,6 +83,18 @@ def test_flat_exchange_by_hand():
     assert flat_exchange(job(1, 1), MACHINE).seconds == 0
 
 
+def test_overlapped_exchange_by_hand():
+    # The flat exchange's link time is 228 / (1000 * 0.5) = 0.456 s; its worker phase, half of
+    # it, hides behind backward up to b t_c: all of it with b = 0.4 (0.8 s), 0.1 s with 0.05.
+    flat = flat_exchange(job(4, 1), MACHINE)
+    hidden = overlapped_exchange(job(4, 1), MACHINE)
+    assert hidden.seconds == pytest.approx(flat.seconds - 0.228)
+    assert (hidden.rank_bytes, hidden.node_link_bytes) == (flat.rank_bytes, flat.node_link_bytes)
+    short = overlapped_exchange(job(4, 1, backward_share=0.05), MACHINE)
+    assert short.seconds == pytest.approx(flat.seconds - 0.1)
+    assert overlapped_exchange(job(4, 1, backward_share=0.0), MACHINE).seconds == flat.seconds
+
+
 def test_hierarchical_exchange_by_hand():
     # M = 2 nodes of L = 2, N = 1024: inside the node each rank sends its other shard in fp32
     # (512 * 4) and its compressed chunk to the other rank (512/8 signs + 2 scales of 4 B);
@@ -102,7 +115,8 @@ def test_step_times_speedup_and_traffic_by_hand():
     cluster = job(4, 1, warmup_fraction=0.25)
     shared = dataclasses.replace(MACHINE, cpu_sharing=2.0)
     rows = {row.method: row for row in estimate(cluster, shared)}
-    assert set(rows) == {"lamb", "fp16", "onebit"}  # one rank per node: no hierarchical row
+    # one rank per node: no hierarchical row
+    assert set(rows) == {"lamb", "fp16", "onebit", "onebit-overlap"}
     lamb_step = 2.0 + 6 * 0.01 + 4096 * 1.5 / 1000 + 2 * 4096 * 1.5 / 1e4
     local = 2 * 4 * 1024 / 2e4
     comp_step = 2.0 + local + 12 * 0.01 + 228 / 500 + 2 * 228 / 1e4
@@ -130,7 +144,7 @@ def test_free_local_work_and_latency_give_the_32x_byte_ratio():
 
 def test_one_node_sends_nothing_over_links_and_mixed_precision_drops_the_fp16_row():
     rows = estimate(job(1, 4, mixed_precision=True), MACHINE)
-    assert [row.method for row in rows] == ["lamb", "onebit", "onebit-hier"]
+    assert [row.method for row in rows] == ["lamb", "onebit", "onebit-overlap", "onebit-hier"]
     assert all(row.traffic_reduction is None for row in rows)
     lamb = dense_allreduce(job(1, 4), MACHINE, 2)
     assert rows[0].compression_step == pytest.approx(2.0 + lamb.seconds)
@@ -144,6 +158,7 @@ def test_one_node_sends_nothing_over_links_and_mixed_precision_drops_the_fp16_ro
         ({"compute_seconds": -1.0}, "compute_seconds must be a positive number"),
         ({"bandwidth": math.inf}, "bandwidth must be finite"),
         ({"warmup_fraction": 1.5}, r"warmup_fraction must be in \[0, 1\]"),
+        ({"backward_share": -0.1}, r"backward_share must be in \[0, 1\]"),
     ],
 )
 def test_cluster_rejects_bad_input(kwargs, message):
@@ -188,7 +203,12 @@ def test_command_prints_a_table_and_json(capsys):
     document = json.loads(capsys.readouterr().out)
     assert document["cluster"]["parameters"] == 11_201_594
     assert document["cluster"]["bandwidth"] == 1e9 / 8
-    assert [row["method"] for row in document["methods"]] == ["lamb", "fp16", "onebit"]
+    assert [row["method"] for row in document["methods"]] == [
+        "lamb",
+        "fp16",
+        "onebit",
+        "onebit-overlap",
+    ]
 
 
 def test_command_rejects_bad_input_with_clear_errors(capsys):

@@ -115,6 +115,9 @@ def _runs(rank: int, world: int):
         out[backend, "inf after"] = _train(rank, backend, "plain after", INF_STEP)
         out[backend, "inf plain"] = _train(rank, backend, "plain", INF_STEP)
         out[backend, "resumed"] = _train(rank, backend, "plain", resume_at=FREEZE + 2)
+    if world == 2:
+        out["accumulation"] = _accumulation(rank)
+        out["raise"] = _raise_policy(rank)
     return out
 
 
@@ -172,7 +175,7 @@ def test_a_non_finite_bucket_sent_last_skips_on_every_rank(runs, world, backend)
         assert _same(after, overlapped)
 
 
-def _accumulation(rank: int, world: int):
+def _accumulation(rank: int):
     """Two micro-batches per step: the first under no_sync(), against the exchange after
     backward; then a second backward outside no_sync(), which must raise."""
     results = []
@@ -202,8 +205,8 @@ def _accumulation(rank: int, world: int):
     return results
 
 
-def test_accumulation_under_no_sync_and_a_second_backward_refused():
-    for after, overlapped, error in spawn_workers(_accumulation, 2, timeout_s=120):
+def test_accumulation_under_no_sync_and_a_second_backward_refused(runs):
+    for after, overlapped, error in (rank["accumulation"] for rank in runs[2]):
         assert all(torch.equal(a, b) for a, b in zip(after, overlapped, strict=True))
         assert "second gradient" in error and "no_sync()" in error
 
@@ -225,12 +228,11 @@ def test_what_overlap_refuses():
     assert optimizer.step_count == 0
 
 
-def test_raise_policy_raises_from_step_on_every_rank():
-    results = spawn_workers(_raise_policy, 2, timeout_s=120)
-    assert all(results)
+def test_raise_policy_raises_from_step_on_every_rank(runs):
+    assert all(rank["raise"] for rank in runs[2])
 
 
-def _raise_policy(rank: int, world: int) -> bool:
+def _raise_policy(rank: int) -> bool:
     try:
         _train(rank, "torch", "plain", INF_STEP, on_nonfinite="raise")
     except NonFiniteError:

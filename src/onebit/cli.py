@@ -1,4 +1,5 @@
-"""The ``onebit`` command: ``train``, ``compare``, ``finetune``, ``probe`` and ``bench ...``.
+"""The ``onebit`` command: ``train``, ``simulate``, ``compare``, ``finetune``, ``probe``,
+``study``, ``estimate`` and ``bench ...`` (``onebit --help`` lists each with one line).
 
 Each sub-command lives in its own module, which exposes ``register(subparsers)`` adding its
 parser(s) with ``set_defaults(handler=...)``; the handler takes the parsed arguments and

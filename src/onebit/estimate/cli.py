@@ -109,6 +109,12 @@ class EstimateSettings:
     warmup_fraction: float = option(
         0.2, group="job", help="share w of the run's steps in the warm-up stage"
     )
+    backward_share: float = option(
+        0.4,
+        group="job",
+        help="share of --compute spent in backward, which an overlapped exchange's worker "
+        "phase can travel in (this machine's BERT-base: 0.4)",
+    )
     mixed_precision: bool = option(
         False,
         group="job",
@@ -184,6 +190,7 @@ class EstimateSettings:
             intra_bandwidth=math.inf if intra is None else parse_bandwidth(intra) / 8,
             warmup_fraction=self.warmup_fraction,
             mixed_precision=self.mixed_precision,
+            backward_share=self.backward_share,
         )
 
     def machine(self) -> Machine:

@@ -32,6 +32,7 @@ __all__ = [
     "flat_exchange",
     "hierarchical_exchange",
     "local_compression_seconds",
+    "overlapped_exchange",
 ]
 
 #: Bytes of fp32 parameters per second through the compression stage's local work beyond
@@ -115,6 +116,9 @@ class Cluster:
     """w: share of the run's steps in the warm-up stage (dense allreduce)."""
     mixed_precision: bool = False
     """Gradients in fp16 (2 bytes) for the dense allreduce, as in the paper's runs."""
+    backward_share: float = 0.4
+    """b: share of ``t_c`` spent in backward, the time an overlapped exchange's worker
+    phase travels in (this machine's BERT-base: 0.4)."""
 
     def __post_init__(self) -> None:
         for name in ("parameters", "nodes", "ranks_per_node"):
@@ -124,9 +128,14 @@ class Cluster:
         _check_positive("compute_seconds", self.compute_seconds)
         _check_positive("bandwidth", self.bandwidth)
         _check_positive("intra_bandwidth", self.intra_bandwidth, allow_inf=True)
-        w = self.warmup_fraction
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
-            raise ValueError(f"warmup_fraction must be in [0, 1], got {w!r}")
+        for name in ("warmup_fraction", "backward_share"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 <= value <= 1
+            ):
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
 
     @property
     def world(self) -> int:
@@ -207,6 +216,17 @@ def flat_exchange(cluster: Cluster, machine: Machine) -> Exchange:
     return Exchange(seconds, sent, node_link)
 
 
+def overlapped_exchange(cluster: Cluster, machine: Machine) -> Exchange:
+    """:func:`flat_exchange` with ``overlap_backward=True``: its worker phase (half its link
+    bytes) is sent during backward, so up to ``b t_c`` of that phase's link time is hidden:
+    ``flat - min(link(node bytes) / (2 eta_b), b t_c)``. Local work and host costs are not
+    hidden (a rank's own core does them either way)."""
+    flat = flat_exchange(cluster, machine)
+    link = link_seconds(flat.node_link_bytes, cluster, machine) / machine.burst_efficiency
+    hidden = min(link / 2, cluster.backward_share * cluster.compute_seconds)
+    return Exchange(flat.seconds - hidden, flat.rank_bytes, flat.node_link_bytes)
+
+
 def hierarchical_exchange(cluster: Cluster, machine: Machine) -> Exchange:
     """:func:`~onebit.hierarchical_compressed_allreduce` with nodes of L ranks, its three steps
     one after another: ``(3 (L-1) + 4 (M-1)) alpha + link(L inter) / eta_b + intra / B_intra
@@ -262,6 +282,7 @@ METHODS = {
     "lamb": "LAMB (dense allreduce)",
     "fp16": "LAMB + DDP fp16 hook",
     "onebit": "1-bit LAMB / 1-bit Adam, flat",
+    "onebit-overlap": "1-bit LAMB / 1-bit Adam, flat, overlapped with backward",
     "onebit-hier": "1-bit LAMB / 1-bit Adam, hierarchical",
 }
 
@@ -278,6 +299,7 @@ def estimate(cluster: Cluster, machine: Machine) -> list[MethodEstimate]:
         fp16 = dense_allreduce(cluster, machine, 2)
         stages["fp16"] = (fp16, fp16, 0.0)
     stages["onebit"] = (dense, flat_exchange(cluster, machine), local)
+    stages["onebit-overlap"] = (dense, overlapped_exchange(cluster, machine), local)
     if cluster.ranks_per_node > 1:
         stages["onebit-hier"] = (dense, hierarchical_exchange(cluster, machine), local)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onebit.bench.settings import OVERLAP_METHODS
 from onebit.estimate.model import (
     Cluster,
     Exchange,
@@ -27,6 +28,7 @@ from onebit.estimate.model import (
     flat_exchange,
     hierarchical_exchange,
     local_compression_seconds,
+    overlapped_exchange,
 )
 
 __all__ = [
@@ -61,6 +63,8 @@ _PREDICTED = {
     **{(m, "compression"): "flat" for m in ("onebit-lamb", "onebit-lamb-ddp", "onebit-adam")},
     ("onebit-lamb-hier", "warmup"): "dense",
     ("onebit-lamb-hier", "compression"): "hierarchical",
+    **{(m, "warmup"): "dense" for m in OVERLAP_METHODS},
+    **{(m, "compression"): "overlapped" for m in OVERLAP_METHODS},
 }
 
 
@@ -137,6 +141,7 @@ def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[
         "fp16": (dense_allreduce(cluster, run_machine, 2), 0.0),
         "flat": (flat_exchange(cluster, run_machine), local),
         "hierarchical": (hierarchical_exchange(cluster, run_machine), local),
+        "overlapped": (overlapped_exchange(cluster, run_machine), local),
     }
     predictions = []
     for method, summary in result["summary"].items():
