@@ -9,6 +9,7 @@ arithmetic without a cluster.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,37 @@ def test_hierarchical_figures_and_targets() -> None:
     assert targets["hierarchical_compression_stage_1.5x"]["met"] is True
     assert "### 2 nodes x 2 workers, 100mbit" in report.format_report(result)
     assert "wire MB/step/node" in report.format_report(result)
+
+
+def test_exchange_command_checks_before_it_runs(monkeypatch, capsys, tmp_path: Path) -> None:
+    from onebit.bench import cluster
+
+    with pytest.raises(SystemExit) as exit_info:
+        onebit_main(["bench", "exchange", "--bucket-cap-mb", "0"])
+    assert exit_info.value.code == 2
+    assert "must be a finite number > 0, got 0.0" in capsys.readouterr().err
+    missing = str(tmp_path / "no" / "rows.json")
+    if _REASON is None:
+        assert onebit_main(["bench", "exchange", "--output", missing]) == 2
+        assert "no folder for --output" in capsys.readouterr().err
+    monkeypatch.setattr(cluster, "unavailable_reason", lambda: "not root (test)")
+    assert onebit_main(["bench", "exchange"]) == 2
+    assert "onebit bench exchange: the emulated cluster needs root" in capsys.readouterr().err
+
+
+@needs_cluster
+def test_exchange_alone_on_two_emulated_hosts(tmp_path: Path, capsys) -> None:
+    rows_file = tmp_path / "rows.json"
+    argv = ["bench", "exchange", "--log2", "16", "--bandwidths", "none,1gbit", "--calls", "2"]
+    assert onebit_main([*argv, "--bucket-cap-mb", "0.0625", "--output", str(rows_file)]) == 0
+    unshaped, shaped = json.loads(rows_file.read_text())
+    assert unshaped["bandwidth"] is None and unshaped["wire"] is None
+    assert shaped["wire"] == pytest.approx(2**16 / 8 / (1e9 / 8))  # 2 (n-1)/n N/8 bytes
+    assert unshaped["buckets"] == shaped["buckets"] == 4  # 2^16 float32 in 64 KiB buckets
+    for row in (unshaped, shaped):
+        assert 0 < row["dense"] and 0 < row["whole"] and 0 < row["bucketed"]
+        assert row["ideal"] == max(t for t in (row["wire"], unshaped["bucketed"]) if t)
+    assert "| unshaped |" in capsys.readouterr().out
 
 
 def test_cluster_command_says_why_it_cannot_run(monkeypatch, capsys) -> None:

@@ -55,17 +55,24 @@ def _cluster_command(args: argparse.Namespace) -> int:
     return 0 if not result["errors"] else 1
 
 
-def _sweep_command(args: argparse.Namespace) -> int:
+def _cluster_available(command: str) -> bool:
+    """Whether the emulated cluster can be built here; says why not otherwise."""
     from onebit.bench.cluster import unavailable_reason
-    from onebit.bench.report import bandwidth_label
-    from onebit.bench.sweep import run_sweep
 
     reason = unavailable_reason()
     if reason is not None:
         print(
-            f"onebit bench sweep: the emulated cluster needs root and iproute2: {reason}",
+            f"onebit bench {command}: the emulated cluster needs root and iproute2: {reason}",
             file=sys.stderr,
         )
+    return reason is None
+
+
+def _sweep_command(args: argparse.Namespace) -> int:
+    from onebit.bench.report import bandwidth_label
+    from onebit.bench.sweep import run_sweep
+
+    if not _cluster_available("sweep"):
         return 2
     sweep = run_sweep(
         _settings(args),
@@ -120,15 +127,9 @@ def _report_command(args: argparse.Namespace) -> int:
 
 
 def _exchange_command(args: argparse.Namespace) -> int:
-    from onebit.bench.cluster import unavailable_reason
     from onebit.bench.exchange_wire import format_rows, run_exchange_bench
 
-    reason = unavailable_reason()
-    if reason is not None:
-        print(
-            f"onebit bench exchange: the emulated cluster needs root and iproute2: {reason}",
-            file=sys.stderr,
-        )
+    if not _cluster_available("exchange"):
         return 2
     if args.output and not Path(args.output).resolve().parent.is_dir():
         print(f"onebit bench exchange: no folder for --output {args.output}", file=sys.stderr)
