@@ -6,6 +6,7 @@ late; gradient accumulation; what it refuses."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 
 import pytest
@@ -244,3 +245,29 @@ def _raise_policy(rank: int) -> bool:
     except NonFiniteError:
         return True
     return False
+
+
+def test_an_optimizer_that_is_gone_leaves_no_hook_behind():
+    """In one process: the hooks of a collected optimizer are removed and start nothing;
+    its successor on the same parameters overlaps alone."""
+    net = _Net()
+
+    def train(steps: int) -> onebit.OneBitLamb:
+        optimizer = onebit.OneBitLamb(
+            net.parameters(), freeze_step=1, bucket_cap_mb=BUCKET_MB, overlap_backward=True
+        )
+        for step in range(1, steps + 1):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(net(_batch(0, step)[0], 0), _batch(0, step)[1]).backward()
+            optimizer.step()
+        return optimizer
+
+    first = train(3)
+    hooks = len(net.first.weight._post_accumulate_grad_hooks)
+    del first
+    gc.collect()
+    assert not net.first.weight._post_accumulate_grad_hooks
+    second = train(3)
+    assert len(net.first.weight._post_accumulate_grad_hooks) == hooks == 1
+    nn.functional.mse_loss(net(_batch(0, 9)[0], 0), _batch(0, 9)[1]).backward()
+    assert second.buckets_started >= 8

@@ -4,6 +4,8 @@ backward")."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -94,9 +96,13 @@ class BackwardOverlap:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._in_flight: _InFlight | None = None
         self._paused = 0
+        # The hooks hold the overlap weakly: an optimizer that is gone starts nothing, and
+        # its hooks leave the parameters with it.
+        hook = functools.partial(_on_gradient, weakref.ref(self))
         self._handles: list[RemovableHandle] = [
-            p.register_post_accumulate_grad_hook(self._on_gradient) for p in params
+            p.register_post_accumulate_grad_hook(hook) for p in params
         ]
+        weakref.finalize(self, _remove, self._handles)
 
     @property
     def buckets_started(self) -> int:
@@ -154,7 +160,13 @@ class BackwardOverlap:
         if in_flight is not None:
             in_flight.pipeline.cancel()
 
-    def remove(self) -> None:
-        self.cancel()
-        for handle in self._handles:
-            handle.remove()
+
+def _on_gradient(overlap: weakref.ref, param: Tensor) -> None:
+    live = overlap()
+    if live is not None:
+        live._on_gradient(param)
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
