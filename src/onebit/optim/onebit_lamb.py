@@ -84,11 +84,13 @@ class OneBitLamb(OneBitOptimizer):
             backward, as soon as its last gradient is accumulated (ALGORITHM.md, "Exchange
             overlapped with backward"); ``step()`` waits for the rest. The same result as
             without, bit for bit; the gradients are read when backward produces them, so
-            not with ``max_grad_norm`` or ``GradScaler``, and passes that only accumulate
-            gradients run under :meth:`no_sync`. Plain loops and DDP (with
-            :func:`onebit.ddp.register_comm_hook`) alike.
+            not with ``max_grad_norm`` or ``GradScaler``, a change made to them before
+            ``step()`` comes too late, and passes that only accumulate gradients run under
+            :meth:`no_sync`. Plain loops and DDP (with :func:`onebit.ddp.register_comm_hook`)
+            alike.
 
-    Works with ``torch.amp.GradScaler`` (``scaler.step(optimizer)``): the step unscales the
+    Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
+    ``scaler.step(optimizer)``): the step unscales the
     gradients itself and skips on every rank when any rank overflowed. A failed collective
     (a peer that died or hangs past the process group's timeout) raises
     :class:`onebit.CommunicationError`.
