@@ -15,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from onebit.exchange import BucketedResult, BucketPipeline
 
-__all__ = ["BackwardOverlap"]
+__all__ = ["BackwardOverlap", "bucket_members"]
 
 #: Forms ``buffer[t] = s_t (b1 m_t + (1 - b1) g_t)`` for the tensors ``only`` (the
 #: optimizer's local momentum, written tensor by tensor).
@@ -80,9 +80,10 @@ class BackwardOverlap:
     """Hooks on the optimizer's parameters (``register_post_accumulate_grad_hook``) that,
     on the steps ``due()`` allows, start the bucketed exchange during backward: once every
     tensor with elements in the next bucket (last bucket first) has its gradient, that
-    bucket's local momentum is formed and its 1-bit exchange started, so the link carries
-    it while backward goes on. :meth:`complete`, in ``step()``, forms and starts the rest
-    (tensors without a gradient count as zero) and waits for all. The same in a plain loop
+    bucket's local momentum is formed and its worker phase sent (compressed, its signs
+    handed to the network), so the link carries it while backward goes on.
+    :meth:`complete`, in ``step()``, does the same for the buckets left (tensors without a
+    gradient count as zero), then runs every bucket's server phase. The same in a plain loop
     and under ``DistributedDataParallel`` (whose own synchronisation onebit's hook switches
     off in this stage)."""
 
