@@ -2,7 +2,8 @@
 """Bootstrap and run onebit on a fresh machine that has nothing but Python.
 
     python3 run.py train [ARGS...]   # the main job (`onebit train`), default settings
-    python3 run.py test  [ARGS...]   # the test suite (pytest)
+    python3 run.py test  [ARGS...]   # the test suite (pytest): without ARGS the default
+                                     # suite, then the end-to-end group (-m slow)
     python3 run.py onebit ARGS...    # any `onebit` sub-command
 
 The first call creates a virtual environment in `.venv` next to this file and installs
@@ -16,6 +17,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -50,12 +52,28 @@ def ensure_environment() -> Path:
     return python
 
 
+def run_suite(python: str) -> int:
+    """The default suite (``-m "not slow"``), then, if it passed, the end-to-end group
+    (``-m slow``: runs of the job, the study and the cluster benchmark); each one's time."""
+    times = []
+    for group in ("not slow", "slow"):
+        start = time.monotonic()
+        code = subprocess.call([python, "-m", "pytest", "-m", group], cwd=ROOT)
+        times.append(f"-m {group!r}: {time.monotonic() - start:.0f} s")
+        if code not in (0, 5):  # 5: no test selected
+            break
+    print(f"[run.py] test suite: {', '.join(times)}", flush=True)
+    return 0 if code in (0, 5) else code
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in {"train", "test", "onebit"}:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     python = str(ensure_environment())
     command, rest = argv[0], argv[1:]
+    if command == "test" and not rest:
+        return run_suite(python)
     if command == "test":
         args = [python, "-m", "pytest", *rest]
     elif command == "train":

@@ -332,6 +332,7 @@ def test_presets_count_their_parameters() -> None:
     assert sum(p.numel() for p in model.parameters()) == bert.PRESETS["tiny"].parameter_count()
 
 
+@pytest.mark.slow
 @needs_cluster
 def test_two_worker_comparison_on_emulated_cluster() -> None:
     methods = ["lamb", "lamb-compute", "onebit-lamb-ddp", "onebit-lamb", "zero-one-adam"]
@@ -386,6 +387,7 @@ def test_two_worker_comparison_on_emulated_cluster() -> None:
     assert "compression_bytes_30x" in result["targets"]
 
 
+@pytest.mark.slow
 @needs_cluster
 def test_two_nodes_of_two_workers_on_emulated_cluster() -> None:
     """The hierarchical exchange sends about 1/L of the flat one's bytes over a node's link."""

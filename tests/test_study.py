@@ -147,6 +147,7 @@ def tiny_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Study:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_study_runs_arms_resumes_and_skips(
     tiny_study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -124,6 +124,7 @@ def test_run_folder_loss_and_traffic(
     assert "compression       8 steps" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_kill_and_automatic_restart_is_bit_identical(workspace: Path, reference_run: Path) -> None:
     """A worker SIGKILLed after step 6; the elastic agent restarts both, which resume at 4.
 
@@ -135,6 +136,7 @@ def test_kill_and_automatic_restart_is_bit_identical(workspace: Path, reference_
     assert_same_trajectory(out, reference_run)
 
 
+@pytest.mark.slow
 def test_resume_skips_a_corrupt_checkpoint(
     workspace: Path, reference_run: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -190,6 +192,7 @@ ZERO_ONE = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exchange", ["gradient", "momentum"])
 def test_zero_one_adam_job_resumes_inside_a_local_interval(workspace: Path, exchange: str) -> None:
     """0/1 Adam through every kind of step: variance updates 1, 2, 4, 6, 1-bit steps 3, 5
@@ -217,6 +220,7 @@ def test_zero_one_adam_job_resumes_inside_a_local_interval(workspace: Path, exch
     assert_same_trajectory(killed, out)
 
 
+@pytest.mark.slow
 def test_hierarchical_exchange_on_two_nodes_of_two(
     workspace: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
