@@ -10,10 +10,9 @@ the last 3 of 4 calls), with ``net.ipv4.tcp_slow_start_after_idle`` set to 1 (th
 default), then 0, in both hosts' namespaces."""
 
 import subprocess
-import sys
 
 from onebit.bench.cluster import EmulatedCluster
-from onebit.bench.exchange_wire import RANK_FLAG
+from onebit.bench.exchange_wire import bucket_elements_of, time_exchanges
 
 for setting in ("1", "0"):
     with EmulatedCluster(2, bandwidth="100mbit") as cluster:
@@ -23,7 +22,5 @@ for setting in ("1", "0"):
             subprocess.run(
                 ["ip", "netns", "exec", namespace, "sysctl", "-q", "-w", sysctl], check=True
             )
-        argv = [sys.executable, "-m", "onebit.bench.exchange_wire", RANK_FLAG, "25"]
-        procs = cluster.launch_ranks([*argv, str((25 << 20) // 4), "4"], stdout=subprocess.PIPE)
-        outputs = [p.communicate(timeout=900)[0] for p in procs]
-    print(f"tcp_slow_start_after_idle={setting}:", outputs[0].strip().splitlines()[-1], flush=True)
+        row = time_exchanges(cluster, 25, bucket_elements_of(25), calls=4)
+    print(f"tcp_slow_start_after_idle={setting}:", row, flush=True)

@@ -65,6 +65,22 @@ def _rank_main(log2: int, bucket_elements: int, calls: int) -> None:
     dist.destroy_process_group()
 
 
+def time_exchanges(cluster: Any, log2: int, bucket_elements: int, calls: int) -> dict[str, Any]:
+    """Rank 0's timings (and bucket count) of the three runs on ``cluster`` (an
+    :class:`~onebit.bench.cluster.EmulatedCluster` of :data:`HOSTS` hosts)."""
+    argv = [sys.executable, "-m", __name__, RANK_FLAG, str(log2), str(bucket_elements)]
+    processes = cluster.launch_ranks([*argv, str(calls)], stdout=subprocess.PIPE)
+    outputs = [p.communicate(timeout=1800)[0] for p in processes]
+    if any(p.returncode for p in processes):
+        raise RuntimeError(f"a rank failed at bandwidth {cluster.bandwidth or 'none'}")
+    return json.loads(outputs[0].strip().splitlines()[-1])
+
+
+def bucket_elements_of(bucket_cap_mb: float) -> int:
+    """Float32 elements in a bucket of ``bucket_cap_mb`` MiB."""
+    return max(1, int(bucket_cap_mb * 2**20) // 4)
+
+
 def run_exchange_bench(
     log2: int, bandwidths: list[str | None], bucket_cap_mb: float, calls: int
 ) -> list[dict[str, Any]]:
@@ -72,18 +88,11 @@ def run_exchange_bench(
     from onebit.bench.cluster import EmulatedCluster
 
     n = 1 << log2
-    bucket_elements = max(1, int(bucket_cap_mb * 2**20) // 4)
     rows = []
     for bandwidth in bandwidths:
         with EmulatedCluster(HOSTS, bandwidth=bandwidth) as cluster:
-            argv = [sys.executable, "-m", __name__, RANK_FLAG, str(log2)]
-            argv += [str(bucket_elements), str(calls)]
-            processes = cluster.launch_ranks(argv, stdout=subprocess.PIPE)
-            outputs = [p.communicate(timeout=1800)[0] for p in processes]
-            if any(p.returncode for p in processes):
-                raise RuntimeError(f"a rank failed at bandwidth {bandwidth or 'none'}")
+            row = time_exchanges(cluster, log2, bucket_elements_of(bucket_cap_mb), calls)
             rate = cluster.rate_bits_per_second
-        row = json.loads(outputs[0].strip().splitlines()[-1])
         row["bandwidth"] = bandwidth
         row["wire"] = 2 * (HOSTS - 1) / HOSTS * n / 8 / (rate / 8) if rate else None
         rows.append(row)

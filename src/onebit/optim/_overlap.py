@@ -40,9 +40,9 @@ class _InFlight:
     members: list[list[int]]
     form: FormMomentum
     ready: list[bool]
-    formed: list[bool] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
-    buckets_of: list[list[int]] = field(default_factory=list)
+    formed: list[bool] = field(init=False)
+    waiting: list[int] = field(init=False)  # per bucket: its tensors without a gradient yet
+    buckets_of: list[list[int]] = field(init=False)  # per tensor: the buckets it is in
 
     def __post_init__(self) -> None:
         self.formed = [False] * len(self.ready)
@@ -131,8 +131,7 @@ class BackwardOverlap:
         if in_flight is None:
             if not self._due():
                 return
-            pipeline, members, form, ready = self._begin()
-            in_flight = self._in_flight = _InFlight(pipeline, members, form, ready)
+            in_flight = self._in_flight = _InFlight(*self._begin())
         index = self._index[id(param)]
         if in_flight.formed[index]:
             self.cancel()
@@ -150,8 +149,7 @@ class BackwardOverlap:
         raised, error state unchanged."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
-            pipeline, members, form, ready = self._begin()
-            in_flight = _InFlight(pipeline, members, form, ready)
+            in_flight = _InFlight(*self._begin())
         in_flight.start_ready_buckets(everything=True)
         return in_flight.pipeline.complete()
 
