@@ -22,33 +22,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.optim import Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
+from onebit.optim.registry import by_deepspeed_type
 
 __all__ = ["from_deepspeed_config"]
 
 logger = logging.getLogger("onebit")
-
-# DeepSpeed's `optimizer.params` keys onebit maps, per optimizer type (lower case, as
-# DeepSpeed compares them). Values pass through unchanged (betas as a tuple).
-_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
-_LAMB_KEYS = (*_ADAM_KEYS, "max_coeff", "min_coeff")
-_OPTIMIZERS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "onebitlamb": (
-        OneBitLamb,
-        (*_LAMB_KEYS, "freeze_step", "coeff_beta", "factor_max", "factor_min", "factor_threshold"),
-    ),
-    "onebitadam": (OneBitAdam, (*_ADAM_KEYS, "freeze_step")),
-    "zerooneadam": (
-        ZeroOneAdam,
-        (
-            *_ADAM_KEYS,
-            "var_freeze_step",
-            "var_update_scaler",
-            "local_step_scaler",
-            "local_step_clipper",
-        ),
-    ),
-    "lamb": (Lamb, _LAMB_KEYS),
-}
 
 # Keys DeepSpeed accepts that change nothing in onebit, and why.
 _IGNORED = {
@@ -132,12 +110,13 @@ def from_deepspeed_config(
             '(expected {"optimizer": {"type": "OneBitLamb", "params": {...}}})'
         )
     name = str(section["type"])
-    if name.lower() not in _OPTIMIZERS:
+    spec = by_deepspeed_type(name)
+    if spec is None:
         raise ValueError(
             f"optimizer type {name!r} has no onebit counterpart; onebit builds OneBitLamb, "
             "OneBitAdam, ZeroOneAdam and Lamb (any case)"
         )
-    cls, mapped = _OPTIMIZERS[name.lower()]
+    cls, mapped = spec.cls, spec.hyperparameters
     given = dict(section.get("params") or {})
     unknown = sorted(set(given) - {*mapped, *_IGNORED, *_LAMB_VARIANTS, _AMSGRAD})
     if unknown:

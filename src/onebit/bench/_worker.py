@@ -39,15 +39,16 @@ import torch
 import torch.distributed as dist
 
 from onebit.bench.settings import (
+    ADAM_LR_SHARE,
     HIERARCHICAL_METHOD,
     METHODS,
-    ONEBIT_METHODS,
     OVERLAP_METHODS,
     PLAIN_METHODS,
     ZERO_ONE_ADAM_METHOD,
     ZERO_ONE_ADAM_SCHEDULE,
     zero_one_adam_arm,
 )
+from onebit.optim.registry import PAPER_BERT_SETTINGS, optimizer_spec
 
 logger = logging.getLogger("onebit.bench.worker")
 
@@ -91,35 +92,20 @@ class _Method:
         self.untimed_before_steady = cfg["skip_steps"]
         model = copy.deepcopy(template)
         params = list(model.parameters())
-        lamb_kwargs = dict(lr=cfg["lr"], weight_decay=0.01, max_coeff=0.3, min_coeff=0.01)
-        if name in ONEBIT_METHODS:
-            self.freeze_step = cfg["skip_steps"] + cfg["warm_steps"]
-            if name == "onebit-adam":
-                optimizer: torch.optim.Optimizer = onebit.OneBitAdam(
-                    params, lr=cfg["lr"] / 10, weight_decay=0.01, freeze_step=self.freeze_step
-                )
-            else:
-                node_groups = None
-                if name == HIERARCHICAL_METHOD:
-                    node_groups = onebit.node_groups(cfg["workers_per_node"])
-                optimizer = onebit.OneBitLamb(
-                    params,
-                    freeze_step=self.freeze_step,
-                    node_groups=node_groups,
-                    overlap_backward=name in OVERLAP_METHODS,
-                    **lamb_kwargs,
-                )
-        elif name == ZERO_ONE_ADAM_METHOD:
+        spec = optimizer_spec(METHODS[name].optimizer)
+        values: dict[str, Any] = {
+            **PAPER_BERT_SETTINGS,
+            "lr": cfg["lr"] * (1.0 if spec.rule == "lamb" else ADAM_LR_SHARE),
+        }
+        if name == ZERO_ONE_ADAM_METHOD:
             self.freeze_step, self.step_kinds = zero_one_adam_arm(cfg["skip_steps"] + cfg["steps"])
-            optimizer = onebit.ZeroOneAdam(
-                params,
-                lr=cfg["lr"] / 10,
-                weight_decay=0.01,
-                var_freeze_step=self.freeze_step,
-                **ZERO_ONE_ADAM_SCHEDULE,
-            )
-        else:
-            optimizer = onebit.Lamb(params, **lamb_kwargs)
+            values.update(var_freeze_step=self.freeze_step, **ZERO_ONE_ADAM_SCHEDULE)
+        elif spec.compresses:
+            self.freeze_step = values["freeze_step"] = cfg["skip_steps"] + cfg["warm_steps"]
+            values["overlap_backward"] = name in OVERLAP_METHODS
+            if name == HIERARCHICAL_METHOD:
+                values["node_groups"] = onebit.node_groups(cfg["workers_per_node"])
+        optimizer = spec.build(params, values)
         if name not in PLAIN_METHODS:
             ddp_kwargs: dict[str, Any] = {}
             if name.startswith("powersgd-"):
@@ -140,7 +126,7 @@ class _Method:
                 )
             if name == "lamb-compute":
                 model.register_comm_hook(None, _noop_hook)
-            elif name in (*ONEBIT_METHODS, ZERO_ONE_ADAM_METHOD):
+            elif spec.compresses:
                 onebit.ddp.register_comm_hook(model, optimizer)
             elif name == "fp16":
                 model.register_comm_hook(None, default_hooks.fp16_compress_hook)

@@ -254,7 +254,7 @@ def _optimizer_worker(rank: int, world: int, shapes, repeats: int, backend: str)
         "onebit_warmup_step": lambda: step(optimizer, onebit_params),
     }
     warmup = _interleaved(fns, repeats, sync)  # repeats + 1 warm-up steps: the last switches
-    warmup_memory = optimizer._flat.nbytes()
+    warmup_memory = optimizer.memory_bytes()
     del fns["onebit_warmup_step"], fns["dense_allreduce"]
     dense.resize_(0)
     size = padded_size(numel, world)
@@ -266,9 +266,7 @@ def _optimizer_worker(rank: int, world: int, shapes, repeats: int, backend: str)
     )
     compression = _interleaved(fns, repeats, sync)
     assert optimizer.stage == "compression"
-    state, scratch = optimizer._flat.nbytes()
-    errors = sum(error.numel() for error in optimizer.error_feedback)
-    onebit_exchange = optimizer.exchange
+    memory = optimizer.memory_bytes()
     return {
         "world_size": world,
         "backend": backend,
@@ -279,12 +277,10 @@ def _optimizer_worker(rank: int, world: int, shapes, repeats: int, backend: str)
         "onebit_warmup_step_s": warmup["onebit_warmup_step"],
         "onebit_compression_step_s": compression["onebit_compression_step"],
         "compressed_allreduce_s": compression["compressed_allreduce"],
-        "lamb_state_bytes": lamb._flat.nbytes()[0],
-        "onebit_warmup_state_bytes": warmup_memory[0],
-        "onebit_compression_state_bytes": state + FLOAT_BYTES * errors,
-        "onebit_scratch_bytes": scratch
-        + onebit_exchange.buffer_size(onebit_exchange.numels) * FLOAT_BYTES
-        + onebit_exchange.nbytes(),
+        "lamb_state_bytes": lamb.memory_bytes()["state"],
+        "onebit_warmup_state_bytes": warmup_memory["state"],
+        "onebit_compression_state_bytes": memory["state"] + memory["error_feedback"],
+        "onebit_scratch_bytes": memory["scratch"],
     }
 
 

@@ -31,31 +31,36 @@ class Method(NamedTuple):
     """What it runs, as results and reports name it."""
     short: str
     """Its column header in the sweep table."""
+    optimizer: str
+    """The optimizer it steps with (a name of :data:`onebit.optim.registry.OPTIMIZERS`)."""
 
 
 #: Every method a comparison can run.
 METHODS: dict[str, Method] = {
-    "lamb": Method("LAMB + DDP (fp32 allreduce)", "LAMB"),
-    "lamb-compute": Method("LAMB + DDP, no-op hook (compute only)", "compute-only"),
-    "onebit-lamb-ddp": Method("1-bit LAMB, DDP hook path", "1-bit LAMB (DDP hook)"),
-    "onebit-lamb": Method("1-bit LAMB, plain path", "1-bit LAMB (plain)"),
+    "lamb": Method("LAMB + DDP (fp32 allreduce)", "LAMB", "lamb"),
+    "lamb-compute": Method("LAMB + DDP, no-op hook (compute only)", "compute-only", "lamb"),
+    "onebit-lamb-ddp": Method("1-bit LAMB, DDP hook path", "1-bit LAMB (DDP hook)", "onebit-lamb"),
+    "onebit-lamb": Method("1-bit LAMB, plain path", "1-bit LAMB (plain)", "onebit-lamb"),
     "onebit-lamb-ddp-overlap": Method(
         "1-bit LAMB, DDP hook path, exchange overlapped with backward (25 MB buckets)",
         "1-bit LAMB overlapped (DDP hook)",
+        "onebit-lamb",
     ),
     "onebit-lamb-overlap": Method(
         "1-bit LAMB, plain path, exchange overlapped with backward (25 MB buckets)",
         "1-bit LAMB overlapped (plain)",
+        "onebit-lamb",
     ),
     "onebit-lamb-hier": Method(
         "1-bit LAMB, hierarchical exchange (dense in a node, 1-bit between nodes), DDP hook path",
         "1-bit LAMB (hier.)",
+        "onebit-lamb",
     ),
-    "onebit-adam": Method("1-bit Adam, DDP hook path", "1-bit Adam"),
-    "zero-one-adam": Method("0/1 Adam, DDP hook path", "0/1 Adam (whole run)"),
-    "fp16": Method("LAMB + DDP fp16_compress_hook", "fp16 hook"),
-    "powersgd-1": Method("LAMB + DDP PowerSGD rank 1", "PowerSGD r1"),
-    "powersgd-4": Method("LAMB + DDP PowerSGD rank 4", "PowerSGD r4"),
+    "onebit-adam": Method("1-bit Adam, DDP hook path", "1-bit Adam", "onebit-adam"),
+    "zero-one-adam": Method("0/1 Adam, DDP hook path", "0/1 Adam (whole run)", "zero-one-adam"),
+    "fp16": Method("LAMB + DDP fp16_compress_hook", "fp16 hook", "lamb"),
+    "powersgd-1": Method("LAMB + DDP PowerSGD rank 1", "PowerSGD r1", "lamb"),
+    "powersgd-4": Method("LAMB + DDP PowerSGD rank 4", "PowerSGD r4", "lamb"),
 }
 #: The baseline and its compute-only twin, against which the others are compared.
 BASELINE_METHODS = ("lamb", "lamb-compute")
@@ -76,6 +81,8 @@ ZERO_ONE_ADAM_SCHEDULE = {"var_update_scaler": 2, "local_step_scaler": 1, "local
 a few steps: two variance updates at each interval (steps 1, 2, 4, 6, 8, 12, ... before the
 freeze, 1-bit gradients in between), and after the freeze a local interval that doubles at
 every step up to 4 (a synchronisation, then three local steps and a synchronisation)."""
+#: The learning rate of the Adam methods, as a share of the LAMB methods' ``lr``.
+ADAM_LR_SHARE = 0.1
 #: Workers when neither ``workers`` nor ``nodes`` is given.
 DEFAULT_WORKERS = 4
 
@@ -174,7 +181,8 @@ class ComparisonSettings:
     timeout: float = option(1800.0, help="seconds before a configuration is abandoned")
     seed: int = option(0, help="seed of the initial weights and the batches")
     lr: float = option(
-        1e-3, help="learning rate of the LAMB methods (1-bit Adam, 0/1 Adam: a tenth)"
+        1e-3,
+        help=f"learning rate of the LAMB methods (1-bit Adam, 0/1 Adam: {ADAM_LR_SHARE} of it)",
     )
     rounds: int = option(
         2,

@@ -75,6 +75,15 @@ class FlatOptimizer(Optimizer):
         """The update kernels: the backend's, or the torch reference where it has none."""
         return self._backend.updates or functional.REFERENCE
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the optimizer holds now: ``"state"`` (moments, fp32 master weights of
+        low-precision parameters, per-tensor scalars) and ``"scratch"`` (buffers every step
+        reuses, such as the gathered gradients); both 0 before the first step."""
+        if self._flat is None:
+            return {"state": 0, "scratch": 0}
+        state, scratch = self._flat.nbytes()
+        return {"state": state, "scratch": scratch}
+
     def _expose_new_state(self, flat: FlatState, present: Sequence[bool]) -> None:
         """Give the parameters that got their first gradient their state views."""
         for index, has_grad in enumerate(present):

@@ -335,6 +335,20 @@ class OneBitOptimizer(FlatOptimizer):
         this rank's, or with a simulated exchange every simulated worker's, rank after rank."""
         return self.exchange.worker_error, self.exchange.server_error
 
+    def memory_bytes(self) -> dict[str, int]:
+        """:meth:`FlatOptimizer.memory_bytes` plus ``"error_feedback"`` (the exchange's
+        worker and server errors, once created); ``"scratch"`` includes the exchange buffer
+        and the exchange's own scratch."""
+        memory = super().memory_bytes()
+        errors = [] if self._exchange is None else [e for e in self.error_feedback if e is not None]
+        memory["error_feedback"] = sum(e.numel() * e.element_size() for e in errors)
+        if self._exchange_buffer is not None:
+            buffer = self._exchange_buffer
+            memory["scratch"] += buffer.numel() * buffer.element_size()
+        if self._exchange is not None:
+            memory["scratch"] += self._exchange.nbytes()
+        return memory
+
     def _check_node_groups(self) -> None:
         if self.node_groups is None:
             return

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from onebit.cli import option
+from onebit.optim import registry
 from onebit.optim._common import (
     check_betas,
     check_coeff_bounds,
@@ -28,16 +29,18 @@ from onebit.optim._common import (
     check_unit_interval,
 )
 from onebit.optim.onebit_adam import COMPRESSIONS as ONEBIT_ADAM_COMPRESSIONS
+from onebit.optim.registry import PAPER_BERT_SETTINGS
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
 from onebit.train.atomic import write_json_atomic
 
 #: The encoder architectures of :mod:`onebit.train.model` (kept here, where the options are
 #: declared, so that ``onebit --help`` imports no ``transformers``).
 ARCHITECTURES = ("bert", "roformer")
-OPTIMIZERS = ("onebit-lamb", "lamb", "onebit-adam", "adam", "zero-one-adam")
-ONEBIT_OPTIMIZERS = ("onebit-lamb", "onebit-adam", "zero-one-adam")
+#: The optimizers of the job (:data:`onebit.optim.registry.OPTIMIZERS`), and those of them
+#: that exchange at 1 bit.
+OPTIMIZERS = tuple(registry.OPTIMIZERS)
+ONEBIT_OPTIMIZERS = tuple(name for name, spec in registry.OPTIMIZERS.items() if spec.compresses)
 ZERO_ONE_ADAM = "zero-one-adam"
-LAMB_OPTIMIZERS = ("onebit-lamb", "lamb")
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 
@@ -58,10 +61,9 @@ SPELLING_TRAIN_WINDOWS = 10_000
 #: AdamW's peak learning rate when fine-tuning, when ``lr`` is not given.
 DEFAULT_FINETUNE_LR = 3e-4
 
-#: Peak learning rate when ``lr`` is not given: LAMB's was tuned on a short run of the
-#: convergence setup (docs/CONVERGENCE.md); Adam's is the usual one for small BERTs (untuned).
-DEFAULT_LAMB_LR = 0.016
-DEFAULT_ADAM_LR = 0.001
+#: Peak learning rates when ``lr`` is not given (each optimizer's ``default_lr``).
+DEFAULT_LAMB_LR = registry.OPTIMIZERS["lamb"].default_lr
+DEFAULT_ADAM_LR = registry.OPTIMIZERS["adam"].default_lr
 #: Fraction of the steps spent in the warm-up stage when ``freeze_step`` is not given.
 DEFAULT_FREEZE_FRACTION = 0.2
 #: 0/1 Adam's local interval doubles this many times over the steps after the variance freeze
@@ -98,9 +100,9 @@ class TrainConfig:
         "--var-freeze-step, then takes local steps; lamb and adam (AdamW) average gradients "
         "with a dense allreduce",
     )
-    steps: int = option(400, group=_JOB, help="optimizer steps")
+    steps: int = option(250, group=_JOB, help="optimizer steps")
     batch_size: int = option(
-        128, group=_JOB, help="global batch in sequences, split evenly over the workers"
+        256, group=_JOB, help="global batch in sequences, split evenly over the workers"
     )
     lr: float | None = option(
         None,
@@ -125,11 +127,11 @@ class TrainConfig:
     seq_len: int = option(64, group=_MODEL, help="tokens per sequence")
     layers: int = option(2, group=_MODEL, help="BERT layers")
     hidden: int = option(128, group=_MODEL, help="hidden size")
-    heads: int = option(2, group=_MODEL, help="attention heads")
-    vocab_size: int = option(4096, group=_MODEL, help="WordPiece vocabulary")
+    heads: int = option(4, group=_MODEL, help="attention heads")
+    vocab_size: int = option(512, group=_MODEL, help="WordPiece vocabulary")
     dropout: float = option(0.0, group=_MODEL, help="dropout")
     architecture: str = option(
-        "bert",
+        "roformer",
         group=_MODEL,
         choices=ARCHITECTURES,
         help="bert: learned absolute position embeddings; roformer: the same encoder with "
@@ -147,9 +149,15 @@ class TrainConfig:
         (0.9, 0.999), group=_HYPER, metavar=("B1", "B2"), help="Adam betas"
     )
     eps: float = option(1e-8, group=_HYPER, help="Adam epsilon")
-    weight_decay: float = option(0.01, group=_HYPER, help="decoupled weight decay")
-    max_coeff: float = option(0.3, group=_HYPER, help="LAMB trust-ratio upper bound")
-    min_coeff: float = option(0.01, group=_HYPER, help="LAMB trust-ratio lower bound")
+    weight_decay: float = option(
+        PAPER_BERT_SETTINGS["weight_decay"], group=_HYPER, help="decoupled weight decay"
+    )
+    max_coeff: float = option(
+        PAPER_BERT_SETTINGS["max_coeff"], group=_HYPER, help="LAMB trust-ratio upper bound"
+    )
+    min_coeff: float = option(
+        PAPER_BERT_SETTINGS["min_coeff"], group=_HYPER, help="LAMB trust-ratio lower bound"
+    )
     coeff_beta: float = option(
         0.9, group=_HYPER, help="1-bit LAMB: EMA factor of the frozen trust ratio"
     )
@@ -258,7 +266,7 @@ class TrainConfig:
         config = dataclasses.replace(self, betas=tuple(self.betas))
         config.validate_basic()
         if config.lr is None:
-            config.lr = DEFAULT_LAMB_LR if config.optimizer in LAMB_OPTIMIZERS else DEFAULT_ADAM_LR
+            config.lr = registry.OPTIMIZERS[config.optimizer].default_lr
         if config.freeze_step is None:
             config.freeze_step = max(1, round(DEFAULT_FREEZE_FRACTION * config.steps))
         if config.optimizer == ZERO_ONE_ADAM:

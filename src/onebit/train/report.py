@@ -99,22 +99,26 @@ def summarize(run_dir: Path, config: TrainConfig, *, world_size: int, numel: int
     }
 
 
-def plot_loss(run_dir: Path, config: TrainConfig) -> Path:
-    """``loss.png``: train loss per step, validation loss, and the switch to compression."""
+def plot_loss(
+    run_dir: Path,
+    config: TrainConfig,
+    *,
+    world_size: int,
+    numel: int,
+    unigram_entropy: float | None = None,
+) -> Path:
+    """``loss.png``: train loss per step, validation loss, the unigram level and the switch to
+    compression; beside it, the bytes one worker has sent against what LAMB's dense fp32
+    allreduce of ``numel`` parameters over ``world_size`` workers would have sent."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     metrics = read_metrics(run_dir)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(
-        [r["step"] for r in metrics.train],
-        [r["loss"] for r in metrics.train],
-        lw=0.8,
-        alpha=0.7,
-        label="train (global batch)",
-    )
+    steps = [r["step"] for r in metrics.train]
+    fig, (ax, traffic) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(3, 2))
+    ax.plot(steps, [r["loss"] for r in metrics.train], lw=0.8, alpha=0.7, label="train")
     if metrics.validation:
         ax.plot(
             [r["step"] for r in metrics.validation],
@@ -123,13 +127,28 @@ def plot_loss(run_dir: Path, config: TrainConfig) -> Path:
             ms=3,
             label="validation",
         )
+    if unigram_entropy is not None:
+        ax.axhline(unigram_entropy, color="black", ls=":", lw=1, label="unigram level")
+    traffic.plot(
+        steps,
+        [dense_allreduce_bytes(numel, world_size, step) / 2**20 for step in steps],
+        color="gray",
+        label="LAMB (fp32 allreduce)",
+    )
+    traffic.plot(steps, [r["bytes_total"] / 2**20 for r in metrics.train], label=config.optimizer)
     if config.uses_onebit:
-        ax.axvline(config.freeze_step + 0.5, color="gray", ls="--", lw=1, label="switch to 1-bit")
-    ax.set_xlabel("step")
+        for axes in (ax, traffic):
+            axes.axvline(
+                config.freeze_step + 0.5, color="gray", ls="--", lw=1, label="switch to 1-bit"
+            )
     ax.set_ylabel("MLM loss")
     ax.set_title(f"{config.optimizer}: {config.layers} layers, hidden {config.hidden}")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    traffic.set_ylabel("MiB sent per worker")
+    traffic.set_title(f"traffic, {world_size} workers")
+    for axes in (ax, traffic):
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+        axes.legend()
     fig.tight_layout()
     path = run_dir / LOSS_PLOT_FILE
     fig.savefig(path, dpi=100)
@@ -148,7 +167,13 @@ def write_run_report(
     """Write ``summary.json`` (with the entries of ``extra``) and ``loss.png``; return the
     summary."""
     summary = {**summarize(run_dir, config, world_size=world_size, numel=numel), **(extra or {})}
-    plot_loss(run_dir, config)
+    plot_loss(
+        run_dir,
+        config,
+        world_size=world_size,
+        numel=numel,
+        unigram_entropy=summary.get("unigram_entropy"),
+    )
     write_json_atomic(run_dir / SUMMARY_FILE, summary)
     return summary
 
@@ -162,7 +187,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['samples']:,} samples, {summary['samples_per_s']:.0f} samples/s",
         f"  final MLM loss: train {summary['final_train_loss']:.4f} (mean of the last "
         f"{summary['final_train_loss_steps']} steps), validation "
-        + ("n/a" if val is None else f"{val:.4f}"),
+        + ("n/a" if val is None else f"{val:.4f}")
+        + _below_unigram(val, summary.get("unigram_entropy")),
         "  bytes sent per worker:",
     ]
     for stage, entry in stages.items():
@@ -190,6 +216,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         "config.json, checkpoints/)"
     )
     return "\n".join(lines)
+
+
+def _below_unigram(loss: float | None, entropy: float | None) -> str:
+    """`` (unigram level 3.54: 44.4% below)``, or nothing without both figures."""
+    if loss is None or entropy is None:
+        return ""
+    return f" (unigram level {entropy:.4f}: {100 * (1 - loss / entropy):.1f}% below)"
 
 
 def write_compare_report(

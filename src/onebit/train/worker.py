@@ -36,13 +36,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import onebit
 from onebit.collectives import TrafficCounter, allreduce_bytes
 from onebit.exchange import NodeGroups
+from onebit.optim.registry import optimizer_spec
 from onebit.train import checkpoint, data, report
 from onebit.train.atomic import write_bytes_atomic
 from onebit.train.config import (
     CHECKPOINT_DIR,
     METRICS_FILE,
     TOKENIZER_FILE,
-    ZERO_ONE_ADAM,
     TrainConfig,
     prepare_run_dir,
     read_config,
@@ -125,51 +125,17 @@ def build_optimizer(
     node_groups: NodeGroups | None = None,
     max_grad_norm: float = 0.0,
 ) -> torch.optim.Optimizer:
-    """The optimizer named by ``config.optimizer`` with the config's hyper-parameters; the
-    1-bit optimizers exchange hierarchically over ``node_groups`` when given; onebit's
-    optimizers clip at ``max_grad_norm`` in ``step()`` (torch's AdamW does not clip)."""
-    common: dict[str, Any] = dict(
-        lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
-    )
-    trust = dict(max_coeff=config.max_coeff, min_coeff=config.min_coeff)
-    buckets = dict(bucket_cap_mb=config.bucket_cap_mb, overlap_backward=config.overlap_backward)
-    if config.optimizer != "adam":
-        common["max_grad_norm"] = max_grad_norm
-    if config.optimizer == "lamb":
-        return onebit.Lamb(params, **common, **trust)
-    if config.optimizer == "onebit-lamb":
-        return onebit.OneBitLamb(
-            params,
-            freeze_step=config.freeze_step,
-            node_groups=node_groups,
-            **buckets,
-            **common,
-            **trust,
-            coeff_beta=config.coeff_beta,
-            factor_max=config.factor_max,
-            factor_min=config.factor_min,
-            factor_threshold=config.factor_threshold,
-        )
-    if config.optimizer == ZERO_ONE_ADAM:
-        return onebit.ZeroOneAdam(
-            params,
-            **common,
-            var_freeze_step=config.var_freeze_step,
-            var_update_scaler=config.var_update_scaler,
-            local_step_scaler=config.local_step_scaler,
-            local_step_clipper=config.local_step_clipper,
-            pre_freeze_exchange=config.pre_freeze_exchange,
-        )
-    if config.optimizer == "onebit-adam":
-        return onebit.OneBitAdam(
-            params,
-            freeze_step=config.freeze_step,
-            node_groups=node_groups,
-            compression=config.onebit_adam_compression,
-            **buckets,
-            **common,
-        )
-    return torch.optim.AdamW(params, **common)
+    """The optimizer named by ``config.optimizer`` (:data:`onebit.optim.registry.OPTIMIZERS`)
+    with the config's hyper-parameters; the 1-bit optimizers exchange hierarchically over
+    ``node_groups`` when given; onebit's optimizers clip at ``max_grad_norm`` in ``step()``
+    (torch's AdamW does not clip)."""
+    values = {
+        **dataclasses.asdict(config),
+        "compression": config.onebit_adam_compression,
+        "node_groups": node_groups,
+        "max_grad_norm": max_grad_norm,
+    }
+    return optimizer_spec(config.optimizer).build(params, values)
 
 
 def clips_in_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -437,7 +403,10 @@ class _Trainer:
                 config,
                 world_size=self.workers,
                 numel=self.numel,
-                extra=self._report_extra(),
+                extra={
+                    "unigram_entropy": data.unigram_cross_entropy(mlm),
+                    **self._report_extra(),
+                },
             )
             print(report.format_summary(summary), flush=True)
         # No rank exits before the summary is written: torch sometimes aborts a process as it
