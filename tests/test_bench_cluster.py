@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from onebit.bench import _worker, analysis, bert, cli, comparison, report
-from onebit.bench.cluster import unavailable_reason
+from onebit.bench.netns import unavailable_reason
 from onebit.bench.settings import METHODS, ComparisonSettings, zero_one_adam_arm
 from onebit.cli import main as onebit_main
 from onebit.optim.zero_one_adam import STEP_KINDS
@@ -232,7 +232,7 @@ def test_hierarchical_figures_and_targets() -> None:
 
 
 def test_exchange_command_checks_before_it_runs(monkeypatch, capsys, tmp_path: Path) -> None:
-    from onebit.bench import cluster
+    from onebit.bench import netns
 
     with pytest.raises(SystemExit) as exit_info:
         onebit_main(["bench", "exchange", "--bucket-cap-mb", "0"])
@@ -242,7 +242,7 @@ def test_exchange_command_checks_before_it_runs(monkeypatch, capsys, tmp_path: P
     if _REASON is None:
         assert onebit_main(["bench", "exchange", "--output", missing]) == 2
         assert "no folder for --output" in capsys.readouterr().err
-    monkeypatch.setattr(cluster, "unavailable_reason", lambda: "not root (test)")
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: "not root (test)")
     assert onebit_main(["bench", "exchange"]) == 2
     assert "onebit bench exchange: the emulated cluster needs root" in capsys.readouterr().err
 

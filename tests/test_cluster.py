@@ -11,14 +11,10 @@ import time
 
 import pytest
 
-from onebit.bench.cluster import (
-    EmulatedCluster,
-    cleanup_stale,
-    parse_bandwidth,
-    parse_latency,
-    run_allreduce,
-    unavailable_reason,
-)
+from onebit.bench.cluster import EmulatedCluster
+from onebit.bench.cluster_tools import run_allreduce, tcp_transfer
+from onebit.bench.netns import cleanup_stale, unavailable_reason
+from onebit.units import parse_bandwidth, parse_latency
 
 _REASON = unavailable_reason()
 needs_cluster = pytest.mark.skipif(
@@ -88,7 +84,7 @@ def test_traffic_inside_a_host_bypasses_its_link() -> None:
     nbytes = 20 << 20
     with EmulatedCluster(2, bandwidth="10mbit") as cluster:
         tx, rx = cluster.interface_bytes(0)
-        transfer = cluster.tcp_transfer(0, 0, nbytes=nbytes, seconds=10.0)
+        transfer = tcp_transfer(cluster, 0, 0, nbytes=nbytes, seconds=10.0)
         after_tx, after_rx = cluster.interface_bytes(0)
     assert transfer.nbytes == nbytes
     assert transfer.bits_per_second > 10 * 10e6
@@ -112,7 +108,7 @@ def test_shaped_two_host_cluster_end_to_end() -> None:
 
         tx0, rx0 = cluster.interface_bytes(0)
         tx1, rx1 = cluster.interface_bytes(1)
-        transfer = cluster.tcp_transfer(0, 1, seconds=2.0)
+        transfer = tcp_transfer(cluster, 0, 1, seconds=2.0)
         # Within 15% of the configured rate, and not above it: the shaping holds.
         assert 0.85 * rate <= transfer.bits_per_second <= 1.02 * rate, transfer
         assert transfer.nbytes >= 0.85 * rate / 8 * 2.0

@@ -14,14 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from onebit.bench.settings import ComparisonSettings, bandwidth_option
+from onebit.bench.settings import ComparisonSettings
 from onebit.cli import add_options, checked_type, given_options
+from onebit.units import rate_option
 
 logger = logging.getLogger(__name__)
 
 
 def _bandwidth_list(text: str) -> list[str | None]:
-    return [bandwidth_option(b) for b in text.split(",") if b.strip()]
+    return [rate_option(b) for b in text.split(",") if b.strip()]
 
 
 def _int_list(text: str) -> list[int]:
@@ -57,7 +58,7 @@ def _cluster_command(args: argparse.Namespace) -> int:
 
 def _cluster_available(command: str) -> bool:
     """Whether the emulated cluster can be built here; says why not otherwise."""
-    from onebit.bench.cluster import unavailable_reason
+    from onebit.bench.netns import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
@@ -179,7 +180,7 @@ def register(subparsers: Any) -> None:
     )
     sweep.add_argument(
         "--worker-bandwidth",
-        type=checked_type(bandwidth_option),
+        type=checked_type(rate_option),
         default="1gbit",
         help="link rate of the worker sweep (default: 1gbit)",
     )

@@ -50,7 +50,9 @@ from typing import IO, Any
 
 from onebit.bench.analysis import analyze
 from onebit.bench.bert import PRESETS
-from onebit.bench.cluster import ClusterUnavailable, EmulatedCluster, unavailable_reason
+from onebit.bench.cluster import EmulatedCluster
+from onebit.bench.cluster_tools import tcp_transfer
+from onebit.bench.netns import ClusterUnavailable, unavailable_reason
 from onebit.bench.settings import ComparisonSettings
 
 logger = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
 
 def _tcp_check(cluster: EmulatedCluster, seconds: float) -> dict[str, Any]:
     """One raw TCP stream from host 0 to host 1, against the configured rate."""
-    transfer = cluster.tcp_transfer(0, 1, seconds=seconds)
+    transfer = tcp_transfer(cluster, 0, 1, seconds=seconds)
     rate = cluster.rate_bits_per_second
     logger.info(
         "TCP check host0 -> host1: %.1f Mbit/s%s",

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from onebit.bench.bert import PRESETS
-from onebit.bench.cluster import parse_bandwidth, parse_latency
 from onebit.cli import option
 from onebit.optim.zero_one_adam import GRADIENT_1BIT, LOCAL, SYNC, VARIANCE_UPDATE, step_kind
+from onebit.units import delay_option, parse_bandwidth, parse_latency, rate_option
 
 
 class Method(NamedTuple):
@@ -104,21 +104,6 @@ def zero_one_adam_arm(occurrences: int) -> tuple[int, list[str]]:
     return freeze, schedule
 
 
-def bandwidth_option(text: str) -> str | None:
-    """A link rate such as ``1gbit``, checked; ``none`` (or ``unshaped``) for unshaped links."""
-    if text.lower() in ("none", "unshaped"):
-        return None
-    parse_bandwidth(text)
-    return text
-
-
-def _latency_option(text: str) -> str | None:
-    if text.lower() == "none":
-        return None
-    parse_latency(text)
-    return text
-
-
 def _check_methods(methods: tuple[str, ...]) -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -152,12 +137,12 @@ class ComparisonSettings:
     )
     bandwidth: str | None = option(
         "1gbit",
-        parse=bandwidth_option,
+        parse=rate_option,
         help="per-link rate such as 100mbit or 1gbit; 'none' = unshaped",
     )
     latency: str | None = option(
         None,
-        parse=_latency_option,
+        parse=delay_option,
         help="added one-way delay such as 0.1ms (needs the netem qdisc)",
     )
     model: str = option("base", choices=tuple(PRESETS), help="BERT preset (see onebit.bench.bert)")

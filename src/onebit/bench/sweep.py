@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from onebit.bench.cluster import parse_bandwidth
 from onebit.bench.comparison import ComparisonError, run_comparison
 from onebit.bench.report import COMPARED_METHODS, bandwidth_label, format_report, write_json
 from onebit.bench.settings import ComparisonSettings
+from onebit.units import parse_bandwidth
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onebit.bench.cluster import parse_bandwidth, parse_latency
-from onebit.bench.settings import bandwidth_option
 from onebit.cli import add_options, given_options, option
 from onebit.estimate.model import (
     COMPRESSION_THROUGHPUT,
@@ -29,6 +27,7 @@ from onebit.estimate.model import (
     MethodEstimate,
     estimate,
 )
+from onebit.units import parse_bandwidth, parse_latency, rate_option
 
 __all__ = ["EstimateSettings", "calibrate", "calibrate_device", "model_parameters", "register"]
 
@@ -135,7 +134,7 @@ class EstimateSettings:
     )
     intra_bandwidth: str | None = option(
         None,
-        parse=bandwidth_option,
+        parse=rate_option,
         group="network",
         help="rate between two ranks of a node (NVLink, PCIe); 'none': only the host "
         "throughput limits it",
