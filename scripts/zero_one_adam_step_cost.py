@@ -19,7 +19,8 @@ import time
 import torch
 
 import onebit
-from onebit.bench.micro import _copy_fn, bert_base_shapes, cpu_backends
+from onebit.bert_shapes import bert_base_shapes
+from onebit.timing import copy_fn, cpu_backends
 
 KINDS = ("local", "sync")
 
@@ -47,7 +48,7 @@ def main() -> None:
         )  # fmt: skip
         runs[backend] = (params, optimizer, {kind: [] for kind in KINDS})
     numel = sum(p.numel() for p in runs[cpu_backends()[0]][0])
-    copy = _copy_fn(numel)
+    copy = copy_fn(numel)
     copies = []
     while min(len(times) for _, _, kinds in runs.values() for times in kinds.values()) < (
         args.repeats

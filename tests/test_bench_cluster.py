@@ -19,6 +19,7 @@ import pytest
 from onebit.bench import _worker, analysis, bert, cli, comparison, report
 from onebit.bench.netns import unavailable_reason
 from onebit.bench.settings import METHODS, ComparisonSettings, zero_one_adam_arm
+from onebit.bert_shapes import PRESETS
 from onebit.cli import main as onebit_main
 from onebit.optim.zero_one_adam import STEP_KINDS
 
@@ -329,7 +330,7 @@ def test_options_are_the_settings_fields(capsys) -> None:
 
 def test_presets_count_their_parameters() -> None:
     model = bert.build_model("tiny", seed=0)
-    assert sum(p.numel() for p in model.parameters()) == bert.PRESETS["tiny"].parameter_count()
+    assert sum(p.numel() for p in model.parameters()) == PRESETS["tiny"].parameter_count()
 
 
 @pytest.mark.slow

@@ -13,6 +13,8 @@ import pytest
 from onebit.cli import main
 from onebit.estimate.cli import model_parameters
 from onebit.estimate.model import (
+    COMPRESSION_THROUGHPUT,
+    HOST_THROUGHPUT,
     Cluster,
     Machine,
     dense_allreduce,
@@ -267,20 +269,55 @@ def test_the_stated_emulation_constants_are_the_fit():
 
 
 def test_calibration_measures_positive_throughputs_with_the_library_kernels():
-    from onebit.bench.micro import bert_base_shapes
-    from onebit.estimate.cli import calibrate
+    from onebit.bert_shapes import bert_base_shapes
+    from onebit.estimate.calibration import calibrate
 
     shapes = bert_base_shapes(0.05)
     measured = calibrate(scale=0.05, repeats=3)
     assert measured["parameters"] == sum(math.prod(shape) for shape in shapes)
+    assert measured["world_size"] == 2
     for key in ("compression_throughput", "host_throughput"):
         assert 0 < measured[key] < math.inf
 
 
-def test_device_calibration_times_one_rank_on_the_given_device():
-    from onebit.estimate.cli import calibrate_device
+def test_step_times_on_one_device_without_a_process_group():
+    from onebit.bert_shapes import bert_base_shapes
+    from onebit.timing import optimizer_step_times
 
-    measured = calibrate_device("cpu", scale=0.05, repeats=2)
-    assert 0 < measured["compression_throughput"] < math.inf
-    assert measured["host_throughput"] == math.inf
+    measured = optimizer_step_times(bert_base_shapes(0.05), 2, device="cpu")
+    assert measured["world_size"] == 1 and measured["dense_allreduce_s"] == 0.0
     assert measured["onebit_compression_step_s"] > measured["lamb_step_s"] > 0
+    assert measured["onebit_compression_state_bytes"] > measured["lamb_state_bytes"] > 0
+
+
+def test_a_saved_calibration_is_what_later_estimates_use(tmp_path, monkeypatch, capsys):
+    from onebit.estimate import calibration
+
+    monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path))
+    assert calibration.machine_constants() == (
+        COMPRESSION_THROUGHPUT,
+        HOST_THROUGHPUT,
+        calibration.FALLBACK_SOURCE,
+    )
+    args = ["estimate", "--model", "bert-base", "--nodes", "4", "--compute", "0.8"]
+    assert main(args) == 0
+    assert "measured on a 2-core CPU" in capsys.readouterr().out
+    measured = {
+        "device": "cuda",
+        "measured_on": "cuda (triton kernels)",
+        "measured_at": "2026-12-01 12:00:00",
+        "compression_throughput": 2.3e10,
+        "host_throughput": math.inf,
+    }
+    path = calibration.save_calibration(measured)
+    assert path == tmp_path / "calibration-cuda.json"
+    assert calibration.load_calibration("cuda") == measured  # inf survives JSON
+    rate, host, source = calibration.machine_constants("cuda")
+    assert (rate, host) == (2.3e10, math.inf) and "2026-12-01 12:00:00" in source
+    assert main([*args, "--device", "cuda", "--json"]) == 0
+    machine = json.loads(capsys.readouterr().out)["machine"]
+    assert machine["compression_throughput"] == 2.3e10
+    assert main([*args, "--device", "cuda", "--compression-throughput", "1e9"]) == 0
+    assert "compression throughput 1 GB/s" in capsys.readouterr().out  # the option wins
+    path.write_text("{not json")
+    assert calibration.load_calibration("cuda") is None  # unreadable: the fallback

@@ -6,8 +6,8 @@ job's :func:`onebit.train.model.bert_config` (random initialisation, seeded, ide
 rank) and random token batches with 15 % of the positions labelled, as in MLM pre-training. No
 tokenizer, corpus or download is involved.
 
-Presets (feed-forward width 4 x hidden; parameter counts with the MLM head, whose decoder is
-tied to the word embeddings):
+Presets (:data:`onebit.bert_shapes.PRESETS`; feed-forward width 4 x hidden; parameter counts
+with the MLM head, whose decoder is tied to the word embeddings):
 
 ========  ======  ======  ======  =======  ==========
 preset    vocab   hidden  layers  heads    parameters
@@ -21,40 +21,14 @@ tiny      1024    64      2       2        0.2M    (tests)
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-__all__ = ["PRESETS", "ModelPreset", "build_model", "synthetic_batches"]
+from onebit.bert_shapes import PRESETS
+
+__all__ = ["build_model", "synthetic_batches"]
 
 #: BERT's dropout, which the benchmark model keeps.
 DROPOUT = 0.1
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelPreset:
-    """The shape of a BERT (the feed-forward layers are 4 x ``hidden`` wide)."""
-
-    vocab_size: int
-    hidden: int
-    layers: int
-    heads: int
-    max_seq_len: int = 512
-
-    def parameter_count(self) -> int:
-        """Trainable parameters of ``BertForMaskedLM`` with this shape (decoder tied)."""
-        h, i, v, p = self.hidden, 4 * self.hidden, self.vocab_size, self.max_seq_len
-        embeddings = (v + p + 2) * h + 2 * h
-        layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
-        head = h * h + h + 2 * h + v
-        return embeddings + self.layers * layer + head
-
-
-PRESETS: dict[str, ModelPreset] = {
-    "base": ModelPreset(30522, 768, 12, 12),
-    "small": ModelPreset(30522, 512, 4, 8),
-    "mini": ModelPreset(30522, 256, 4, 4),
-    "tiny": ModelPreset(1024, 64, 2, 2, max_seq_len=128),
-}
 
 
 def build_model(preset: str, seed: int) -> Any:

@@ -49,11 +49,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from onebit.bench.analysis import analyze
-from onebit.bench.bert import PRESETS
 from onebit.bench.cluster import EmulatedCluster
 from onebit.bench.cluster_tools import tcp_transfer
 from onebit.bench.netns import ClusterUnavailable, unavailable_reason
 from onebit.bench.settings import ComparisonSettings
+from onebit.bert_shapes import PRESETS
 
 logger = logging.getLogger(__name__)
 

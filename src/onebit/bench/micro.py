@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from onebit.bert_shapes import bert_base_shapes
+from onebit.timing import copy_fn, cpu_backends, interleaved, rank_step_times
 
 FLOAT_BYTES = 4
 
@@ -61,41 +62,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     optimizer.set_defaults(handler=run_optimizer_bench)
 
 
-def cpu_backends() -> list[str]:
-    """The compression backends to compare on CPU: the reference first."""
-    from onebit import kernels
-
-    return [name for name in kernels.available() if name != "triton"]
-
-
 def _rank_zero_result(worker: Callable[..., Any], world: int, *args: Any) -> Any:
     """Run ``worker`` on ``world`` local gloo ranks (long timeouts: large buffers on a
     shared machine) and return rank 0's result."""
     from onebit.testing import spawn_workers
 
     return spawn_workers(worker, world, args=args, timeout_s=3600, collective_timeout_s=600)[0]
-
-
-def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int, sync: Callable[[], Any]):
-    """Median seconds of each function, run in turn ``repeats`` times (after one untimed
-    round), so that all see the same machine load; ``sync`` runs before each timing."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_index in range(repeats + 1):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            if round_index:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def _copy_fn(numel: int) -> Callable[[], Any]:
-    import torch
-
-    source, target = torch.randn(numel), torch.empty(numel)
-    target.copy_(source)  # touch the pages once
-    return lambda: target.copy_(source)
 
 
 # ---------------------------------------------------------------------------- allreduce
@@ -109,14 +81,14 @@ def local_compression_work(numel: int, repeats: int) -> dict[str, float]:
     import onebit
 
     source = torch.randn(numel)
-    fns = {"copy": _copy_fn(numel)}
+    fns = {"copy": copy_fn(numel)}
     for backend in cpu_backends():
         state = (torch.zeros(numel), torch.zeros(numel), torch.empty(numel))
         workspace = onebit.CompressionWorkspace()
         fns[backend] = lambda b=backend, s=state, w=workspace: onebit.compressed_allreduce(
             source, s[0], s[1], out=s[2], workspace=w, kernels=b
         )
-    return _interleaved(fns, repeats, sync=lambda: None)
+    return interleaved(fns, repeats, sync=lambda: None)
 
 
 def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> list[dict]:
@@ -137,7 +109,7 @@ def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> 
             fns[backend] = lambda b=backend, s=state, w=workspace, x=buffer: (
                 onebit.compressed_allreduce(x, s[0], s[1], out=s[2], workspace=w, kernels=b)
             )
-        medians = _interleaved(fns, repeats, sync=dist.barrier)
+        medians = interleaved(fns, repeats, sync=dist.barrier)
         rows.append(
             {
                 "numel": numel,
@@ -195,95 +167,6 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- optimizer
 
 
-def bert_base_shapes(scale: float = 1.0) -> list[tuple[int, ...]]:
-    """Parameter shapes of BERT-base (vocabulary 30522, 12 layers, hidden 768): ~110M.
-
-    ``scale`` shrinks the widths (hidden and feed-forward) for quick runs."""
-    hidden, ff, vocab = int(768 * scale), int(3072 * scale), 30522
-    shapes: list[tuple[int, ...]] = [
-        (vocab, hidden),
-        (512, hidden),
-        (2, hidden),
-        (hidden,),
-        (hidden,),
-    ]
-    for _ in range(12):
-        shapes += [(hidden, hidden), (hidden,)] * 4  # query, key, value, attention output
-        shapes += [(hidden,), (hidden,)]  # attention LayerNorm
-        shapes += [(ff, hidden), (ff,), (hidden, ff), (hidden,)]  # feed-forward
-        shapes += [(hidden,), (hidden,)]  # output LayerNorm
-    return shapes
-
-
-def _optimizer_worker(rank: int, world: int, shapes, repeats: int, backend: str) -> dict:
-    """Times, interleaved: a copy, Lamb.step() (fused backend: LAMB at its fastest), the
-    dense allreduce of the gradients, and OneBitLamb's steps in each stage with ``backend``;
-    then the compressed allreduce alone and the memory."""
-    import torch
-    import torch.distributed as dist
-
-    import onebit
-    from onebit.collectives import padded_size
-
-    def parameters():
-        torch.manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes]
-
-    lamb_params, onebit_params = parameters(), parameters()
-    numel = sum(p.numel() for p in lamb_params)
-    # The same gradients on every rank: Lamb (which does not communicate) then keeps its
-    # replicas identical, as it would under DDP.
-    gen = torch.Generator().manual_seed(1)
-    grads = [torch.randn(shape, generator=gen) * 1e-3 for shape in shapes]
-    dense = torch.cat([g.reshape(-1) for g in grads])
-    lamb = onebit.Lamb(lamb_params, lr=1e-4, weight_decay=0.01)
-    optimizer = onebit.OneBitLamb(
-        onebit_params, lr=1e-4, freeze_step=repeats + 1, weight_decay=0.01, kernels=backend
-    )
-
-    def step(opt, params):
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g  # the optimizers only read gradients
-        opt.step()
-
-    sync = dist.barrier if world > 1 else (lambda: None)
-    fns = {
-        "copy": _copy_fn(numel),
-        "lamb_step": lambda: step(lamb, lamb_params),
-        "dense_allreduce": lambda: dist.all_reduce(dense) if world > 1 else None,
-        "onebit_warmup_step": lambda: step(optimizer, onebit_params),
-    }
-    warmup = _interleaved(fns, repeats, sync)  # repeats + 1 warm-up steps: the last switches
-    warmup_memory = optimizer.memory_bytes()
-    del fns["onebit_warmup_step"], fns["dense_allreduce"]
-    dense.resize_(0)
-    size = padded_size(numel, world)
-    exchange = (torch.randn(size), torch.zeros(size), torch.zeros(size // world))
-    workspace = onebit.CompressionWorkspace()
-    fns["onebit_compression_step"] = lambda: step(optimizer, onebit_params)
-    fns["compressed_allreduce"] = lambda: onebit.compressed_allreduce(
-        *exchange, out=exchange[0], workspace=workspace, kernels=backend
-    )
-    compression = _interleaved(fns, repeats, sync)
-    assert optimizer.stage == "compression"
-    memory = optimizer.memory_bytes()
-    return {
-        "world_size": world,
-        "backend": backend,
-        "parameters": numel,
-        "copy_s": statistics.median([warmup["copy"], compression["copy"]]),
-        "lamb_step_s": statistics.median([warmup["lamb_step"], compression["lamb_step"]]),
-        "dense_allreduce_s": warmup["dense_allreduce"] if world > 1 else 0.0,
-        "onebit_warmup_step_s": warmup["onebit_warmup_step"],
-        "onebit_compression_step_s": compression["onebit_compression_step"],
-        "compressed_allreduce_s": compression["compressed_allreduce"],
-        "lamb_state_bytes": lamb.memory_bytes()["state"],
-        "onebit_warmup_state_bytes": warmup_memory["state"],
-        "onebit_compression_state_bytes": memory["state"] + memory["error_feedback"],
-        "onebit_scratch_bytes": memory["scratch"],
-    }
-
-
 def _print_optimizer_rows(rows: list[dict[str, Any]]) -> None:
     n, numel = rows[0]["world_size"], rows[0]["parameters"]
     print(f"world size {n}, {numel / 1e6:.1f}M parameters; times in copies of all parameters")
@@ -308,7 +191,8 @@ def _print_optimizer_rows(rows: list[dict[str, Any]]) -> None:
     print(
         f"state per parameter, fp32 words: Lamb {row['lamb_state_bytes'] / words:.2f}, "
         f"OneBitLamb warm-up {row['onebit_warmup_state_bytes'] / words:.2f}, compression "
-        f"{row['onebit_compression_state_bytes'] / words:.2f} (5 + 1/n = {5 + 1 / n:.2f}); "
+        f"{row['onebit_compression_state_bytes'] / words:.2f} (m, v, v_fresh and the errors: "
+        f"4 + 1/n = {4 + 1 / n:.2f}); "
         f"reused scratch {row['onebit_scratch_bytes'] / words:.2f} ({row['backend']})\n"
     )
 
@@ -323,7 +207,7 @@ def run_optimizer_bench(args: argparse.Namespace) -> int:
     rows = []
     for world in args.world_sizes:
         world_rows = [
-            _rank_zero_result(_optimizer_worker, world, shapes, args.repeats, backend)
+            _rank_zero_result(rank_step_times, world, shapes, args.repeats, backend)
             for backend in cpu_backends()
         ]
         _print_optimizer_rows(world_rows)

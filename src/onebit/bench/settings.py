@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from onebit.bench.bert import PRESETS
+from onebit.bert_shapes import PRESETS
 from onebit.cli import option
 from onebit.optim.zero_one_adam import GRADIENT_1BIT, LOCAL, SYNC, VARIANCE_UPDATE, step_kind
 from onebit.units import delay_option, parse_bandwidth, parse_latency, rate_option
@@ -145,7 +145,7 @@ class ComparisonSettings:
         parse=delay_option,
         help="added one-way delay such as 0.1ms (needs the netem qdisc)",
     )
-    model: str = option("base", choices=tuple(PRESETS), help="BERT preset (see onebit.bench.bert)")
+    model: str = option("base", choices=tuple(PRESETS), help="BERT preset (see onebit.bert_shapes)")
     batch_size: int = option(1, help="per-worker batch")
     seq_len: int = option(128, help="tokens per sequence")
     steps: int = option(3, help="timed steps of the compression / steady stage")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onebit.bert_shapes import ModelPreset
 from onebit.cli import add_options, given_options, option
 from onebit.estimate.model import (
     COMPRESSION_THROUGHPUT,
@@ -29,7 +30,7 @@ from onebit.estimate.model import (
 )
 from onebit.units import parse_bandwidth, parse_latency, rate_option
 
-__all__ = ["EstimateSettings", "calibrate", "calibrate_device", "model_parameters", "register"]
+__all__ = ["EstimateSettings", "model_parameters", "register"]
 
 #: Named models: the benchmark presets and BERT-Large (vocabulary 30522, hidden 1024, 24 layers).
 MODEL_SHAPES = {
@@ -43,10 +44,8 @@ _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
 
 def model_parameters(text: str) -> int:
     """Parameters of a named model (``bert-base``, ``bert-large``, ``small``, ``mini``: BERT
-    masked-language models, counted by :class:`onebit.bench.bert.ModelPreset`) or a count such
+    masked-language models, counted by :class:`onebit.bert_shapes.ModelPreset`) or a count such
     as ``340M``, ``1.3B`` or ``110000000``."""
-    from onebit.bench.bert import ModelPreset
-
     name = text.strip().lower()
     if name in MODEL_SHAPES:
         return ModelPreset(*MODEL_SHAPES[name]).parameter_count()
@@ -151,22 +150,21 @@ class EstimateSettings:
         help="share of the payload rate the 1-bit exchange's short collectives reach "
         "(the emulated cluster: 0.65)",
     )
-    compression_throughput: float = option(
-        COMPRESSION_THROUGHPUT,
+    compression_throughput: float | None = option(
+        None,
         parse=_throughput_option,
         group="machine",
         help="bytes of fp32 parameters per second through the compression stage's local work "
-        "beyond LAMB's update (default: measured on this 2-core CPU; an H200 measured 23e9 "
-        "with --calibrate --device cuda)",
-        default_help="2.27e9",
+        "beyond LAMB's update (an H200 measured 23e9 with --calibrate --device cuda)",
+        default_help="this machine's, saved by --calibrate; else 2.27e9, measured on a 2-core CPU",
     )
-    host_throughput: float = option(
-        HOST_THROUGHPUT,
+    host_throughput: float | None = option(
+        None,
         parse=_throughput_option,
         group="machine",
-        help="bytes per second a rank's processor moves through gloo's dense allreduce "
-        "(default: measured here); inf where the library reduces on the device (NCCL)",
-        default_help="1.59e9",
+        help="bytes per second a rank's processor moves through gloo's dense allreduce; inf "
+        "where the library reduces on the device (NCCL)",
+        default_help="this machine's, saved by --calibrate; else 1.59e9, measured on a 2-core CPU",
     )
     cpu_sharing: float = option(
         1.0, group="machine", help="ranks sharing one processor core for the local work"
@@ -192,10 +190,16 @@ class EstimateSettings:
             backward_share=self.backward_share,
         )
 
-    def machine(self) -> Machine:
+    def machine(
+        self,
+        compression_throughput: float = COMPRESSION_THROUGHPUT,
+        host_throughput: float = HOST_THROUGHPUT,
+    ) -> Machine:
+        """The machine, with these throughputs where the options give none."""
+        given = self.compression_throughput, self.host_throughput
         return Machine(
-            compression_throughput=self.compression_throughput,
-            host_throughput=self.host_throughput,
+            compression_throughput=compression_throughput if given[0] is None else given[0],
+            host_throughput=host_throughput if given[1] is None else given[1],
             latency=parse_latency(self.latency),
             link_efficiency=self.link_efficiency,
             burst_efficiency=self.burst_efficiency,
@@ -203,105 +207,15 @@ class EstimateSettings:
         )
 
 
-def calibrate(scale: float = 0.5, repeats: int = 3) -> dict[str, Any]:
-    """This machine's compression and host throughputs, measured with the library's own
-    optimizers and kernels as the defaults were: on BERT-base's parameter shapes (widths
-    times ``scale``), 2 local gloo ranks, one thread each, ``onebit bench optimizer``'s
-    interleaved timing; ``R_c = 4N / (t(OneBitLamb compression step) - t(Lamb.step()))``,
-    ``R_h = 4N / t(dist.all_reduce)`` (2 ranks send ``2 (n-1)/n 4N = 4N`` bytes each)."""
-    from onebit.bench.micro import (
-        FLOAT_BYTES,
-        _optimizer_worker,
-        _rank_zero_result,
-        bert_base_shapes,
-        cpu_backends,
-    )
-
-    fused = cpu_backends()[-1]
-    row = _rank_zero_result(_optimizer_worker, 2, bert_base_shapes(scale), repeats, fused)
-    return {
-        "parameters": row["parameters"],
-        "backend": f"2 ranks, {fused} kernels",
-        "compression_throughput": _compression_throughput(FLOAT_BYTES * row["parameters"], row),
-        "host_throughput": FLOAT_BYTES * row["parameters"] / row["dense_allreduce_s"],
-    }
-
-
-def calibrate_device(device: str, scale: float = 1.0, repeats: int = 10) -> dict[str, Any]:
-    """``R_c`` on one accelerator (or any device), at world size 1: the same steps as
-    :func:`calibrate`, ``Lamb.step()`` and ``OneBitLamb``'s compression-stage step on
-    BERT-base's shapes (widths times ``scale``) with the device's default kernels, interleaved
-    with a device-to-device copy of all parameters, each timed to the device's completion.
-    ``R_h`` is ``inf``: NCCL reduces on the device."""
-    import torch
-
-    import onebit
-    from onebit.bench.micro import FLOAT_BYTES, _interleaved, bert_base_shapes
-
-    where = torch.device(device)
-    shapes = bert_base_shapes(scale)
-
-    def sync() -> None:
-        if where.type == "cuda":
-            torch.cuda.synchronize(where)
-
-    def parameters() -> list[torch.nn.Parameter]:
-        torch.manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(s, device=where) * 0.02) for s in shapes]
-
-    gen = torch.Generator(device=where).manual_seed(1)
-    grads = [torch.randn(s, generator=gen, device=where) * 1e-3 for s in shapes]
-    lamb_params, onebit_params = parameters(), parameters()
-    lamb = onebit.Lamb(lamb_params, lr=1e-4, weight_decay=0.01)
-    optimizer = onebit.OneBitLamb(onebit_params, lr=1e-4, freeze_step=1, weight_decay=0.01)
-
-    def step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
-        sync()
-
-    step(optimizer, onebit_params)  # the one warm-up step
-    numel = sum(p.numel() for p in lamb_params)
-    source, target = torch.randn(numel, device=where), torch.empty(numel, device=where)
-    times = _interleaved(
-        {
-            "copy_s": lambda: (target.copy_(source), sync()),
-            "lamb_step_s": lambda: step(lamb, lamb_params),
-            "onebit_compression_step_s": lambda: step(optimizer, onebit_params),
-        },
-        repeats,
-        sync,
-    )
-    assert optimizer.stage == "compression"
-    return {
-        "parameters": numel,
-        "backend": f"{where} (default kernels)",
-        **times,
-        "compression_throughput": _compression_throughput(FLOAT_BYTES * numel, times),
-        "host_throughput": math.inf,
-    }
-
-
-def _compression_throughput(nbytes: float, times: dict[str, Any]) -> float:
-    """``nbytes / (t(compression step) - t(Lamb.step()))``; raises if the difference is not
-    positive (a machine too busy to measure)."""
-    extra = times["onebit_compression_step_s"] - times["lamb_step_s"]
-    if not extra > 0:
-        raise RuntimeError(
-            f"calibration failed: the compression-stage step ({times['onebit_compression_step_s']}"
-            f" s) was not slower than Lamb.step() ({times['lamb_step_s']} s); the machine is too "
-            "busy to measure, try again"
-        )
-    return nbytes / extra
-
-
 def _megabytes(nbytes: float) -> str:
     return f"{nbytes / 1e6:.1f}"
 
 
-def format_estimate(cluster: Cluster, machine: Machine, rows: list[MethodEstimate]) -> str:
-    """The job, the machine and a table of every method's prediction."""
+def format_estimate(
+    cluster: Cluster, machine: Machine, rows: list[MethodEstimate], constants: str | None = None
+) -> str:
+    """The job, the machine (``constants``: where its throughputs come from, when the options
+    do not give them) and a table of every method's prediction."""
     head = (
         f"{cluster.parameters / 1e6:.1f}M parameters, {cluster.nodes} node(s) x "
         f"{cluster.ranks_per_node} rank(s), link {cluster.bandwidth * 8 / 1e9:g} Gbit/s "
@@ -311,6 +225,7 @@ def format_estimate(cluster: Cluster, machine: Machine, rows: list[MethodEstimat
         f"{', fp16 gradients' if cluster.mixed_precision else ''}\n"
         f"compression throughput {machine.compression_throughput / 1e9:g} GB/s, host "
         f"throughput {machine.host_throughput / 1e9:g} GB/s, cpu sharing {machine.cpu_sharing:g}"
+        + (f" ({constants})" if constants else "")
     )
     header = (
         "method",
@@ -391,30 +306,30 @@ def _validate_command(args: argparse.Namespace, settings: EstimateSettings) -> i
 
 
 def _estimate_command(args: argparse.Namespace) -> int:
+    from onebit.estimate.calibration import calibrate, machine_constants, save_calibration
+
     try:
         settings = EstimateSettings(**given_options(EstimateSettings, args))
         if args.calibrate:
-            measured = calibrate() if args.device == "cpu" else calibrate_device(args.device)
+            measured = calibrate(args.device)
+            path = save_calibration(measured)
             print(
                 f"calibrated on {measured['parameters'] / 1e6:.1f}M parameters, "
-                f"{measured['backend']}: compression throughput "
+                f"{measured['measured_on']}: compression throughput "
                 f"{measured['compression_throughput']:.3g} B/s, host throughput "
-                f"{measured['host_throughput']:.3g} B/s\n"
+                f"{measured['host_throughput']:.3g} B/s; saved in {path} for later estimates "
+                "on this machine\n"
             )
             if args.json:
                 print(json.dumps(measured, indent=1))
-            settings = dataclasses.replace(
-                settings,
-                compression_throughput=measured["compression_throughput"],
-                host_throughput=measured["host_throughput"],
-            )
-        if args.validate:
+        if args.validate:  # the emulated cluster's runs: the machine they were measured on
             return _validate_command(args, settings)
         if args.fit:
             raise ValueError("--fit refits the emulated cluster's constants: give --validate DIR")
         if args.calibrate and settings.compute is None:
             return 0
-        cluster, machine = settings.cluster(), settings.machine()
+        compression, host, source = machine_constants(args.device)
+        cluster, machine = settings.cluster(), settings.machine(compression, host)
     except ValueError as exc:
         print(f"onebit estimate: {exc}", file=sys.stderr)
         return 2
@@ -423,11 +338,12 @@ def _estimate_command(args: argparse.Namespace) -> int:
         document = {
             "cluster": dataclasses.asdict(cluster),
             "machine": dataclasses.asdict(machine),
+            "machine_constants": source,
             "methods": [row.as_dict() for row in rows],
         }
         print(json.dumps(document, indent=1))
     else:
-        print(format_estimate(cluster, machine, rows))
+        print(format_estimate(cluster, machine, rows, source))
     return 0
 
 
@@ -477,6 +393,7 @@ def register(subparsers: Any) -> None:
         "--device",
         default="cpu",
         help="where --calibrate measures: cpu (2 gloo ranks, as the defaults were measured) or "
-        "an accelerator such as cuda (one device; host throughput inf, as NCCL reduces there)",
+        "an accelerator such as cuda (one device; host throughput inf, as NCCL reduces there); "
+        "estimates use this device's saved calibration",
     )
     parser.set_defaults(handler=_estimate_command)

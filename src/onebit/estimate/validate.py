@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onebit.bench.settings import OVERLAP_METHODS
 from onebit.estimate.model import (
     Cluster,
     Exchange,
@@ -55,6 +54,9 @@ OLDER_COMPRESSION_THROUGHPUT = 4 * 108.9e6 / (1.91 - 0.11)
 #: Within this relative error a prediction meets the target.
 TOLERANCE = 0.2
 
+#: The methods of the result files (``onebit bench cluster``'s names) whose exchange overlaps
+#: backward.
+_OVERLAP_METHODS = ("onebit-lamb-ddp-overlap", "onebit-lamb-overlap")
 #: The measured (method, stage) pairs the model predicts, and which of its costs applies.
 _PREDICTED = {
     ("lamb", "steady"): "dense",
@@ -63,8 +65,8 @@ _PREDICTED = {
     **{(m, "compression"): "flat" for m in ("onebit-lamb", "onebit-lamb-ddp", "onebit-adam")},
     ("onebit-lamb-hier", "warmup"): "dense",
     ("onebit-lamb-hier", "compression"): "hierarchical",
-    **{(m, "warmup"): "dense" for m in OVERLAP_METHODS},
-    **{(m, "compression"): "overlapped" for m in OVERLAP_METHODS},
+    **{(m, "warmup"): "dense" for m in _OVERLAP_METHODS},
+    **{(m, "compression"): "overlapped" for m in _OVERLAP_METHODS},
 }
 
 

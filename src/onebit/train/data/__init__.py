@@ -10,8 +10,9 @@
 No model or data hub is contacted; only the first run needs network access.
 """
 
+from onebit.cache import CACHE_ENV_VAR, default_cache_dir
 from onebit.train.data.corpus import CORPUS_SOURCES, corpus_digest, load_corpus, read_text_files
-from onebit.train.data.fetch import CACHE_ENV_VAR, CACHE_FORMAT_VERSION, default_cache_dir
+from onebit.train.data.fetch import CACHE_FORMAT_VERSION
 from onebit.train.data.mlm import (
     IGNORE_INDEX,
     MLMData,

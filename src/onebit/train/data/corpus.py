@@ -18,8 +18,8 @@ import tarfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from onebit.cache import CACHE_ENV_VAR
 from onebit.train.data.fetch import (
-    CACHE_ENV_VAR,
     CACHE_FORMAT_VERSION,
     cached_records,
     decode_text,

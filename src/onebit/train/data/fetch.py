@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from onebit.cache import default_cache_dir
 from onebit.train.atomic import atomic_path
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV_VAR = "ONEBIT_CACHE"
 
 #: Bumped whenever the cleaning or caching format changes, so stale caches are not reused.
 CACHE_FORMAT_VERSION = 2
@@ -85,14 +85,6 @@ class DownloadError(RuntimeError):
 
 class ChecksumError(RuntimeError):
     """A downloaded archive does not have the recorded SHA-256 digest."""
-
-
-def default_cache_dir() -> Path:
-    """Return the cache directory: ``$ONEBIT_CACHE`` if set, else ``~/.cache/onebit``."""
-    env = os.environ.get(CACHE_ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "onebit"
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:

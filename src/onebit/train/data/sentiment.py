@@ -12,8 +12,8 @@ import random
 import tarfile
 from pathlib import Path
 
+from onebit.cache import CACHE_ENV_VAR
 from onebit.train.data.fetch import (
-    CACHE_ENV_VAR,
     CACHE_FORMAT_VERSION,
     cached_records,
     decode_text,

@@ -1,0 +1,56 @@
+"""The shapes of the BERT models that the benchmarks and the cost model speak of: presets by
+name, their parameter counts, and BERT-base's tensor shapes (for timing optimizer steps on
+realistic tensors without building a model)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["PRESETS", "ModelPreset", "bert_base_shapes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPreset:
+    """The shape of a BERT (the feed-forward layers are 4 x ``hidden`` wide)."""
+
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    max_seq_len: int = 512
+
+    def parameter_count(self) -> int:
+        """Trainable parameters of ``BertForMaskedLM`` with this shape (decoder tied)."""
+        h, i, v, p = self.hidden, 4 * self.hidden, self.vocab_size, self.max_seq_len
+        embeddings = (v + p + 2) * h + 2 * h
+        layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
+        head = h * h + h + 2 * h + v
+        return embeddings + self.layers * layer + head
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "base": ModelPreset(30522, 768, 12, 12),
+    "small": ModelPreset(30522, 512, 4, 8),
+    "mini": ModelPreset(30522, 256, 4, 4),
+    "tiny": ModelPreset(1024, 64, 2, 2, max_seq_len=128),
+}
+
+
+def bert_base_shapes(scale: float = 1.0) -> list[tuple[int, ...]]:
+    """Parameter shapes of BERT-base (vocabulary 30522, 12 layers, hidden 768): ~110M.
+
+    ``scale`` shrinks the widths (hidden and feed-forward) for quick runs."""
+    hidden, ff, vocab = int(768 * scale), int(3072 * scale), 30522
+    shapes: list[tuple[int, ...]] = [
+        (vocab, hidden),
+        (512, hidden),
+        (2, hidden),
+        (hidden,),
+        (hidden,),
+    ]
+    for _ in range(12):
+        shapes += [(hidden, hidden), (hidden,)] * 4  # query, key, value, attention output
+        shapes += [(hidden,), (hidden,)]  # attention LayerNorm
+        shapes += [(ff, hidden), (ff,), (hidden, ff), (hidden,)]  # feed-forward
+        shapes += [(hidden,), (hidden,)]  # output LayerNorm
+    return shapes
