@@ -152,7 +152,8 @@ def test_study_runs_arms_resumes_and_skips(
     tiny_study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "study"
-    monkeypatch.setattr(study_module, "has_command", lambda name: False)  # no `onebit simulate`
+    # no `onebit simulate`
+    monkeypatch.setattr(study_module.runner, "has_command", lambda name: False)
     lamb, onebit_lamb = tiny_study.arms[:2]
     # An interrupted arm: the last worker dies after step 6, the checkpoint of step 4 remains.
     status = launch_job(

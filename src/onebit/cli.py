@@ -23,7 +23,7 @@ import typing
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-TOP_LEVEL_MODULES = ("onebit.train.cli", "onebit.train.study", "onebit.estimate.cli")
+TOP_LEVEL_MODULES = ("onebit.train.cli", "onebit.train.study.cli", "onebit.estimate.cli")
 BENCH_MODULES = ("onebit.bench.cli", "onebit.bench.micro")
 
 
