@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from onebit.train import checkpoint, data, worker
-from onebit.train.config import CHECKPOINT_DIR, read_config
 from onebit.train.model import build_mlm_model
+from onebit.train.run_dir import CHECKPOINT_DIR, read_config
 
 
 def parse_args() -> argparse.Namespace:

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from onebit.train import checkpoint
-from onebit.train.config import CHECKPOINT_DIR
+from onebit.train.run_dir import CHECKPOINT_DIR
 
 
 def main() -> None:

@@ -14,10 +14,10 @@ from test_train import write_corpus
 
 from onebit.cli import main as onebit_main
 from onebit.train import data
-from onebit.train.config import FinetuneConfig
 from onebit.train.data import sentiment
 from onebit.train.data.spelling import replaced_letter_windows
 from onebit.train.data.wordpiece import train_tokenizer
+from onebit.train.downstream_config import FinetuneConfig
 from onebit.train.finetune import (
     REPLACED,
     chance_accuracy,

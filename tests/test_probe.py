@@ -13,7 +13,7 @@ import torch
 from test_finetune import run_dir  # noqa: F401  (the fixture)
 
 from onebit.cli import main as onebit_main
-from onebit.train.config import ProbeConfig
+from onebit.train.downstream_config import ProbeConfig
 from onebit.train.finetune import task_rows
 from onebit.train.probe import (
     Features,

@@ -19,7 +19,8 @@ from onebit.cli import build_parser, given_options
 from onebit.cli import main as onebit_main
 from onebit.train import checkpoint, report
 from onebit.train.atomic import atomic_path, write_json_atomic
-from onebit.train.config import TrainConfig, prepare_run_dir
+from onebit.train.config import TrainConfig
+from onebit.train.run_dir import prepare_run_dir
 from onebit.train.worker import lr_factor, step_seed
 
 STEPS = 12
@@ -410,8 +411,8 @@ def test_a_worker_that_aborts_after_the_run_finished_is_no_failure(
     import torch.distributed.launcher.api as launcher
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from onebit.train.config import read_config
     from onebit.train.launch import launch_job
+    from onebit.train.run_dir import read_config
 
     out = tmp_path / "run"
 

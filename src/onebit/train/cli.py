@@ -11,17 +11,9 @@ from typing import Any
 
 from onebit.cli import add_options, given_options
 from onebit.optim.registry import optimizer_spec
-from onebit.train.config import (
-    DEFAULT_ADAM_LR,
-    OPTIMIZERS,
-    REAL_WORKER_OPTIONS,
-    FinetuneConfig,
-    ProbeConfig,
-    TrainConfig,
-    default_run_dir,
-    read_config,
-    read_launch,
-)
+from onebit.train.config import DEFAULT_ADAM_LR, OPTIMIZERS, REAL_WORKER_OPTIONS, TrainConfig
+from onebit.train.downstream_config import FinetuneConfig, ProbeConfig
+from onebit.train.run_dir import default_run_dir, read_config, read_launch
 
 logger = logging.getLogger(__name__)
 
@@ -281,8 +273,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from onebit.train.config import prepare_run_dir
     from onebit.train.launch import print_if_complete
+    from onebit.train.run_dir import prepare_run_dir
     from onebit.train.simulation import check_simulated, simulate
 
     try:

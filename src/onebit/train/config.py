@@ -1,21 +1,14 @@
-"""The configuration of one training job, its validation, and the run folder it lives in.
-
-A run folder holds ``config.json`` (this configuration), ``metrics.jsonl``, ``checkpoints/``,
-``tokenizer.json`` and, when finished, ``summary.json`` and ``loss.png``. Starting a job in a
-folder that already holds the same configuration continues it from its latest checkpoint
-(that is how restarts under ``torchrun --max-restarts`` resume); a different configuration
-there is an error.
+"""The configuration of one training job (:class:`TrainConfig`: every option of
+``onebit train``), its defaults and its validation. The run folder it lives in:
+:mod:`onebit.train.run_dir`; the configurations of fine-tuning and probing:
+:mod:`onebit.train.downstream_config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from onebit.cli import option
@@ -31,7 +24,6 @@ from onebit.optim._common import (
 from onebit.optim.onebit_adam import COMPRESSIONS as ONEBIT_ADAM_COMPRESSIONS
 from onebit.optim.registry import PAPER_BERT_SETTINGS
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
-from onebit.train.atomic import write_json_atomic
 
 #: The encoder architectures of :mod:`onebit.train.model` (kept here, where the options are
 #: declared, so that ``onebit --help`` imports no ``transformers``).
@@ -46,20 +38,6 @@ DEVICES = ("cpu", "cuda")
 
 #: Options that choose how worker processes communicate (``onebit simulate`` has none).
 REAL_WORKER_OPTIONS = ("ddp", "backend", "timeout")
-
-CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-TOKENIZER_FILE = "tokenizer.json"
-LOSS_PLOT_FILE = "loss.png"
-CHECKPOINT_DIR = "checkpoints"
-FINETUNE_TASKS = ("sentiment", "spelling", "replaced-letter")
-#: The tasks labelled per token (the others: per sequence).
-TOKEN_TASKS = ("replaced-letter",)
-#: Training windows of the spelling task when ``max_train`` is not given.
-SPELLING_TRAIN_WINDOWS = 10_000
-#: AdamW's peak learning rate when fine-tuning, when ``lr`` is not given.
-DEFAULT_FINETUNE_LR = 3e-4
 
 #: Peak learning rates when ``lr`` is not given (each optimizer's ``default_lr``).
 DEFAULT_LAMB_LR = registry.OPTIMIZERS["lamb"].default_lr
@@ -286,12 +264,14 @@ class TrainConfig:
 
     def validate_basic(self) -> None:
         """Raise ``ValueError`` naming the first option that is out of range."""
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("architecture", self.architecture, ARCHITECTURES)
-        _choice("backend", self.backend, BACKENDS)
-        _choice("device", self.device, DEVICES)
-        _choice("onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS)
-        _choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("architecture", self.architecture, ARCHITECTURES)
+        check_choice("backend", self.backend, BACKENDS)
+        check_choice("device", self.device, DEVICES)
+        check_choice(
+            "onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS
+        )
+        check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
         if self.optimizer == "onebit-adam" and self.node_size > 1:
             if self.onebit_adam_compression == "per_tensor":
                 raise ValueError(
@@ -301,8 +281,8 @@ class TrainConfig:
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
         for name in ("steps", "batch_size", "layers", "hidden", "heads", "keep_checkpoints"):
-            _positive_int(name, getattr(self, name))
-        _positive_int("node_size", self.node_size)
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("node_size", self.node_size)
         if self.optimizer == ZERO_ONE_ADAM and self.node_size > 1:
             raise ValueError(
                 "--node-size > 1 (the hierarchical exchange) is not offered for 0/1 Adam"
@@ -314,7 +294,7 @@ class TrainConfig:
             "local_step_scaler",
         ):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                check_positive_int(name, getattr(self, name))
         if self.eval_seqs < 0:
             raise ValueError(f"--eval-seqs must be >= 0 (0: all), got {self.eval_seqs}")
         if self.seq_len < 8:
@@ -382,8 +362,8 @@ class TrainConfig:
                 f"--lr-warmup-steps must be in [0, --steps={self.steps}), got "
                 f"{self.lr_warmup_steps}"
             )
-        _positive_int("eval_every", self.eval_every)
-        _positive_int("checkpoint_every", self.checkpoint_every)
+        check_positive_int("eval_every", self.eval_every)
+        check_positive_int("checkpoint_every", self.checkpoint_every)
 
     @property
     def uses_onebit(self) -> bool:
@@ -420,202 +400,18 @@ class TrainConfig:
         return cls(**data).resolved()
 
 
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """Fine-tuning settings (the same for every pre-trained model that is compared); each
-    field is also an option of ``onebit finetune``.
-
-    The defaults come from the grid the BERT authors suggest for their small models (lr
-    1e-4 to 3e-4, batch 8 to 128, a few epochs); they were not tuned on this task.
-    """
-
-    task: str = option(
-        "sentiment",
-        choices=FINETUNE_TASKS,
-        help="sentiment: movie-review snippets, positive or negative; spelling: has one letter "
-        "of a text window from the run's corpus been replaced (test windows from the documents "
-        "held out of pre-training); replaced-letter: the same windows, each with one letter "
-        "replaced, every token labelled replaced or not, scored by how often the token "
-        "predicted most likely replaced is the replaced one",
-    )
-    epochs: int = option(3, help="epochs")
-    lr: float = option(DEFAULT_FINETUNE_LR, help="AdamW peak learning rate")
-    batch_size: int = option(32, help="batch size")
-    dropout: float = option(0.1, help="dropout while fine-tuning")
-    weight_decay: float = option(0.01, help="AdamW weight decay")
-    seed: int = option(0, help="seed of the split, the classifier head and the order")
-    max_train: int | None = option(
-        None,
-        help="use at most this many training examples",
-        default_help=f"all for sentiment, {SPELLING_TRAIN_WINDOWS} for the others",
-    )
-    max_test: int | None = option(
-        None, help="use at most this many test sentences", default_help="all"
-    )
-    from_scratch: bool = option(
-        False,
-        help="ignore the pre-trained weights (the no-pre-training baseline); writes "
-        "finetune-scratch*.json",
-    )
-
-    @property
-    def result_file(self) -> str:
-        """``finetune[-scratch][-<task>][-lr<lr>][-seed<seed>].json``: the task named unless it
-        is sentiment, the learning rate unless it is the default, the seed unless it is 0."""
-        parts = ["finetune"]
-        if self.from_scratch:
-            parts.append("scratch")
-        if self.task != "sentiment":
-            parts.append(self.task)
-        if self.lr != DEFAULT_FINETUNE_LR:
-            parts.append(f"lr{self.lr:g}")
-        if self.seed != 0:
-            parts.append(f"seed{self.seed}")
-        return "-".join(parts) + ".json"
-
-    def __post_init__(self) -> None:
-        _choice("task", self.task, FINETUNE_TASKS)
-        for name in ("epochs", "batch_size"):
-            _positive_int(name, getattr(self, name))
-        for name in ("max_train", "max_test"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        check_positive("--lr", self.lr)
-        check_non_negative("--weight-decay", self.weight_decay)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
-
-
-#: The L2 penalty of a linear probe when ``l2`` is not given (on standardised features).
-DEFAULT_PROBE_L2 = 1e-4
-#: Versions of every test window (each with its own replaced letter) a probe scores.
-DEFAULT_TEST_VARIANTS = 8
-
-
-@dataclass
-class ProbeConfig:
-    """Linear-probe settings (the same for every model that is compared); each field is also
-    an option of ``onebit probe``."""
-
-    task: str = option(
-        "replaced-letter",
-        choices=FINETUNE_TASKS,
-        help="the task of onebit finetune to probe: sentiment, spelling or replaced-letter",
-    )
-    seed: int = option(0, help="seed of the training sample and of the replaced letters")
-    max_train: int | None = option(
-        None,
-        help="use at most this many training examples",
-        default_help=f"all for sentiment, {SPELLING_TRAIN_WINDOWS} for the others",
-    )
-    test_variants: int | None = option(
-        None,
-        help="spelling tasks: score every test window this many times, each with its own "
-        "replaced letter (standard errors treat the variants of a window as one cluster)",
-        default_help=f"{DEFAULT_TEST_VARIANTS} for the spelling tasks, 1 for sentiment",
-    )
-    l2: float = option(DEFAULT_PROBE_L2, help="L2 penalty of the probe's weights")
-    max_iter: int = option(200, help="L-BFGS iterations of the probe's fit")
-
-    @property
-    def result_file(self) -> str:
-        """``probe-<task>[-seed<seed>].json``."""
-        return f"probe-{self.task}" + (f"-seed{self.seed}" if self.seed else "") + ".json"
-
-    def __post_init__(self) -> None:
-        _choice("task", self.task, FINETUNE_TASKS)
-        _positive_int("max_iter", self.max_iter)
-        for name in ("max_train", "test_variants"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        check_non_negative("--l2", self.l2)
-        if self.task == "sentiment":
-            if self.test_variants not in (None, 1):
-                raise ValueError(
-                    "--test-variants applies to the spelling tasks: sentiment's test set has "
-                    f"one version of each text, got {self.test_variants}"
-                )
-            self.test_variants = 1
-        elif self.test_variants is None:
-            self.test_variants = DEFAULT_TEST_VARIANTS
-
-
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The option ``--name`` of a field ``name``."""
     return name.replace("_", "-")
 
 
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming ``--name`` unless ``value`` is one of ``choices``."""
     if value not in choices:
-        raise ValueError(f"--{_flag(name)} must be one of {list(choices)}, got {value!r}")
+        raise ValueError(f"--{flag_name(name)} must be one of {list(choices)}, got {value!r}")
 
 
-def _positive_int(name: str, value: int) -> None:
+def check_positive_int(name: str, value: int) -> None:
+    """Raise ``ValueError`` naming ``--name`` unless ``value`` is an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"--{_flag(name)} must be a positive integer, got {value!r}")
-
-
-def default_run_dir(optimizer: str, root: str | os.PathLike[str] = "runs") -> Path:
-    """``runs/<YYYYmmdd-HHMMSS>-<optimizer>``."""
-    return Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{optimizer}"
-
-
-def _read_run_file(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run folder: {CONFIG_FILE} is missing")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def read_config(run_dir: Path) -> TrainConfig:
-    """The configuration saved in ``run_dir``; a clear error if there is none."""
-    return TrainConfig.from_json(_read_run_file(run_dir)["train"])
-
-
-def read_launch(run_dir: Path) -> dict[str, Any]:
-    """How the run in ``run_dir`` was first launched (``{"world_size": n}``)."""
-    return dict(_read_run_file(run_dir)["launch"])
-
-
-def _check_same_kind_of_run(run_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
-    """A simulation (``onebit simulate``) continues only as a simulation of as many workers,
-    a run of worker processes only as one (each keeps its workers' error buffers its way)."""
-    simulated = saved.get("simulated", False)
-    if simulated == now.get("simulated", False) and (
-        not simulated or saved["world_size"] == now["world_size"]
-    ):
-        return
-    kind = (
-        f"a simulation of {saved['world_size']} workers (onebit simulate)"
-        if simulated
-        else "a run of worker processes (onebit train)"
-    )
-    command = "onebit simulate" if simulated else "onebit train"
-    raise ValueError(f"{run_dir} holds {kind}; continue it with `{command} --resume {run_dir}`")
-
-
-def prepare_run_dir(run_dir: Path, config: TrainConfig, launch: dict[str, Any]) -> bool:
-    """Create ``run_dir`` with ``config.json``; return True if it continues an earlier run.
-
-    Safe to call from every rank at once. Raises ``ValueError`` if the folder holds a run with
-    another configuration, of another kind (``launch["simulated"]``), or other files.
-    """
-    path = run_dir / CONFIG_FILE
-    if path.is_file():
-        saved = read_config(run_dir)
-        if saved != config:
-            changed = {
-                k: (v, getattr(config, k))
-                for k, v in vars(saved).items()
-                if getattr(config, k) != v
-            }
-            raise ValueError(
-                f"{run_dir} holds a run with another configuration (saved vs now: {changed}); "
-                "choose a new --out, or continue it with --resume RUN_DIR"
-            )
-        _check_same_kind_of_run(run_dir, read_launch(run_dir), launch)
-        return True
-    if run_dir.exists() and any(p for p in run_dir.iterdir() if not p.name.startswith(".")):
-        raise ValueError(f"--out {run_dir} exists and is not a run folder; choose a new --out")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"train": config.to_json(), "launch": launch})
-    return False
+        raise ValueError(f"--{flag_name(name)} must be a positive integer, got {value!r}")

@@ -31,14 +31,6 @@ import torch.nn.functional as F
 
 from onebit.train import checkpoint, data
 from onebit.train.atomic import write_json_atomic
-from onebit.train.config import (
-    CHECKPOINT_DIR,
-    SPELLING_TRAIN_WINDOWS,
-    TOKEN_TASKS,
-    TOKENIZER_FILE,
-    FinetuneConfig,
-    read_config,
-)
 from onebit.train.data.spelling import (
     build_spelling_task,
     labelled_windows,
@@ -46,6 +38,8 @@ from onebit.train.data.spelling import (
     replaced_letter_windows,
     text_windows,
 )
+from onebit.train.downstream_config import SPELLING_TRAIN_WINDOWS, TOKEN_TASKS, FinetuneConfig
+from onebit.train.run_dir import CHECKPOINT_DIR, TOKENIZER_FILE, read_config
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from onebit.train.config import SUMMARY_FILE, TrainConfig, prepare_run_dir
+from onebit.train.config import TrainConfig
 from onebit.train.report import format_summary
+from onebit.train.run_dir import SUMMARY_FILE, prepare_run_dir
 
 logger = logging.getLogger(__name__)
 

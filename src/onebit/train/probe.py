@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from onebit.train import data
 from onebit.train.atomic import write_json_atomic
-from onebit.train.config import TOKEN_TASKS, ProbeConfig
+from onebit.train.downstream_config import TOKEN_TASKS, ProbeConfig
 from onebit.train.finetune import (
     EVAL_BATCH,
     REPLACED,

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from onebit.train.atomic import write_json_atomic
-from onebit.train.config import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, TrainConfig
+from onebit.train.config import TrainConfig
+from onebit.train.run_dir import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE
 
 #: The per-step byte counts of the hierarchical exchange, by link (see the module docstring).
 LINKS = ("intra_node", "inter_node")

@@ -39,11 +39,11 @@ from onebit.exchange import NodeGroups
 from onebit.optim.registry import optimizer_spec
 from onebit.train import checkpoint, data, report
 from onebit.train.atomic import write_bytes_atomic
-from onebit.train.config import (
+from onebit.train.config import TrainConfig
+from onebit.train.run_dir import (
     CHECKPOINT_DIR,
     METRICS_FILE,
     TOKENIZER_FILE,
-    TrainConfig,
     prepare_run_dir,
     read_config,
 )

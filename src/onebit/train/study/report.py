@@ -11,11 +11,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from onebit.train.config import (
-    SUMMARY_FILE,
-    TrainConfig,
-)
+from onebit.train.config import TrainConfig
 from onebit.train.report import human_bytes, read_metrics
+from onebit.train.run_dir import SUMMARY_FILE
 from onebit.train.study.runner import (
     arm_command,
     arm_state,

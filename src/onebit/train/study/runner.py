@@ -11,12 +11,9 @@ import sys
 from pathlib import Path
 
 from onebit.cli import options_argv
-from onebit.train.config import (
-    METRICS_FILE,
-    OPTIMIZERS,
-    SUMMARY_FILE,
-)
+from onebit.train.config import OPTIMIZERS
 from onebit.train.report import read_metrics
+from onebit.train.run_dir import METRICS_FILE, SUMMARY_FILE
 from onebit.train.study.schema import (
     FINISHED,
     NO_PRETRAINING,

@@ -9,13 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onebit.train.config import (
-    CONFIG_FILE,
-    METRICS_FILE,
-    SUMMARY_FILE,
-    FinetuneConfig,
-    TrainConfig,
-)
+from onebit.train.config import TrainConfig
+from onebit.train.downstream_config import FinetuneConfig
+from onebit.train.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
 

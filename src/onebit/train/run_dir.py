@@ -1,0 +1,93 @@
+"""The run folder of a training job.
+
+A run folder holds ``config.json`` (the job's :class:`~onebit.train.config.TrainConfig` and how
+it was launched), ``metrics.jsonl``, ``checkpoints/``, ``tokenizer.json`` and, when finished,
+``summary.json`` and ``loss.png``. Starting a job in a folder that already holds the same
+configuration continues it from its latest checkpoint (that is how restarts under
+``torchrun --max-restarts`` resume); a different configuration there is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from onebit.train.atomic import write_json_atomic
+from onebit.train.config import TrainConfig
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+TOKENIZER_FILE = "tokenizer.json"
+LOSS_PLOT_FILE = "loss.png"
+CHECKPOINT_DIR = "checkpoints"
+
+
+def default_run_dir(optimizer: str, root: str | os.PathLike[str] = "runs") -> Path:
+    """``runs/<YYYYmmdd-HHMMSS>-<optimizer>``."""
+    return Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{optimizer}"
+
+
+def _read_run_file(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run folder: {CONFIG_FILE} is missing")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_config(run_dir: Path) -> TrainConfig:
+    """The configuration saved in ``run_dir``; a clear error if there is none."""
+    return TrainConfig.from_json(_read_run_file(run_dir)["train"])
+
+
+def read_launch(run_dir: Path) -> dict[str, Any]:
+    """How the run in ``run_dir`` was first launched (``{"world_size": n}``)."""
+    return dict(_read_run_file(run_dir)["launch"])
+
+
+def _check_same_kind_of_run(run_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """A simulation (``onebit simulate``) continues only as a simulation of as many workers,
+    a run of worker processes only as one (each keeps its workers' error buffers its way)."""
+    simulated = saved.get("simulated", False)
+    if simulated == now.get("simulated", False) and (
+        not simulated or saved["world_size"] == now["world_size"]
+    ):
+        return
+    kind = (
+        f"a simulation of {saved['world_size']} workers (onebit simulate)"
+        if simulated
+        else "a run of worker processes (onebit train)"
+    )
+    command = "onebit simulate" if simulated else "onebit train"
+    raise ValueError(f"{run_dir} holds {kind}; continue it with `{command} --resume {run_dir}`")
+
+
+def prepare_run_dir(run_dir: Path, config: TrainConfig, launch: dict[str, Any]) -> bool:
+    """Create ``run_dir`` with ``config.json``; return True if it continues an earlier run.
+
+    Safe to call from every rank at once. Raises ``ValueError`` if the folder holds a run with
+    another configuration, of another kind (``launch["simulated"]``), or other files.
+    """
+    path = run_dir / CONFIG_FILE
+    if path.is_file():
+        saved = read_config(run_dir)
+        if saved != config:
+            changed = {
+                k: (v, getattr(config, k))
+                for k, v in vars(saved).items()
+                if getattr(config, k) != v
+            }
+            raise ValueError(
+                f"{run_dir} holds a run with another configuration (saved vs now: {changed}); "
+                "choose a new --out, or continue it with --resume RUN_DIR"
+            )
+        _check_same_kind_of_run(run_dir, read_launch(run_dir), launch)
+        return True
+    if run_dir.exists() and any(p for p in run_dir.iterdir() if not p.name.startswith(".")):
+        raise ValueError(f"--out {run_dir} exists and is not a run folder; choose a new --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"train": config.to_json(), "launch": launch})
+    return False
