@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from onebit.train import checkpoint, data, worker
+from onebit.train import checkpoint, data, job_data
 from onebit.train.model import build_mlm_model
 from onebit.train.run_dir import CHECKPOINT_DIR, read_config
 
@@ -46,12 +46,12 @@ def main() -> None:
             raise SystemExit(f"--workers {workers} does not divide the batch {config.batch_size}")
     step, state = checkpoint.latest_model_state(args.run / CHECKPOINT_DIR)
     batch_step = min(step + 1, config.steps)  # after the last step: the last step's batch
-    mlm, _ = worker.load_data(config)
-    model = build_mlm_model(worker.model_config(config, mlm.vocab_size))
+    mlm, _ = job_data.load_data(config)
+    model = build_mlm_model(job_data.model_config(config, mlm.vocab_size))
     model.load_state_dict(state["model"])
     batches = data.global_batches(mlm.train.shape[0], config.batch_size, config.steps, config.seed)
     indices = next(itertools.islice(batches, batch_step - 1, None))
-    inputs, labels = worker.masked_batch(config, mlm, batch_step, indices)
+    inputs, labels = job_data.masked_batch(config, mlm, batch_step, indices)
     print(f"{args.run}, weights after step {step}, the global batch of step {batch_step}:")
     for workers in args.workers:
         size = config.batch_size // workers

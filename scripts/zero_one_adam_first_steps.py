@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from onebit.train import data, worker
+from onebit.train import data, gradients, job_data
 from onebit.train.config import TrainConfig
 from onebit.train.model import build_mlm_model
 
@@ -64,19 +64,19 @@ def main() -> None:
 
 
 def trace(config: TrainConfig, steps: int, top: int) -> None:
-    mlm, _ = worker.load_data(config)
+    mlm, _ = job_data.load_data(config)
     torch.manual_seed(config.seed)
-    model = build_mlm_model(worker.model_config(config, mlm.vocab_size))
+    model = build_mlm_model(job_data.model_config(config, mlm.vocab_size))
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    optimizer = worker.build_optimizer(config, params)
+    optimizer = gradients.build_optimizer(config, params)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: worker.lr_factor(i, config.lr_warmup_steps, config.steps)
+        optimizer, lambda i: job_data.lr_factor(i, config.lr_warmup_steps, config.steps)
     )
     batches = data.global_batches(mlm.train.shape[0], config.batch_size, config.steps, config.seed)
     print("step  kind              loss    largest |Δp| / |p| (tensor: ratio (|g| gradient norm))")
     for step, indices in enumerate(itertools.islice(batches, steps), start=1):
-        inputs, labels = worker.masked_batch(config, mlm, step, indices)
+        inputs, labels = job_data.masked_batch(config, mlm, step, indices)
         kind = getattr(optimizer, "stage", "dense")
         loss = model(inputs, labels)
         loss.backward()

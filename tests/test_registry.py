@@ -18,7 +18,7 @@ from onebit.optim.registry import (
     optimizer_spec,
 )
 from onebit.train.config import TrainConfig
-from onebit.train.worker import build_optimizer
+from onebit.train.gradients import build_optimizer
 
 
 def params() -> list[torch.nn.Parameter]:

@@ -104,7 +104,7 @@ CASES = {
 def _real_runs(rank: int, world: int, cases) -> list[tuple[list[torch.Tensor], int]]:
     """On each of ``world`` gloo processes: every case, the parameters after every step and
     the number of compression steps that clipped this rank's own gradient."""
-    from onebit.train.worker import average_gradients
+    from onebit.train.gradients import average_gradients
 
     trajectories = []
     for name, local, clip, kernels in cases:

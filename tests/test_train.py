@@ -20,8 +20,8 @@ from onebit.cli import main as onebit_main
 from onebit.train import checkpoint, report
 from onebit.train.atomic import atomic_path, write_json_atomic
 from onebit.train.config import TrainConfig
+from onebit.train.job_data import lr_factor, step_seed
 from onebit.train.run_dir import prepare_run_dir
-from onebit.train.worker import lr_factor, step_seed
 
 STEPS = 12
 FREEZE = 4

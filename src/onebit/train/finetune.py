@@ -148,7 +148,7 @@ def chance_accuracy(task: str, test_rows: list[tuple[str, int]]) -> float:
 def pretraining_split(run_dir: Path) -> tuple[list[str], list[str]]:
     """The run's pre-training documents and those held out of it (build_mlm_dataset's split):
     the spelling tasks train on windows of the first and test on windows of the second."""
-    from onebit.train.worker import load_documents
+    from onebit.train.job_data import load_documents
 
     pretraining = read_config(run_dir)
     return data.split_documents(load_documents(pretraining), seed=pretraining.seed)
@@ -223,8 +223,8 @@ def finetune(run_dir: Path, config: FinetuneConfig) -> dict[str, Any]:
     ``sqrt(a·(1-a)/n_test)``, the ``chance_accuracy`` of guessing, and the settings) goes to
     ``RUN_DIR/<config.result_file>``.
     """
+    from onebit.train.job_data import lr_factor
     from onebit.train.model import build_classifier, config_from_dict
-    from onebit.train.worker import lr_factor
 
     step, state, tokenizer = load_run(run_dir)
     bert = config_from_dict(

@@ -62,7 +62,7 @@ def launch_job(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from onebit.train.worker import load_data
+    from onebit.train.job_data import load_data
 
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")

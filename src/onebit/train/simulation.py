@@ -1,6 +1,6 @@
 """``onebit simulate``: the main job with ``n`` data-parallel workers simulated in one process.
 
-The trainer of ``onebit train`` (:mod:`onebit.train.worker`) with its model, data order,
+The trainer of ``onebit train`` (:mod:`onebit.train.trainer`) with its model, data order,
 masking, dropout seeds, learning-rate schedule, evaluation, metrics, checkpoints and report;
 only the workers differ: :class:`onebit.simulate.SimulatedDataParallel` runs worker ``i`` on
 slice ``i`` of the global batch (with worker ``i``'s dropout seed), averages the gradients of
@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from onebit.simulate import SimulatedDataParallel
 from onebit.train.config import TrainConfig
-from onebit.train.worker import Rank, _configure_logging, _Trainer, build_optimizer
+from onebit.train.gradients import build_optimizer
+from onebit.train.trainer import Rank, Trainer
+from onebit.train.worker import configure_logging
 
 __all__ = ["SimulatedTrainer", "check_simulated", "simulate"]
 
@@ -31,7 +33,7 @@ __all__ = ["SimulatedTrainer", "check_simulated", "simulate"]
 SIMULATED_OPTIMIZERS = ("onebit-lamb", "onebit-adam", "lamb", "adam")
 
 
-class SimulatedTrainer(_Trainer):
+class SimulatedTrainer(Trainer):
     """The main job's trainer with ``workers`` simulated workers in this process."""
 
     def __init__(self, config: TrainConfig, run_dir: Path, workers: int, rank: Rank) -> None:
@@ -110,7 +112,7 @@ def simulate(
         raise RuntimeError("--device cuda was requested but CUDA is not available")
     device = torch.device(config.device)
     rank = Rank(rank=0, world=1, local_rank=0, local_world=1, device=device)
-    _configure_logging(rank)
+    configure_logging(rank)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         SimulatedTrainer(config, run_dir, workers, rank).train()

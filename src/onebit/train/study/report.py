@@ -81,7 +81,7 @@ def data_facts(config: TrainConfig) -> dict[str, Any]:
     """The vocabulary, the numbers of sequences and the unigram cross-entropy of the
     validation tokens (nats) of ``config``'s data."""
     from onebit.train.data import unigram_cross_entropy
-    from onebit.train.worker import load_data
+    from onebit.train.job_data import load_data
 
     mlm, _ = load_data(config)
     return {

@@ -1,0 +1,71 @@
+"""The main job's optimizer and how its gradients are averaged: the optimizer built from the
+registry, DDP's allreduce with its bytes counted, and the plain loop's own dense allreduce for
+the dense baselines (onebit's optimizers average in ``step()``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import onebit
+from onebit.collectives import TrafficCounter, allreduce_bytes
+from onebit.exchange import NodeGroups
+from onebit.optim.registry import optimizer_spec
+from onebit.train.config import TrainConfig
+
+
+def build_optimizer(
+    config: TrainConfig,
+    params: list[nn.Parameter],
+    node_groups: NodeGroups | None = None,
+    max_grad_norm: float = 0.0,
+) -> torch.optim.Optimizer:
+    """The optimizer named by ``config.optimizer`` (:data:`onebit.optim.registry.OPTIMIZERS`)
+    with the config's hyper-parameters; the 1-bit optimizers exchange hierarchically over
+    ``node_groups`` when given; onebit's optimizers clip at ``max_grad_norm`` in ``step()``
+    (torch's AdamW does not clip)."""
+    values = {
+        **dataclasses.asdict(config),
+        "compression": config.onebit_adam_compression,
+        "node_groups": node_groups,
+        "max_grad_norm": max_grad_norm,
+    }
+    return optimizer_spec(config.optimizer).build(params, values)
+
+
+def clips_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` clips the gradients in its ``step()`` (onebit's optimizers)."""
+    return hasattr(optimizer, "max_grad_norm")
+
+
+# No annotations: DistributedDataParallel inspects them and rejects postponed (string) ones.
+def counted_allreduce_hook(traffic, bucket):
+    """DDP's default mean allreduce, with its bytes counted in ``traffic``."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    traffic.record("allreduce", allreduce_bytes(bucket.buffer(), dist.get_world_size()))
+    return allreduce_hook(None, bucket)
+
+
+def average_gradients(params: list[nn.Parameter], traffic: TrafficCounter) -> None:
+    """Mean of every gradient over ranks in one dense allreduce (what DDP does, without it),
+    for the dense baselines of a plain loop (onebit's optimizers average in ``step()``).
+
+    Every parameter has its place whatever gradients this rank has, with one flag each that
+    says whether it had one (so ranks that differ in which gradients exist still send the
+    same buffer): a gradient missing on some ranks counts as zero, and a parameter no rank
+    has a gradient for keeps none."""
+    sizes = [p.numel() for p in params]
+    flat = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
+    values, flags = flat[: sum(sizes)].split(sizes), flat[sum(sizes) :]
+    for index, (param, value) in enumerate(zip(params, values, strict=True)):
+        if param.grad is not None:
+            value.copy_(param.grad.reshape(-1))
+            flags[index] = 1
+    onebit.allreduce_mean_(flat, traffic=traffic)
+    for param, value, flag in zip(params, values, flags.tolist(), strict=True):
+        if flag > 0:
+            param.grad = value.view_as(param).clone()

@@ -1,0 +1,386 @@
+"""One rank's training run of the main job: set-up, resumption from the newest checkpoint, the
+loop of steps, evaluation, checkpoints, metrics, progress and the report. ``onebit simulate``
+runs the same trainer with its workers simulated (:mod:`onebit.train.simulation`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import onebit
+from onebit.collectives import TrafficCounter
+from onebit.train import checkpoint, data, report
+from onebit.train.atomic import write_bytes_atomic
+from onebit.train.config import TrainConfig
+from onebit.train.gradients import (
+    average_gradients,
+    build_optimizer,
+    clips_in_step,
+    counted_allreduce_hook,
+)
+from onebit.train.job_data import load_data, lr_factor, masked_batch, model_config, step_seed
+from onebit.train.run_dir import (
+    CHECKPOINT_DIR,
+    METRICS_FILE,
+    TOKENIZER_FILE,
+    prepare_run_dir,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Evaluation batch (sequences per forward pass) on each rank.
+EVAL_BATCH = 128
+#: Stage label of the steps of the uncompressed optimizers.
+DENSE = "dense"
+
+
+@dataclasses.dataclass
+class Rank:
+    """Where this process sits in the job."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _collective_ok(error: str | None, what: str) -> None:
+    """Raise on every rank if any rank failed ``what`` (the first error message is shown)."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        rank, message = failed[0]
+        raise RuntimeError(f"{what} failed on rank {rank}: {message}")
+
+
+class Trainer:
+    """The state of one rank's training run, and the loop."""
+
+    def __init__(
+        self, config: TrainConfig, run_dir: Path, rank: Rank, kill_at_step: int | None
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.rank = rank
+        self.kill_at_step = kill_at_step
+        self.checkpoints = run_dir / CHECKPOINT_DIR
+        self.traffic: dict[str, int] = {}
+        self.workers = rank.world  # data-parallel workers
+
+    def _launch(self) -> dict[str, Any]:
+        """What the run folder records of how the run was launched."""
+        return {"world_size": self.workers}
+
+    def _report_extra(self) -> dict[str, Any]:
+        """Entries of ``summary.json`` beyond :func:`report.summarize`'s."""
+        return {}
+
+    # ----------------------------------------------------------------- setup
+    def _prepare(self) -> tuple[data.MLMData, str]:
+        error = None
+        if self.rank.is_main:
+            try:
+                prepare_run_dir(self.run_dir, self.config, self._launch())
+            except (ValueError, OSError) as exc:
+                error = str(exc)
+        _collective_ok(error, "preparing the run folder")
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        # One process per node fills the data cache; the others then read it.
+        loaded = None
+        if self.rank.local_rank == 0:
+            loaded = load_data(self.config)
+        dist.barrier()
+        if loaded is None:
+            loaded = load_data(self.config)
+        return loaded
+
+    def _build(self, mlm: data.MLMData) -> None:
+        from onebit.train.model import build_mlm_model
+
+        config = self.config
+        self.bert_config = model_config(config, mlm.vocab_size)
+        torch.manual_seed(config.seed)
+        self.model = build_mlm_model(self.bert_config).to(self.rank.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+
+        resumed = checkpoint.load_latest(self.checkpoints)
+        if resumed is not None and resumed.model is not None:
+            self.model.load_state_dict(resumed.model["model"])
+        # Identical initial (or restored) weights on every rank.
+        onebit.broadcast_parameters(self.model.state_dict().values())
+        self._parallelize()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda i: lr_factor(i, config.lr_warmup_steps, config.steps),
+        )
+        self.start_step = 0
+        self.metrics_bytes = 0
+        if resumed is not None:
+            state = resumed.rank_state
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.traffic = dict(state["traffic"])
+            self.start_step = resumed.step
+            if resumed.model is not None:
+                self.metrics_bytes = int(resumed.model["metrics_bytes"])
+            logger.info("Resuming at step %d from %s", resumed.step, resumed.path)
+
+    def _parallelize(self) -> None:
+        """The optimizer, how gradients are averaged (``self.dense_traffic`` counts the dense
+        averaging's bytes) and the module the forward pass runs through."""
+        config = self.config
+        groups = onebit.node_groups(config.node_size) if config.hierarchical else None
+        self.optimizer = build_optimizer(config, self.params, groups, config.grad_clip)
+        self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
+        self.forward: nn.Module = self.model
+        if config.ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.rank.local_rank] if self.rank.device.type == "cuda" else None
+            self.forward = DistributedDataParallel(self.model, device_ids=device_ids)
+            if config.uses_onebit:
+                onebit.ddp.register_comm_hook(self.forward, self.optimizer)
+            else:
+                self.forward.register_comm_hook(self.dense_traffic, counted_allreduce_hook)
+
+    def _link_bytes(self) -> dict[str, int]:
+        """Bytes this rank has sent in the hierarchical exchange so far, per link kind."""
+        sent = self.optimizer.traffic_by_kind
+        return {kind: sent.get(kind, 0) for kind in report.LINKS}
+
+    def _stage(self) -> str:
+        return self.optimizer.stage if self.config.uses_onebit else DENSE
+
+    def _bytes_sent(self) -> int:
+        """Bytes this rank has sent for gradients and momenta so far."""
+        sent = self.dense_traffic.total()  # gradients averaged by the job or DDP's default hook
+        if self.config.uses_onebit:
+            sent += sum(self.optimizer.bytes_sent.values())
+        return sent
+
+    # ----------------------------------------------------------------- the loop
+    def train(self) -> None:
+        mlm, tokenizer_json = self._prepare()
+        if self.rank.is_main and not (self.run_dir / TOKENIZER_FILE).exists():
+            write_bytes_atomic(self.run_dir / TOKENIZER_FILE, tokenizer_json.encode())
+        self._build(mlm)
+        config = self.config
+        val_inputs, val_labels = self._validation_set(mlm)
+        batches = data.global_batches(
+            mlm.train.shape[0], config.batch_size, config.steps, config.seed, self.start_step
+        )
+        with self._metrics_file() as metrics, self._progress() as bar:
+            for step, indices in enumerate(batches, start=self.start_step + 1):
+                row = self._train_step(step, mlm, indices)
+                self._write(metrics, row)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{row['loss']:.3f}",
+                        stage=row["stage"],
+                        sent=report.human_bytes(row["bytes_total"]),
+                    )
+                if step == self.kill_at_step and self._first_attempt_last_rank():
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if step % config.eval_every == 0 or step == config.steps:
+                    val = self._evaluate(val_inputs, val_labels)
+                    self._write(
+                        metrics,
+                        {
+                            "kind": "validation",
+                            "step": step,
+                            "samples": row["samples"],
+                            "loss": val,
+                        },
+                    )
+                    logger.info("step %d: validation MLM loss %.4f", step, val)
+                if step % config.checkpoint_every == 0 or step == config.steps:
+                    self._save(step, metrics)
+        if self.rank.is_main:
+            summary = report.write_run_report(
+                self.run_dir,
+                config,
+                world_size=self.workers,
+                numel=self.numel,
+                extra={
+                    "unigram_entropy": data.unigram_cross_entropy(mlm),
+                    **self._report_extra(),
+                },
+            )
+            print(report.format_summary(summary), flush=True)
+        # No rank exits before the summary is written: torch sometimes aborts a process as it
+        # exits, and once the summary is there such an abort is no failure (launch_job).
+        dist.barrier()
+
+    def _validation_set(self, mlm: data.MLMData) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fixed random subset of ``eval_seqs`` validation sequences with fixed masks."""
+        generator = torch.Generator().manual_seed(step_seed(self.config.seed, -1))
+        sequences = mlm.validation
+        if 0 < self.config.eval_seqs < sequences.shape[0]:
+            chosen = torch.randperm(sequences.shape[0], generator=generator)
+            sequences = sequences[chosen[: self.config.eval_seqs].sort().values]
+        return data.mask_tokens(
+            sequences,
+            generator,
+            vocab_size=mlm.vocab_size,
+            special_ids=mlm.special_ids,
+            mask_id=mlm.mask_id,
+        )
+
+    def _first_attempt_last_rank(self) -> bool:
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return restarts == 0 and self.rank.rank == self.rank.world - 1
+
+    def _train_step(self, step: int, mlm: data.MLMData, indices: torch.Tensor) -> dict[str, Any]:
+        config = self.config
+        started = time.perf_counter()
+        inputs, labels = masked_batch(config, mlm, step, indices)
+        stage = self._stage()
+        lr = self.optimizer.param_groups[0]["lr"]
+        sent_before = self._bytes_sent()
+        links_before = self._link_bytes() if config.hierarchical else None
+        loss_sum, masked = self._gradient_step(step, inputs, labels)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sent = self._bytes_sent() - sent_before
+        self.traffic[stage] = self.traffic.get(stage, 0) + sent
+        links = {}
+        if links_before is not None:
+            links = {f"bytes_{k}": n - links_before[k] for k, n in self._link_bytes().items()}
+        return {
+            "kind": "train",
+            "step": step,
+            "stage": stage,
+            "loss": loss_sum / max(masked, 1),
+            "lr": lr,
+            "samples": step * config.batch_size,
+            "bytes": sent,
+            "bytes_total": sum(self.traffic.values()),
+            **links,
+            "step_time": time.perf_counter() - started,
+        }
+
+    def _worker_loss(
+        self, step: int, worker: int, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """Worker ``worker``'s MLM loss on its slice of the global batch, and its number of
+        masked tokens (dropout seeded by the step and the worker)."""
+        inputs = data.rank_slice(inputs, worker, self.workers).to(self.rank.device)
+        labels = data.rank_slice(labels, worker, self.workers).to(self.rank.device)
+        torch.manual_seed(step_seed(self.config.seed, step, worker))  # dropout
+        return self.forward(inputs, labels), int((labels != data.IGNORE_INDEX).sum())
+
+    def _gradient_step(
+        self, step: int, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[float, int]:
+        """This rank's forward and backward pass on its slice of the global batch, then the
+        optimizer step; returns the global batch's summed MLM loss and number of masked
+        tokens. The 1-bit optimizers average (in their dense steps) and clip in ``step()``;
+        the dense baselines' gradients are averaged by DDP or, in a plain loop, here."""
+        config = self.config
+        loss, masked = self._worker_loss(step, self.rank.rank, inputs, labels)
+        loss.backward()
+        if not config.ddp and not config.uses_onebit:
+            average_gradients(self.params, self.dense_traffic)
+        if config.grad_clip > 0 and not clips_in_step(self.optimizer):
+            torch.nn.utils.clip_grad_norm_(self.params, config.grad_clip)
+        self.optimizer.step()
+        totals = torch.tensor([loss.item() * masked, masked], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return float(totals[0]), int(totals[1])
+
+    @torch.no_grad()
+    def _evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        """MLM loss over the whole (fixed-masked) validation set, split across ranks."""
+        self.model.eval()
+        mine = torch.arange(self.rank.rank, inputs.shape[0], self.rank.world)
+        totals = torch.zeros(2, dtype=torch.float64)
+        for chunk in mine.split(EVAL_BATCH):
+            batch_labels = labels[chunk].to(self.rank.device)
+            loss = self.model(inputs[chunk].to(self.rank.device), batch_labels)
+            masked = int((batch_labels != data.IGNORE_INDEX).sum())
+            totals += torch.tensor([loss.item() * masked, masked], dtype=torch.float64)
+        dist.all_reduce(totals)
+        self.model.train()
+        return float(totals[0] / totals[1].clamp(min=1))
+
+    def _save(self, step: int, metrics: Any) -> None:
+        model_state = None
+        if self.rank.is_main:
+            metrics.flush()
+            os.fsync(metrics.fileno())
+            model_state = {
+                "model": self.model.state_dict(),
+                "step": step,
+                "metrics_bytes": metrics.tell(),
+                "bert_config": self.bert_config.to_dict(),
+            }
+        rank_state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "traffic": dict(self.traffic),
+            "step": step,
+        }
+        checkpoint.save(
+            self.checkpoints, step, model_state, rank_state, self.config.keep_checkpoints
+        )
+
+    # ----------------------------------------------------------------- output (rank 0)
+    @contextlib.contextmanager
+    def _metrics_file(self) -> Iterator[Any]:
+        """Rank 0: ``metrics.jsonl`` cut back to the resumed checkpoint's rows, for appending."""
+        if not self.rank.is_main:
+            yield None
+            return
+        path = self.run_dir / METRICS_FILE
+        with path.open("a+b") as f:
+            f.truncate(self.metrics_bytes)
+            f.seek(self.metrics_bytes)
+            yield f
+
+    @staticmethod
+    def _write(metrics: Any, row: dict[str, Any]) -> None:
+        if metrics is not None:
+            metrics.write((json.dumps(row) + "\n").encode())
+
+    @contextlib.contextmanager
+    def _progress(self) -> Iterator[Any]:
+        if not self.rank.is_main:
+            yield None
+            return
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with (
+            logging_redirect_tqdm(),
+            tqdm(
+                total=self.config.steps,
+                initial=self.start_step,
+                desc=f"{self.config.optimizer} x{self.workers}",
+                unit="step",
+                mininterval=1.0,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            ) as bar,
+        ):
+            yield bar
