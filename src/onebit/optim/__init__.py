@@ -1,7 +1,8 @@
 """The optimizers: :class:`Lamb`, :class:`OneBitLamb`, :class:`OneBitAdam` and
 :class:`ZeroOneAdam`."""
 
-from onebit.optim._onebit import CommunicationError, OneBitOptimizer
+from onebit.optim._communicating import CommunicationError
+from onebit.optim._onebit import OneBitOptimizer
 from onebit.optim.lamb import Lamb
 from onebit.optim.onebit_adam import OneBitAdam
 from onebit.optim.onebit_lamb import OneBitLamb
