@@ -26,7 +26,7 @@ def rank_main(preset: str) -> None:
     dist.init_process_group("gloo", init_method="env://")
     import onebit
     from onebit.bench.bert import build_model, synthetic_batches
-    from onebit.exchange import protocol
+    from onebit.exchange import over_group
     from onebit.optim import _overlap
 
     spent = defaultdict(float)
@@ -44,7 +44,7 @@ def rank_main(preset: str) -> None:
         setattr(cls, name, wrapper)
 
     timed(_overlap.BackwardOverlap, "_on_gradient", "hooks")
-    timed(protocol.Round, "send_workers", "worker phase")
+    timed(over_group.Round, "send_workers", "worker phase")
     rank, out = dist.get_rank(), {}
     for mode in ("after", "overlap"):
         model = build_model(preset, 0)

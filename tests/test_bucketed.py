@@ -260,17 +260,17 @@ def test_the_buckets_phases_are_pipelined(monkeypatch):
     """Every bucket's worker signs are sent first (what runs during backward with
     overlap_backward), then bucket k+1's server phase runs before bucket k finishes (the
     order of the steps, recorded in one process)."""
-    from onebit.exchange import protocol
+    from onebit.exchange import over_group
 
     steps = []
     for name in ("send_workers", "send_servers", "finish"):
-        original = getattr(protocol.Round, name)
+        original = getattr(over_group.Round, name)
 
         def record(self, original=original, name=name):
             steps.append((name, self.segments[0].data_ptr()))
             return original(self)
 
-        monkeypatch.setattr(protocol.Round, name, record)
+        monkeypatch.setattr(over_group.Round, name, record)
     exchange = BucketedExchange(None, 16)
     exchange.bind(
         [40], torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()

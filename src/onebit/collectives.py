@@ -20,12 +20,12 @@ from torch import Tensor
 
 from onebit import kernels as backends
 from onebit.exchange.flat import padded_segments, per_tensor_error_sizes
+from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
     CompressionWorkspace,
     Layout,
     check_error_state,
     exchange_bytes,
-    exchange_over_group,
     padded_size,
 )
 from onebit.exchange.transport import (

@@ -12,13 +12,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.exchange.flat import FlatExchange
-from onebit.exchange.protocol import (
-    CompressionWorkspace,
-    Layout,
-    PackedResult,
-    Round,
-    exchange_bytes,
-)
+from onebit.exchange.over_group import Round
+from onebit.exchange.protocol import CompressionWorkspace, Layout, PackedResult, exchange_bytes
 from onebit.exchange.transport import GroupTransport
 
 __all__ = ["BucketPipeline", "BucketedExchange", "BucketedResult", "bucket_ranges"]

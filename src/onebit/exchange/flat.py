@@ -8,12 +8,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.exchange.base import Exchange
+from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
     CompressionWorkspace,
     Layout,
     PackedResult,
     exchange_bytes,
-    exchange_over_group,
     padded_size,
 )
 from onebit.exchange.transport import GroupTransport, world_size

@@ -19,13 +19,13 @@ from torch import Tensor
 
 from onebit.compression import scale_dtype
 from onebit.exchange.base import Exchange
+from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
     CompressionWorkspace,
     Layout,
     PackedResult,
     check_error_state,
     exchange_bytes,
-    exchange_over_group,
     padded_size,
 )
 from onebit.exchange.transport import (

@@ -1,0 +1,172 @@
+"""The two-phase exchange (:mod:`onebit.exchange.protocol`) over a process group: the stages
+with ``torch.distributed`` collectives between them (a
+:class:`~onebit.exchange.transport.GroupTransport`), whole (:func:`exchange_over_group`), with
+its error updates left for later (:func:`start_exchange`), or step by step with its
+collectives in flight (:class:`Round`, which the bucketed exchange's pipeline interleaves)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from onebit.exchange.protocol import CompressionWorkspace, PackedResult
+from onebit.exchange.transport import GroupTransport, finite_problem, worker_scales_problem
+from onebit.kernels import BACKENDS
+
+__all__ = ["PendingExchange", "Round", "exchange_over_group", "start_exchange"]
+
+
+@dataclass
+class PendingExchange:
+    """An exchange whose result is in, its error updates not yet applied (:meth:`commit`
+    applies them; until then the segments, ``xs`` and the workspace must stay as they are)."""
+
+    result: PackedResult
+    _commit: object
+
+    def commit(self) -> PackedResult:
+        """Apply the error updates; the result."""
+        self._commit()
+        return self.result
+
+
+def exchange_over_group(
+    segments: Sequence[Tensor],
+    xs: Sequence[Tensor],
+    worker_error: Tensor,
+    server_error: Tensor,
+    transport: GroupTransport,
+    workspace: CompressionWorkspace,
+) -> PackedResult:
+    """The two-phase exchange of this rank's ``segments`` (flat, ``P_t`` elements each, of
+    the layout ``workspace`` was prepared for) over ``transport``'s group, with this rank's
+    error state (``worker_error``: ``sum P_t``; ``server_error``: ``sum P_t / n``), updated
+    in place. ``xs`` (one per segment, may be the segments themselves) holds intermediates.
+
+    Every rank's scales and backend are checked after the worker compression and every
+    server's scales after the server compression, before any error state changes: a
+    :class:`~onebit.exchange.transport.NonFiniteError` or
+    :class:`~onebit.exchange.transport.KernelMismatchError` is raised on every rank alike."""
+    return start_exchange(segments, xs, worker_error, server_error, transport, workspace).commit()
+
+
+def start_exchange(
+    segments: Sequence[Tensor],
+    xs: Sequence[Tensor],
+    worker_error: Tensor,
+    server_error: Tensor,
+    transport: GroupTransport,
+    workspace: CompressionWorkspace,
+) -> PendingExchange:
+    """:func:`exchange_over_group` with the error updates left for the caller to apply
+    (``commit()``), so that several exchanges can all be checked before any error state
+    changes (the bucketed exchange). The error updates read only what the exchange leaves in
+    ``xs``, the segments and the workspace, so applying them later gives the same bits."""
+    exchange = Round(segments, xs, worker_error, server_error, transport, workspace)
+    exchange.send_workers()
+    exchange.send_servers()
+    return exchange.finish()
+
+
+class Round:
+    """One exchange (the arguments of :func:`start_exchange`) in three steps, each ending
+    with its collectives in flight, so that a caller can interleave the steps of several
+    exchanges (the bucketed exchange's pipeline: bucket ``k + 1``'s signs on the wire while
+    bucket ``k``'s server compresses):
+
+    1. :meth:`send_workers`: worker compression; the worker scales gathered and the signs
+       sent to their servers;
+    2. :meth:`send_servers`: every rank's scales and backend checked; the server
+       compression; the server scales and signs gathered;
+    3. :meth:`finish`: every server's scales checked; the result, its error updates
+       pending.
+
+    A check that fails raises on every rank alike (they all gathered the same values) with
+    no error state changed; :meth:`drain` then waits for what is still in flight."""
+
+    def __init__(
+        self,
+        segments: Sequence[Tensor],
+        xs: Sequence[Tensor],
+        worker_error: Tensor,
+        server_error: Tensor,
+        transport: GroupTransport,
+        workspace: CompressionWorkspace,
+    ) -> None:
+        self.segments, self.xs, self.transport, self.ws = segments, xs, transport, workspace
+        layout = workspace.stages.layout
+        self.worker_errors = worker_error.view(-1).split(layout.sizes)
+        self.server_errors = server_error.view(-1).split(layout.chunks)
+        self.packed = workspace.worker_packed.split([size // 8 for size in layout.sizes])
+        self.server_packed = workspace.server_packed.split(layout.chunk_bytes)
+        self.device = worker_error.device
+        self._works: list = []
+
+    def drain(self) -> None:
+        """Wait for this exchange's collectives in flight."""
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._works = []
+
+    def send_workers(self) -> None:
+        ws, stages = self.ws, self.ws.stages
+        layout, count = stages.layout, stages.layout.segments
+        stages.compress_worker(
+            self.segments, self.xs, self.worker_errors, self.packed, ws.local_scales
+        )
+        ws.local_scales[count] = stages.backend.code
+        if count > 1:  # chunk j of every segment's signs, for rank j
+            columns = ws.send.split(layout.chunk_bytes, dim=1)
+            for column, signs in zip(columns, self.packed, strict=True):
+                column.copy_(signs.view(layout.n, -1))
+        self._works = [
+            self.transport.all_gather(ws.worker_scales, ws.local_scales, async_op=True),
+            self.transport.all_to_all(ws.received, ws.send, async_op=True),
+        ]
+
+    def send_servers(self) -> None:
+        ws, stages = self.ws, self.ws.stages
+        layout, count = stages.layout, stages.layout.segments
+        self.drain()
+        problem = worker_scales_problem(ws.worker_scales, stages.backend.name, BACKENDS)
+        self.transport.agree(problem, self.device)
+        if count == 1:
+            self.received = [ws.received]
+        else:
+            parts = ws.received.split(layout.chunk_bytes, dim=1)
+            self.received = [part.contiguous() for part in parts]
+        self.worker_scales = ws.worker_scales[:, :count].T.contiguous()  # row t: a_0t ... a_(n-1)t
+        stages.compress_server(
+            self.received,
+            self.worker_scales,
+            self.server_errors,
+            self.server_packed,
+            ws.local_server_scales,
+        )
+        self._works = [
+            self.transport.all_gather(ws.server_scales, ws.local_server_scales, async_op=True),
+            self.transport.all_gather(ws.gathered, ws.server_packed, async_op=True),
+        ]
+
+    def finish(self) -> PendingExchange:
+        ws, stages = self.ws, self.ws.stages
+        self.drain()
+        self.transport.agree(finite_problem(ws.server_scales.tolist(), "server scale"), self.device)
+
+        def commit() -> None:
+            stages.update_worker_errors(
+                self.segments, self.xs, self.worker_errors, self.packed, ws.local_scales
+            )
+            stages.update_server_errors(
+                self.received,
+                self.worker_scales,
+                self.server_errors,
+                self.server_packed,
+                ws.local_server_scales,
+            )
+
+        result = PackedResult(ws.gathered, ws.server_scales, stages.layout, stages.backend)
+        return PendingExchange(result, commit)
