@@ -56,9 +56,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from types import FrameType, TracebackType
 
+from onebit.bench.cluster_processes import HostProcesses
 from onebit.bench.netns import (
     DEFAULT_PREFIX,
     TOKEN_HEX,
@@ -81,8 +82,6 @@ MAX_HOSTS = 250
 """Most hosts in one cluster (one /24 subnet, three-digit indices in interface names)."""
 
 _SUBNET = "198.18.0"
-_FIRST_MASTER_PORT = 29500
-_MASTER_PORTS = 1000
 
 _PREFIX_RE = re.compile(r"[a-z][a-z0-9]{0,4}")
 _MIN_BURST = 64 * 1024
@@ -93,7 +92,7 @@ _NETEM_LIMIT = 100_000
 _SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
 
-class EmulatedCluster:
+class EmulatedCluster(HostProcesses):
     """Hosts in network namespaces behind one bridge, each on a shaped full-duplex link.
 
     Args:
@@ -333,112 +332,6 @@ class EmulatedCluster:
                     f"emulated cluster {self.run_id} left behind: {' '.join(leftovers)}"
                 )
             logger.info("emulated cluster %s torn down", self.run_id)
-
-    # ----- processes -----------------------------------------------------------------------
-
-    def popen(
-        self,
-        i: int,
-        argv: Sequence[str],
-        env: Mapping[str, str] | None = None,
-        **kwargs: object,
-    ) -> subprocess.Popen[str]:
-        """Start ``argv`` inside host ``i``'s namespace and return its ``Popen``.
-
-        The child gets this process's environment updated with ``env``, plus
-        ``GLOO_SOCKET_IFNAME`` set to host ``i``'s interface. It runs in a new session (its own
-        process group), which is terminated, then killed, when the cluster closes. Pipes are
-        in text mode; other ``kwargs`` go to :class:`subprocess.Popen`.
-        """
-        self.check_host(i)
-        if not self._active:
-            raise RuntimeError("the cluster is not running; use it inside a with block")
-        child_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.interface(i)}
-        process: subprocess.Popen[str] = subprocess.Popen(  # type: ignore[call-overload]
-            ["ip", "netns", "exec", self.namespace(i), *argv],
-            env=child_env,
-            start_new_session=True,
-            text=True,
-            **kwargs,
-        )
-        with self._lock:
-            self._children = [p for p in self._children if p.poll() is None]
-            self._children.append(process)
-        return process
-
-    def torchrun_like_env(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        ranks_per_host: int = 1,
-    ) -> dict[str, str]:
-        """Environment ``torchrun`` gives rank ``rank`` of a job of ``ranks_per_host`` ranks per
-        node, on host ``rank // ranks_per_host``.
-
-        ``torch.distributed.init_process_group(init_method="env://")`` then rendezvouses over
-        the emulated network at ``master_addr:master_port``.
-        """
-        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int):
-            raise ValueError(f"ranks_per_host must be an int, got {ranks_per_host!r}")
-        if ranks_per_host < 1:
-            raise ValueError(f"ranks_per_host must be at least 1, got {ranks_per_host}")
-        ranks = self.num_hosts * ranks_per_host
-        if not 1 <= world_size <= ranks:
-            raise ValueError(
-                f"world_size must be in [1, {ranks}] ({self.num_hosts} hosts of "
-                f"{ranks_per_host} ranks), got {world_size}"
-            )
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a world of {world_size}")
-        host, local_rank = divmod(rank, ranks_per_host)
-        return {
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "GROUP_RANK": str(host),
-            "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(ranks_per_host),
-            "GLOO_SOCKET_IFNAME": self.interface(host),
-        }
-
-    def launch_ranks(
-        self,
-        argv: Sequence[str],
-        env: Mapping[str, str] | None = None,
-        rank_kwargs: Callable[[int], Mapping[str, object]] | None = None,
-        *,
-        ranks_per_host: int = 1,
-        **kwargs: object,
-    ) -> list[subprocess.Popen[str]]:
-        """Start ``argv`` ``ranks_per_host`` times per host, as ranks ``i * ranks_per_host``
-        to ``(i + 1) * ranks_per_host - 1`` on host ``i``; master on host 0.
-
-        Each process gets :meth:`torchrun_like_env` on top of ``env``; ``kwargs``, and
-        ``rank_kwargs(rank)`` for what differs between ranks (such as each rank's own log
-        file), go to :meth:`popen`. Returns the processes in rank order.
-
-        The master port is not probed (a port found free can be taken before rank 0 binds
-        it): host 0's namespace belongs to this cluster and nothing in it binds below the
-        ephemeral port range, so each launch takes the next port from 29500.
-        """
-        with self._lock:
-            port = _FIRST_MASTER_PORT + self._launches % _MASTER_PORTS
-            self._launches += 1
-        master = self.host_address(0)
-        world = self.num_hosts * ranks_per_host
-        processes = []
-        for rank in range(world):
-            rank_env = {
-                **(env or {}),
-                **self.torchrun_like_env(rank, world, master, port, ranks_per_host),
-            }
-            extra = rank_kwargs(rank) if rank_kwargs is not None else {}
-            host = rank // ranks_per_host
-            processes.append(self.popen(host, argv, env=rank_env, **kwargs, **extra))
-        return processes
 
     # ----- measurements --------------------------------------------------------------------
 
