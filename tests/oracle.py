@@ -19,7 +19,7 @@ from onebit import kernels as backends
 from onebit.compression import per_tensor_padded_size, scale_dtype
 
 
-def simulate_compressed_allreduce(
+def oracle_compressed_allreduce(
     buffers: Tensor,
     worker_errors: Tensor,
     server_errors: Tensor,
@@ -86,7 +86,7 @@ def simulate_compressed_allreduce(
     return result, new_worker_errors, new_server_errors
 
 
-def simulate_compressed_allreduce_per_tensor(
+def oracle_compressed_allreduce_per_tensor(
     buffers: Sequence[Tensor],
     worker_errors: Tensor,
     server_errors: Tensor,
@@ -101,11 +101,11 @@ def simulate_compressed_allreduce_per_tensor(
             padded alone to ``P_t = per_tensor_padded_size(N_t, n)``, one after another.
         server_errors: ``[n, W / n]``, row ``j`` holds server ``j``'s error of chunk ``j`` of
             every tensor (``P_t / n`` elements each), one after another.
-        kernels: the backend of the local work, as in :func:`simulate_compressed_allreduce`.
+        kernels: the backend of the local work, as in :func:`oracle_compressed_allreduce`.
 
     Returns:
         ``(results, new_worker_errors, new_server_errors)``; ``results[t]`` has ``N_t``
-        elements. Tensor by tensor this is :func:`simulate_compressed_allreduce` of the tensor
+        elements. Tensor by tensor this is :func:`oracle_compressed_allreduce` of the tensor
         zero-padded to ``P_t`` with its slices of the error buffers. The inputs are unchanged.
     """
     if not buffers:
@@ -135,7 +135,7 @@ def simulate_compressed_allreduce_per_tensor(
         padded = buffer.new_zeros(n, size)
         padded[:, : buffer.shape[1]] = buffer
         result, new_worker_errors[:, worker_part], new_server_errors[:, server_part] = (
-            simulate_compressed_allreduce(
+            oracle_compressed_allreduce(
                 padded,
                 worker_errors[:, worker_part].contiguous(),
                 server_errors[:, server_part].contiguous(),
@@ -147,7 +147,7 @@ def simulate_compressed_allreduce_per_tensor(
     return results, new_worker_errors, new_server_errors
 
 
-def simulate_hierarchical_compressed_allreduce(
+def oracle_hierarchical_compressed_allreduce(
     buffers: Tensor,
     worker_errors: Tensor,
     server_errors: Tensor,
@@ -164,7 +164,7 @@ def simulate_hierarchical_compressed_allreduce(
         ranks_per_node: ``L``.
 
     Returns ``(result, new_worker_errors, new_server_errors)`` as
-    :func:`simulate_compressed_allreduce` does: per node the mean of each shard, summed in
+    :func:`oracle_compressed_allreduce` does: per node the mean of each shard, summed in
     rank order and divided by ``L``; per local index ``l`` the flat exchange of shard ``l``
     among the ``M`` nodes; the result, the concatenation of the ``L`` shards' results.
     """
@@ -190,7 +190,7 @@ def simulate_hierarchical_compressed_allreduce(
     new_server_errors = torch.empty_like(server_errors)
     for index in range(local):
         members = [node * local + index for node in range(nodes)]
-        shard_result, errors, server = simulate_compressed_allreduce(
+        shard_result, errors, server = oracle_compressed_allreduce(
             means[:, index], worker_errors[members], server_errors[members], kernels=kernels
         )
         result[index * shard : (index + 1) * shard] = shard_result

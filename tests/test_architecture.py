@@ -72,3 +72,29 @@ def test_no_backend_is_selected_by_comparing_its_name():
                     comparisons.append(f"{path.relative_to(SOURCE)}:{node.lineno}")
     allowed = {"timing.py"}  # the benchmarks list the CPU backends to time
     assert [c for c in comparisons if c.split(":")[0] not in allowed] == []
+
+
+def test_no_module_outside_the_kernels_is_much_above_400_lines():
+    """Modules of one concern: the kernels are long by nature (one loop each, unrolled)."""
+    long = {
+        str(path.relative_to(SOURCE)): n
+        for path in SOURCE.rglob("*.py")
+        if "kernels" not in path.parts and (n := len(path.read_text().splitlines())) > 420
+    }
+    assert long == {}
+
+
+def test_the_command_lists_every_command_with_one_line(monkeypatch):
+    import argparse
+
+    from onebit.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    listed = {choice.dest: choice.help for choice in commands._choices_actions}
+    assert set(listed) == set(commands.choices) >= {"train", "simulate", "study", "estimate"}
+    lines = parser.format_help().splitlines()
+    for name, help_text in listed.items():
+        line = next(line for line in lines if line.strip().startswith(name + " "))
+        assert help_text and line.rstrip().endswith(help_text), f"{name}: not on one line"

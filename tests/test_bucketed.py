@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 import torch
-from oracle import simulate_compressed_allreduce
-from reference_onebit import reference_run
+from oracle import oracle_compressed_allreduce
+from oracle_onebit import oracle_run
 from test_onebit_optimizers import (
     FREEZE,
     GROUP_HYPER,
@@ -74,7 +74,7 @@ def _check_against_the_oracle(ranks, world: int, backend: str) -> None:
         inputs = _inputs(world, size, call)
         expected = torch.empty(size)
         for b, (start, end) in enumerate(buckets):
-            expected[start:end], *oracle[b] = simulate_compressed_allreduce(
+            expected[start:end], *oracle[b] = oracle_compressed_allreduce(
                 inputs[:, start:end].contiguous(), *oracle[b], kernels=backend
             )
         for rank in range(world):
@@ -140,7 +140,7 @@ def test_optimizers_with_buckets_follow_the_model_and_one_bucket_is_the_whole_bu
     results = [ranks["runs"] for ranks in two_ranks]
     masks = [None, None, None, MASK]
     for name, kind in (("lamb", "lamb"), ("adam", "adam")):
-        expected = reference_run(
+        expected = oracle_run(
             kind,
             initial_params(),
             grad_fn,
@@ -154,7 +154,7 @@ def test_optimizers_with_buckets_follow_the_model_and_one_bucket_is_the_whole_bu
         )
         histories = [results[rank][name][0] for rank in range(world)]
         assert_follows_model_and_ranks_agree(histories, expected, 1e-9, f"bucketed {name}")
-        flat = reference_run(
+        flat = oracle_run(
             kind, initial_params(), grad_fn, world, STEPS, FREEZE, GROUP_HYPER, HYPER, masks
         )
         assert not torch.equal(flat[-1][0], expected[-1][0])  # more scales: another trajectory

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import simulate_compressed_allreduce
+from oracle import oracle_compressed_allreduce
 
 import onebit
 from onebit import kernels
@@ -55,7 +55,7 @@ def _exchange_against_simulation(rank: int, world_size: int, numel: int, backend
             kernels=backend,
         )
         assert torch.equal(buffer, inputs[rank]), "the input buffer must not be modified"
-        expected, sim_we, sim_se = simulate_compressed_allreduce(
+        expected, sim_we, sim_se = oracle_compressed_allreduce(
             inputs, sim_we, sim_se, kernels=backend
         )
         assert torch.equal(result, expected), f"call {call}: result differs from the simulation"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import simulate_compressed_allreduce
+from oracle import oracle_compressed_allreduce
 
 from onebit.compression import (
     _pack_bits_torch,
@@ -107,7 +107,7 @@ def test_simulation_matches_float64_reference(n):
     worker_errors = torch.randn(n, numel, generator=gen) * 0.1
     server_errors = torch.randn(n, numel // n, generator=gen) * 0.1
     before = (buffers.clone(), worker_errors.clone(), server_errors.clone())
-    result, we, se = simulate_compressed_allreduce(buffers, worker_errors, server_errors)
+    result, we, se = oracle_compressed_allreduce(buffers, worker_errors, server_errors)
     ref = reference_exchange(*(t.double().numpy() for t in (buffers, worker_errors, server_errors)))
     np.testing.assert_allclose(result.numpy(), ref[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(we.numpy(), ref[1], rtol=1e-5, atol=1e-5)
@@ -118,9 +118,9 @@ def test_simulation_matches_float64_reference(n):
 
 def test_simulation_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 8"):
-        simulate_compressed_allreduce(torch.zeros(2, 12), torch.zeros(2, 12), torch.zeros(2, 6))
+        oracle_compressed_allreduce(torch.zeros(2, 12), torch.zeros(2, 12), torch.zeros(2, 6))
     with pytest.raises(ValueError, match="server_errors"):
-        simulate_compressed_allreduce(torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(2, 16))
+        oracle_compressed_allreduce(torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(2, 16))
 
 
 def test_error_feedback_running_mean_converges_to_true_mean():
@@ -139,7 +139,7 @@ def test_error_feedback_running_mean_converges_to_true_mean():
     total = torch.zeros(numel, dtype=torch.float64)
     max_error_norm = 0.0
     for t in range(1, calls + 1):
-        result, we, se = simulate_compressed_allreduce(buffers, we, se)
+        result, we, se = oracle_compressed_allreduce(buffers, we, se)
         total += result
         residual = we.mean(0) + se.reshape(-1)
         max_error_norm = max(max_error_norm, residual.norm().item())

@@ -1,5 +1,5 @@
 """One optimizer through every implementation of the exchange seam (onebit.exchange), each
-against the independent float64 model of the spec (reference_onebit.py, whose exchange is
+against the independent float64 model of the spec (oracle_onebit.py, whose exchange is
 the test oracle's): flat and per tensor over a process group, hierarchical over nodes, and
 many workers simulated in one process, flat and by node."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_onebit import reference_run
+from oracle_onebit import oracle_run
 from test_onebit_optimizers import (
     FREEZE,
     GROUP_HYPER,
@@ -67,7 +67,7 @@ def _over_groups(rank: int, world_size: int):
 
 
 def _expected(compression: str, node_size: int):
-    return reference_run(
+    return oracle_run(
         "adam",
         initial_params(),
         grad_fn,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import simulate_compressed_allreduce, simulate_hierarchical_compressed_allreduce
+from oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
 
 import onebit
 from onebit.collectives import NonFiniteError, TrafficCounter, padded_size
@@ -38,12 +38,12 @@ def _exchange(rank: int, world: int, local: int, numel: int):
             workspace=workspace,
             traffic=traffic,
         )
-        expected, *sim = simulate_hierarchical_compressed_allreduce(inputs, *sim, local)
+        expected, *sim = oracle_hierarchical_compressed_allreduce(inputs, *sim, local)
         assert torch.equal(result, expected), f"call {call}: result differs from the simulation"
         assert torch.equal(worker_error, sim[0][rank]), f"call {call}: worker_error differs"
         assert torch.equal(server_error, sim[1][rank]), f"call {call}: server_error differs"
         if local == 1:  # the flat exchange, bit for bit
-            flat, *flat_sim = simulate_compressed_allreduce(inputs, *flat_sim)
+            flat, *flat_sim = oracle_compressed_allreduce(inputs, *flat_sim)
             assert torch.equal(result, flat)
     return result, dict(traffic.bytes_sent)
 

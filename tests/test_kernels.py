@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import simulate_compressed_allreduce
+from oracle import oracle_compressed_allreduce
 
 import onebit
 from onebit import kernels
@@ -157,7 +157,7 @@ def test_triton_stages_match_the_reference_bit_for_bit_on_large_cuda_buffers(dty
 
 
 def _exchange(buffers, state, name):
-    result, worker_errors, server_errors = simulate_compressed_allreduce(
+    result, worker_errors, server_errors = oracle_compressed_allreduce(
         buffers, *state, kernels=name
     )
     return result, (worker_errors, server_errors)

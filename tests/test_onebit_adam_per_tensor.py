@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from reference_onebit import reference_run
+from oracle_onebit import oracle_run
 from test_onebit_optimizers import (
     FREEZE,
     GROUP_HYPER,
@@ -52,7 +52,7 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
     results = spawn_workers(_trajectories, world_size, timeout_s=180)
     masks = [None, None, None, MASK]
     expected, fused = (
-        reference_run(
+        oracle_run(
             "adam",
             initial_params(),
             model_grad_fn,
@@ -132,7 +132,7 @@ def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
 
 def test_world_size_one_matches_the_model():
     params, opt = build(torch.float64)
-    expected = reference_run(
+    expected = oracle_run(
         "adam",
         initial_params(),
         model_grad_fn,

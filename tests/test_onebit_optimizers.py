@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from reference_onebit import reference_run
+from oracle_onebit import oracle_run
 
 import onebit
 from onebit.testing import WorkerError, spawn_workers
@@ -122,7 +122,7 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
     results = spawn_workers(_trajectories, world_size, timeout_s=180)
     masks = [None, None, None, MASK]
     for (kind, dtype), run in results[0].items():
-        expected = reference_run(
+        expected = oracle_run(
             kind, initial_params(), grad_fn, world_size, STEPS, FREEZE, GROUP_HYPER, HYPER, masks
         )
         # float64 on both sides: the only differences are summation orders (~1e-16), so
@@ -264,7 +264,7 @@ def test_ranks_that_start_differently_get_a_clear_error_on_every_rank(mismatch, 
 def test_world_size_one_matches_the_model():
     for kind in ("lamb", "adam"):
         params, opt = build(kind, torch.float64)
-        expected = reference_run(
+        expected = oracle_run(
             kind,
             initial_params(),
             grad_fn,

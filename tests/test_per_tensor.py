@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import simulate_compressed_allreduce, simulate_compressed_allreduce_per_tensor
+from oracle import oracle_compressed_allreduce, oracle_compressed_allreduce_per_tensor
 
 import onebit
 from onebit import kernels
@@ -61,14 +61,14 @@ def test_simulation_is_the_flat_exchange_of_each_tensor_padded_alone(n, backend)
     oracle = [(torch.zeros(n, size), torch.zeros(n, size // n)) for size in padded]
     for call in range(CALLS):
         buffers = _inputs(n, call)
-        results, worker_errors, server_errors = simulate_compressed_allreduce_per_tensor(
+        results, worker_errors, server_errors = oracle_compressed_allreduce_per_tensor(
             buffers, worker_errors, server_errors, kernels=backend
         )
         worker_offset = server_offset = 0
         for t, (buffer, size) in enumerate(zip(buffers, padded, strict=True)):
             alone = torch.zeros(n, size)
             alone[:, : buffer.shape[1]] = buffer
-            expected, *oracle[t] = simulate_compressed_allreduce(alone, *oracle[t], kernels=backend)
+            expected, *oracle[t] = oracle_compressed_allreduce(alone, *oracle[t], kernels=backend)
             assert torch.equal(results[t], expected[: buffer.shape[1]]), f"call {call} tensor {t}"
             assert torch.equal(worker_errors[:, worker_offset : worker_offset + size], oracle[t][0])
             chunk = size // n
@@ -88,7 +88,7 @@ def test_interpreted_triton_in_a_world_of_one_rank_matches_the_simulation(backen
         inputs = _inputs(1, call)
         tensors = [b[0].reshape(shape).clone() for b, shape in zip(inputs, SHAPES, strict=True)]
         onebit.compressed_allreduce_per_tensor(tensors, worker_error, server_error, kernels=backend)
-        expected, sim_worker, sim_server = simulate_compressed_allreduce_per_tensor(
+        expected, sim_worker, sim_server = oracle_compressed_allreduce_per_tensor(
             inputs, sim_worker, sim_server, kernels=backend
         )
         assert all(torch.equal(t.reshape(-1), e) for t, e in zip(tensors, expected, strict=True))
@@ -100,7 +100,7 @@ def test_per_tensor_scales_differ_from_one_fused_buffer():
     n = 2
     buffers = [torch.full((n, 16), 1e-3), torch.full((n, 512), 10.0)]
     width, server = onebit.per_tensor_error_sizes([16, 512], n)
-    results, _, _ = simulate_compressed_allreduce_per_tensor(
+    results, _, _ = oracle_compressed_allreduce_per_tensor(
         buffers, torch.zeros(n, width), torch.zeros(n, server)
     )
     torch.testing.assert_close(results[0], torch.full((16,), 1e-3))
@@ -167,7 +167,7 @@ def _exchange_against_simulation(rank: int, n: int):
                     tensors, worker_error, server_error, traffic=traffic, kernels=backend
                 )
             collectives.append(counted)
-            expected, sim_worker, sim_server = simulate_compressed_allreduce_per_tensor(
+            expected, sim_worker, sim_server = oracle_compressed_allreduce_per_tensor(
                 inputs, sim_worker, sim_server, kernels=backend
             )
             where = f"{backend} {dtype} call {call}"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import simulate_compressed_allreduce, simulate_hierarchical_compressed_allreduce
+from oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
 from test_train import FREEZE as TINY_FREEZE
 from test_train import STEPS as TINY_STEPS
 from test_train import TINY, final_model, write_corpus
@@ -185,9 +185,9 @@ def test_streamed_exchange_equals_the_reference_simulations() -> None:
         for _ in range(3):
             buffers = torch.randn(workers, numel, generator=generator)
             if local == 1:
-                expected, *errors = simulate_compressed_allreduce(buffers, *errors, kernels="torch")
+                expected, *errors = oracle_compressed_allreduce(buffers, *errors, kernels="torch")
             else:
-                expected, *errors = simulate_hierarchical_compressed_allreduce(
+                expected, *errors = oracle_hierarchical_compressed_allreduce(
                     buffers, *errors, local, kernels="torch"
                 )
             for rank in range(workers - 1):

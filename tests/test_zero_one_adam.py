@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from reference_zero_one_adam import padded, reference_zero_one_adam
+from oracle_zero_one_adam import oracle_zero_one_adam, padded
 from traffic_probe import TrafficProbe
 
 import onebit
@@ -165,7 +165,7 @@ def test_follows_the_float64_model_through_every_phase(world_size, exchange):
     runs = spawn_workers(_trajectories, n, args=(dtypes, exchange), timeout_s=180)
     results = [run[0] for run in runs]  # float64
     hyper = dict(HYPER, pre_freeze_exchange=exchange)
-    expected = reference_zero_one_adam(
+    expected = oracle_zero_one_adam(
         initial_params(), grad_fn, lr_fn, n, STEPS, hyper, masks=[None, None, None, MASK]
     )
     if n == 2:
@@ -378,7 +378,7 @@ def test_plain_loop_and_ddp_hook_give_the_same_trajectory(exchange):
 def test_world_size_one_matches_the_model(exchange):
     params, opt = build(torch.float64, pre_freeze_exchange=exchange)
     hyper = dict(HYPER, pre_freeze_exchange=exchange)
-    expected = reference_zero_one_adam(
+    expected = oracle_zero_one_adam(
         initial_params(), grad_fn, lr_fn, 1, STEPS, hyper, masks=[None, None, None, MASK]
     )
     for t in range(1, STEPS + 1):

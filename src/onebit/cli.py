@@ -178,7 +178,9 @@ def options_argv(settings: Any, *, exclude: Collection[str] = ()) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onebit",
-        description="1-bit LAMB for PyTorch: train, compare optimizers, fine-tune, benchmark.",
+        description="1-bit LAMB, 1-bit Adam and 0/1 Adam for PyTorch: the main job, its simulation "
+        "of many workers, optimizer comparisons, downstream checks, the convergence study, "
+        "the cost model and the benchmarks.",
     )
     parser.add_argument(
         "--log-level",
@@ -190,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in TOP_LEVEL_MODULES:
         importlib.import_module(name).register(commands)
     bench = commands.add_parser(
-        "bench", help="benchmarks: micro-benchmarks and the emulated-cluster comparison"
+        "bench", help="micro-benchmarks and the emulated-cluster comparison"
     )
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     for name in BENCH_MODULES:

@@ -153,7 +153,7 @@ def register(subparsers: Any) -> None:
     """Add ``cluster``, ``sweep``, ``report`` and ``exchange`` to ``onebit bench``."""
     cluster = subparsers.add_parser(
         "cluster",
-        help="1-bit LAMB vs LAMB, fp16 and PowerSGD hooks on an emulated cluster (root)",
+        help="1-bit LAMB against LAMB and DDP hooks on an emulated cluster",
         description="1-bit LAMB against LAMB and the alternatives on an emulated "
         "bandwidth-limited cluster: one network namespace per worker, links shaped with tc.",
     )
@@ -163,7 +163,7 @@ def register(subparsers: Any) -> None:
 
     sweep = subparsers.add_parser(
         "sweep",
-        help="the cluster comparison over bandwidths and worker counts, JSON + PNG (root)",
+        help="the cluster comparison over bandwidths and worker counts",
     )
     add_options(sweep, ComparisonSettings, exclude={"bandwidth"}, defaults={"model": "small"})
     sweep.add_argument(
@@ -187,9 +187,7 @@ def register(subparsers: Any) -> None:
     sweep.add_argument("--out-dir", default="docs/bench", help="where JSON and PNG go")
     sweep.set_defaults(handler=_sweep_command)
 
-    report = subparsers.add_parser(
-        "report", help="Markdown tables (and optionally the plot) from result JSON files"
-    )
+    report = subparsers.add_parser("report", help="Markdown tables and plots from result files")
     report.add_argument("files", nargs="+", help="cluster-*.json or sweep-*.json files")
     report.add_argument("--full", action="store_true", help="also each comparison's full report")
     report.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
@@ -204,8 +202,7 @@ def register(subparsers: Any) -> None:
 
     exchange = subparsers.add_parser(
         "exchange",
-        help="the 1-bit exchange alone (whole buffer, bucketed) against the dense allreduce, "
-        "2 emulated hosts (root)",
+        help="the 1-bit exchange alone against the dense allreduce",
         description="Time the 1-bit exchange of 2^LOG2 float32 on two emulated hosts per link "
         "rate, whole-buffer and bucketed, beside the dense allreduce and the sign bytes' time "
         "at line rate.",

@@ -129,4 +129,3 @@ class HostProcesses:
             host = rank // ranks_per_host
             processes.append(self.popen(host, argv, env=rank_env, **kwargs, **extra))
         return processes
-

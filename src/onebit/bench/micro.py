@@ -32,7 +32,7 @@ FLOAT_BYTES = 4
 def register(commands: argparse._SubParsersAction) -> None:
     allreduce = commands.add_parser(
         "allreduce",
-        help="compressed_allreduce: local work in copies, and against dist.all_reduce",
+        help="compressed_allreduce against dist.all_reduce",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -47,7 +47,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     optimizer = commands.add_parser(
         "optimizer",
-        help="OneBitLamb.step() per stage vs Lamb.step() + its allreduce, in copies; memory",
+        help="OneBitLamb.step() against Lamb.step() and its allreduce",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -364,7 +364,7 @@ def register(subparsers: Any) -> None:
     """Add ``estimate`` to the ``onebit`` sub-commands."""
     parser = subparsers.add_parser(
         "estimate",
-        help="predict step times and speedups on a cluster (cost model)",
+        help="the cost model: step times and speedups on a cluster",
         description=__doc__,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

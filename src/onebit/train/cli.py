@@ -93,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     command."""
     train = subparsers.add_parser(
         "train",
-        help="pre-train a small BERT with 1-bit LAMB on local workers (the main job)",
+        help="the main job: pre-train a small BERT on local workers",
         description=TRAIN_DESCRIPTION,
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -112,7 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     simulate = subparsers.add_parser(
         "simulate",
-        help="the main job with many data-parallel workers simulated in one process",
+        help="the main job, its workers simulated in one process",
         description=SIMULATE_DESCRIPTION,
         epilog=SIMULATE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -136,7 +136,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     compare = subparsers.add_parser(
         "compare",
-        help="run the same job with several optimizers and write one comparison report",
+        help="the main job under several optimizers, one report",
         description="Train the same model from the same seed, data order and initial weights "
         "with each optimizer in turn (runs in OUT/<optimizer>/), then write OUT/report.md, "
         "OUT/compare.png (validation loss vs samples) and OUT/compare.json. Finished runs "
@@ -167,7 +167,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     finetune = subparsers.add_parser(
         "finetune",
-        help="fine-tune a pre-trained run on a classification task and report test accuracy",
+        help="fine-tune a pre-trained run on a downstream task",
         description="Fine-tune the newest checkpoint of RUN_DIR as a sentence classifier in one "
         "process with AdamW, on the movie-review snippets (--task sentiment: positive vs "
         "negative, 80/20 split) or on text windows of the run's corpus (--task spelling: has one "
@@ -181,8 +181,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     probe = subparsers.add_parser(
         "probe",
-        help="linear probes of pre-trained runs' frozen models on a task of onebit finetune, "
-        "compared on the same test examples",
+        help="linear probes of pre-trained runs' frozen models",
         description="Fit a logistic regression on the frozen masked-language model of each "
         "RUN_DIR (its final hidden states and the log-probability of the token at each "
         "position) for a task of onebit finetune, deterministically (L-BFGS from zero), write "

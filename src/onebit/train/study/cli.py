@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     study = subparsers.add_parser(
         "study",
-        help="the convergence study: every optimizer and worker count, resumably, and its report",
+        help="the convergence study, resumable, and its report",
         description=package.__doc__.split("\n\n")[0],
     )
     commands = study.add_subparsers(dest="study_command", required=True, metavar="STUDY")

@@ -1,9 +1,9 @@
 """An independent float64 model of ALGORITHM.md: 1-bit LAMB and 1-bit Adam over n workers.
 
-Written from the spec with plain tensor arithmetic, one simulated worker per row; the
-compressed exchange is the test oracle's (oracle.py: simulate_compressed_allreduce, or
-simulate_hierarchical_compressed_allreduce for nodes of several workers; itself tested
-against a numpy model). Used as the reference the multi-process optimizers must follow.
+Written from the spec with plain tensor arithmetic, one worker per row; the
+compressed exchange is the test oracle's (oracle.py: oracle_compressed_allreduce, or
+oracle_hierarchical_compressed_allreduce for nodes of several workers; itself tested
+against a numpy model). The oracle the multi-process optimizers must follow.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 
 import torch
-from oracle import simulate_compressed_allreduce, simulate_hierarchical_compressed_allreduce
+from oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
 
 
 def _rms(x):
     return math.sqrt(float((x * x).sum()) / x.numel())
 
 
-def reference_run(
+def oracle_run(
     kind,
     init,
     grad_fn,
@@ -108,9 +108,7 @@ def reference_run(
                 for r in range(n):
                     local = b1 * m[i] + (1 - b1) * grad_fn(r, i, params[i])
                     buffers[r, : sizes[i]] = local.reshape(-1)
-                result, *tensor_errors[i] = simulate_compressed_allreduce(
-                    buffers, *tensor_errors[i]
-                )
+                result, *tensor_errors[i] = oracle_compressed_allreduce(buffers, *tensor_errors[i])
                 exchanged.append(result[: sizes[i]].reshape(params[i].shape))
             for i in range(k):
                 lr, wd = groups[i]
@@ -129,17 +127,17 @@ def reference_run(
                 ]
                 buffers[r, :total] = torch.cat(pieces)
             if node_size > 1:
-                result, we, se = simulate_hierarchical_compressed_allreduce(
+                result, we, se = oracle_hierarchical_compressed_allreduce(
                     buffers, we, se, node_size
                 )
             elif len(buckets) > 1:
                 result = torch.empty(padded, dtype=torch.float64)
                 for b, (start, end) in enumerate(buckets):
-                    result[start:end], *bucket_errors[b] = simulate_compressed_allreduce(
+                    result[start:end], *bucket_errors[b] = oracle_compressed_allreduce(
                         buffers[:, start:end].contiguous(), *bucket_errors[b]
                     )
             else:
-                result, we, se = simulate_compressed_allreduce(buffers, we, se)
+                result, we, se = oracle_compressed_allreduce(buffers, we, se)
             offset = 0
             for i in range(k):
                 lr, wd = groups[i]

@@ -2,7 +2,7 @@
 
 Written from the text with plain tensor arithmetic: every worker keeps its own weights and
 momentum (they differ during local intervals), the schedules are built as the text states
-them, and each tensor's 1-bit exchange is onebit.compression.simulate_compressed_allreduce of
+them, and each tensor's 1-bit exchange is onebit.compression.oracle_compressed_allreduce of
 that tensor zero-padded alone (itself tested against a numpy model and the distributed
 exchange). Used as the reference the multi-process ZeroOneAdam must follow.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
-from oracle import simulate_compressed_allreduce
+from oracle import oracle_compressed_allreduce
 
 
 def padded(numel, n):
@@ -44,13 +44,13 @@ def _exchange(rows, worker_errors, server_errors):
     buffers = torch.zeros(n, worker_errors.shape[1], dtype=torch.float64)
     for r, row in enumerate(rows):
         buffers[r, :numel] = row.reshape(-1)
-    result, worker_errors, server_errors = simulate_compressed_allreduce(
+    result, worker_errors, server_errors = oracle_compressed_allreduce(
         buffers, worker_errors, server_errors
     )
     return result[:numel].reshape(rows[0].shape), worker_errors, server_errors
 
 
-def reference_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
+def oracle_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
     """Each worker's parameters after every step: ``history[t][r][i]`` (float64).
 
     ``hyper``: betas, eps, weight_decay (per tensor, a list), var_freeze_step,
