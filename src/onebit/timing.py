@@ -72,6 +72,7 @@ def optimizer_step_times(
     replicas identical, as it would under DDP."""
     import onebit
     from onebit.collectives import padded_size
+    from onebit.optim.registry import optimizer_spec
 
     where = torch.device(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -94,10 +95,9 @@ def optimizer_step_times(
     gen = torch.Generator(device=where).manual_seed(1)
     grads = [torch.randn(s, generator=gen, device=where) * 1e-3 for s in shapes]
     dense = torch.cat([g.reshape(-1) for g in grads])
-    lamb = onebit.Lamb(lamb_params, lr=1e-4, weight_decay=0.01)
-    optimizer = onebit.OneBitLamb(
-        onebit_params, lr=1e-4, freeze_step=repeats + 1, weight_decay=0.01, kernels=backend
-    )
+    settings = {"lr": 1e-4, "weight_decay": 0.01, "freeze_step": repeats + 1}
+    lamb = optimizer_spec("lamb").build(lamb_params, settings)
+    optimizer = optimizer_spec("onebit-lamb").build(onebit_params, {**settings, "kernels": backend})
 
     def step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
         for p, g in zip(params, grads, strict=True):

@@ -48,6 +48,7 @@ from onebit.bench.settings import (
     ZERO_ONE_ADAM_SCHEDULE,
     zero_one_adam_arm,
 )
+from onebit.exchange.transport import all_gather_into
 from onebit.optim.registry import PAPER_BERT_SETTINGS, optimizer_spec
 
 logger = logging.getLogger("onebit.bench.worker")
@@ -212,7 +213,7 @@ class _Runner:
         library = method.library_bytes() - library_before
         after = _interface_counters() if self.rank == 0 else None
         gathered = torch.zeros(self.world, dtype=torch.int64)
-        dist.all_gather_into_tensor(gathered, torch.tensor([library], dtype=torch.int64))
+        all_gather_into(gathered, torch.tensor([library], dtype=torch.int64), None, self.world)
         library_all = gathered.tolist()
         block: dict[str, Any] = {
             "stage": stage,

@@ -44,7 +44,8 @@ class OptimizerSpec:
     """One optimizer by name.
 
     ``hyperparameters`` are the arguments of the update rule (named as in DeepSpeed's config),
-    ``options`` onebit's own arguments that the tools set (the exchange's layout, clipping);
+    ``options`` onebit's own arguments that the tools set (the exchange's layout, clipping,
+    the backend);
     ``rule`` is the dense update the optimizer takes before it compresses (``"lamb"`` or
     ``"adam"``), which names its ``baseline``: the dense optimizer it is compared with.
     """
@@ -79,7 +80,7 @@ class OptimizerSpec:
         return self.cls(params, **self.arguments(values))
 
 
-_CLIPPING = ("max_grad_norm",)
+_CLIPPING = ("max_grad_norm", "kernels")
 _FLAT_EXCHANGE = ("node_groups", "bucket_cap_mb", "overlap_backward", *_CLIPPING)
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
