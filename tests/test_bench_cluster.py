@@ -238,7 +238,7 @@ def test_exchange_command_checks_before_it_runs(monkeypatch, capsys, tmp_path: P
     with pytest.raises(SystemExit) as exit_info:
         onebit_main(["bench", "exchange", "--bucket-cap-mb", "0"])
     assert exit_info.value.code == 2
-    assert "must be a finite number > 0, got 0.0" in capsys.readouterr().err
+    assert "--bucket-cap-mb=0.0: it must be a finite number of MiB > 0" in capsys.readouterr().err
     missing = str(tmp_path / "no" / "rows.json")
     if _REASON is None:
         assert onebit_main(["bench", "exchange", "--output", missing]) == 2

@@ -267,7 +267,10 @@ def test_hierarchical_exchange_on_two_nodes_of_two(
             "not offered with --onebit-adam-compression per_tensor",
         ),
         (["--no-launch"], "needs torchrun's environment variables; ['RANK'"),
-        (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a finite number > 0, got 0.0"),
+        (
+            ["--bucket-cap-mb", "0"],
+            "Invalid --bucket-cap-mb=0.0: it must be a finite number of MiB > 0",
+        ),
         (
             ["--optimizer", "lamb", "--bucket-cap-mb", "1"],
             "--bucket-cap-mb buckets the flat fused exchange of onebit-lamb and onebit-adam",

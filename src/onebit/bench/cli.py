@@ -16,6 +16,7 @@ from typing import Any
 
 from onebit.bench.settings import ComparisonSettings
 from onebit.cli import add_options, checked_type, given_options
+from onebit.optim._common import check_bucket_cap_mb
 from onebit.units import rate_option
 
 logger = logging.getLogger(__name__)
@@ -142,10 +143,9 @@ def _exchange_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_float(text: str) -> float:
+def _bucket_cap_mb(text: str) -> float:
     value = float(text)
-    if not 0 < value < float("inf"):
-        raise ValueError(f"must be a finite number > 0, got {value}")
+    check_bucket_cap_mb("--bucket-cap-mb", value)
     return value
 
 
@@ -218,7 +218,7 @@ def register(subparsers: Any) -> None:
     )
     exchange.add_argument(
         "--bucket-cap-mb",
-        type=checked_type(_positive_float),
+        type=checked_type(_bucket_cap_mb),
         default=25.0,
         help="buckets of the bucketed exchange, MiB (25)",
     )

@@ -16,11 +16,12 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from onebit.bench import tcp_tool
 from onebit.bench.cluster import EmulatedCluster
 from onebit.bench.netns import COMMAND_TIMEOUT, ClusterUnavailable, stop_processes
+from onebit.cli import checked_type
 from onebit.units import delay_option, rate_option
 
 __all__ = [
@@ -169,18 +170,6 @@ def _worker_command(args: argparse.Namespace) -> None:
     )
 
 
-def _argument(parse: Callable[[str], str | None]) -> Callable[[str], str | None]:
-    """``parse`` as an argparse type: its ``ValueError`` becomes argparse's error."""
-
-    def checked(text: str) -> str | None:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from exc
-
-    return checked
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m {_MODULE}",
@@ -190,13 +179,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument(
         "--bandwidth",
-        type=_argument(rate_option),
+        type=checked_type(rate_option),
         default="1gbit",
         help="per-link rate such as 1gbit, or 'none' (default: 1gbit)",
     )
     parser.add_argument(
         "--latency",
-        type=_argument(delay_option),
+        type=checked_type(delay_option),
         default=None,
         help="added one-way delay such as 0.1ms (needs netem; default: none)",
     )

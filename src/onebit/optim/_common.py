@@ -57,6 +57,16 @@ def check_positive(name: str, value: float) -> None:
         raise ValueError(f"Invalid {name}={value}: it must be > 0")
 
 
+def check_bucket_cap_mb(name: str, value: float | None) -> None:
+    """MiB per bucket of the bucketed exchange: a finite number > 0, or ``None`` (the whole
+    buffer in one exchange)."""
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"Invalid {name}={value}: it must be a finite number of MiB > 0 (or None: the "
+            "whole buffer in one exchange)"
+        )
+
+
 def check_positive_int(name: str, value: int, meaning: str) -> None:
     """``value`` an int >= 1 (not a bool); the error says what the argument ``means``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -91,12 +90,8 @@ class OneBitOptimizer(CompressionStage):
                 )
             if bucket_cap_mb is None:
                 bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+        _common.check_bucket_cap_mb("bucket_cap_mb", bucket_cap_mb)
         if bucket_cap_mb is not None:
-            if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
-                raise ValueError(
-                    f"Invalid bucket_cap_mb={bucket_cap_mb}: it must be a finite number > 0 "
-                    "(or None: the whole buffer in one exchange)"
-                )
             if node_groups is not None or self.compression != "fused":
                 raise ValueError(
                     "bucket_cap_mb and overlap_backward bucket the flat fused exchange: not "

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +14,7 @@ from onebit.cli import option
 from onebit.optim import registry
 from onebit.optim._common import (
     check_betas,
+    check_bucket_cap_mb,
     check_coeff_bounds,
     check_factor_bounds,
     check_non_negative,
@@ -315,10 +315,7 @@ class TrainConfig:
         if self.bucket_cap_mb is None and not self.overlap_backward:
             return
         flag = "--overlap-backward" if self.overlap_backward else "--bucket-cap-mb"
-        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < math.inf:
-            raise ValueError(
-                f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}"
-            )
+        check_bucket_cap_mb("--bucket-cap-mb", self.bucket_cap_mb)
         fused = self.optimizer == "onebit-lamb" or (
             self.optimizer == "onebit-adam" and self.onebit_adam_compression == "fused"
         )
