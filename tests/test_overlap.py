@@ -271,3 +271,31 @@ def test_an_optimizer_that_is_gone_leaves_no_hook_behind():
     assert len(net.first.weight._post_accumulate_grad_hooks) == hooks == 1
     nn.functional.mse_loss(net(_batch(0, 9)[0], 0), _batch(0, 9)[1]).backward()
     assert second.buckets_started >= 8
+
+
+def test_a_parameter_group_added_later_is_overlapped_too():
+    """In one process: the tensors of a group added after construction start their buckets
+    during backward as well, and the steps are those of the exchange after backward."""
+
+    def train(overlap: bool) -> tuple[list[int], int, list[torch.Tensor]]:
+        net = _Net()
+        later = [*net.last.parameters(), *net.branch.parameters()]
+        first = [p for p in net.parameters() if all(p is not q for q in later)]
+        optimizer = onebit.OneBitLamb(
+            first, freeze_step=1, bucket_cap_mb=BUCKET_MB, overlap_backward=overlap
+        )
+        optimizer.add_param_group({"params": later, "lr": 0.005})
+        started = []
+        for step in range(1, 5):
+            optimizer.zero_grad()
+            x, y = _batch(0, 2 * step)  # even steps: every tensor but `spare` has a gradient
+            nn.functional.mse_loss(net(x, 2 * step), y).backward()
+            started.append(optimizer.buckets_started)
+            optimizer.step()
+        buckets = len(optimizer.exchange.buckets())
+        return started, buckets, [p.detach().clone() for p in net.parameters()]
+
+    started, buckets, overlapped = train(True)
+    assert buckets >= 8 and started == [0, 0, buckets, buckets]  # all in backward, from step 3
+    _, _, after_backward = train(False)
+    assert all(torch.equal(a, b) for a, b in zip(overlapped, after_backward, strict=True))

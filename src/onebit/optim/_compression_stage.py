@@ -50,6 +50,8 @@ class CompressionStage(CommunicatingOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if getattr(self, "_overlap", None) is not None:  # a group added after construction
+            self._overlap.watch([p for p in group["params"] if p.requires_grad])
         if "exp_avg_mask" in group:
             masks = self._masks_of(group)
             for index, (param, mask) in enumerate(zip(group["params"], masks, strict=True)):

@@ -94,16 +94,22 @@ class BackwardOverlap:
         begin: Callable[[], tuple[BucketPipeline, list[list[int]], FormMomentum, list[bool]]],
     ) -> None:
         self._due, self._begin = due, begin
-        self._index = {id(p): i for i, p in enumerate(params)}
+        self._index: dict[int, int] = {}
         self._in_flight: _InFlight | None = None
         self._paused = 0
         # The hooks hold the overlap weakly: an optimizer that is gone starts nothing, and
         # its hooks leave the parameters with it.
-        hook = functools.partial(_on_gradient, weakref.ref(self))
-        self._handles: list[RemovableHandle] = [
-            p.register_post_accumulate_grad_hook(hook) for p in params
-        ]
+        self._hook = functools.partial(_on_gradient, weakref.ref(self))
+        self._handles: list[RemovableHandle] = []
         weakref.finalize(self, _remove, self._handles)
+        self.watch(params)
+
+    def watch(self, params: Sequence[Tensor]) -> None:
+        """Hook ``params`` too: the optimizer's next tensors, in its order (a parameter group
+        added after construction)."""
+        for param in params:
+            self._index[id(param)] = len(self._index)
+            self._handles.append(param.register_post_accumulate_grad_hook(self._hook))
 
     @property
     def buckets_started(self) -> int:
