@@ -431,3 +431,24 @@ def test_a_worker_that_aborts_after_the_run_finished_is_no_failure(
     monkeypatch.setattr(launcher, "elastic_launch", aborting_launch)
     status = launch_job(read_config(reference_run), out, workers=2, max_restarts=0)
     assert status == (0 if finished else 1)
+
+
+@pytest.mark.slow
+def test_compare_runs_each_optimizer_from_the_same_start(workspace: Path) -> None:
+    """``onebit compare``: one run per optimizer (LAMB's lr for the LAMB family, --adam-lr for
+    the Adam family), then the report; a second call reuses the finished runs."""
+    out = workspace / "compare"
+    args = [*TINY, "--corpus", str(workspace / "corpus.txt"), "--out", str(out)]
+    options = ["--optimizers", "lamb", "onebit-adam", "--adam-lr", "0.002"]
+    assert onebit_main(["compare", *options, *args]) == 0
+    summaries = json.loads((out / "compare.json").read_text())["runs"]
+    assert set(summaries) == {"lamb", "onebit-adam"}
+    lrs = {
+        name: json.loads((out / name / "config.json").read_text())["train"]["lr"]
+        for name in summaries
+    }
+    assert lrs == {"lamb": 0.05, "onebit-adam": 0.002}
+    first = {name: report.read_metrics(out / name).train[0]["loss"] for name in summaries}
+    assert first["lamb"] == first["onebit-adam"]  # same weights, data and masks at step 1
+    assert "| onebit-adam |" in (out / "report.md").read_text()
+    assert onebit_main(["compare", *options, *args]) == 0
