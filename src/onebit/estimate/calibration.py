@@ -40,7 +40,9 @@ __all__ = [
 FALLBACK_SOURCE = "onebit's defaults, measured on a 2-core CPU (docs/ESTIMATE.md)"
 
 
-def calibrate(device: str = "cpu", scale: float | None = None, repeats: int | None = None):
+def calibrate(
+    device: str = "cpu", scale: float | None = None, repeats: int | None = None
+) -> dict[str, Any]:
     """Measure ``R_c`` and ``R_h`` here on ``device`` (widths of BERT-base times ``scale``:
     0.5 on CPU, 1 on an accelerator; ``repeats`` interleaved rounds: 3 on CPU, 10 otherwise).
     Returns the step times too. Raises ``RuntimeError`` when the machine is too busy to tell

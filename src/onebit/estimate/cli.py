@@ -311,7 +311,11 @@ def _estimate_command(args: argparse.Namespace) -> int:
     try:
         settings = EstimateSettings(**given_options(EstimateSettings, args))
         if args.calibrate:
-            measured = calibrate(args.device)
+            try:
+                measured = calibrate(args.device)
+            except RuntimeError as exc:  # a machine too busy to tell the two steps apart
+                print(f"onebit estimate: {exc}", file=sys.stderr)
+                return 1
             path = save_calibration(measured)
             print(
                 f"calibrated on {measured['parameters'] / 1e6:.1f}M parameters, "
