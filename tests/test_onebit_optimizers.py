@@ -391,6 +391,13 @@ def test_wrong_mask_shape_is_rejected_at_construction():
     p = torch.nn.Parameter(torch.zeros(3, 2))
     with pytest.raises(ValueError, match=r"exp_avg_mask .* shape \(2, 3\).*shape \(3, 2\)"):
         onebit.OneBitLamb([{"params": [p], "exp_avg_mask": torch.ones(2, 3)}])
+    optimizer = onebit.OneBitLamb([torch.nn.Parameter(torch.zeros(4))])
+    later = (q for q in [p])  # a generator, as model.parameters() is
+    with pytest.raises(ValueError, match="exp_avg_mask must be a tensor or a list"):
+        optimizer.add_param_group({"params": later, "exp_avg_mask": [torch.ones(3, 2)] * 2})
+    assert len(optimizer.param_groups) == 1  # the rejected group was not added
+    optimizer.add_param_group({"params": (q for q in [p]), "exp_avg_mask": torch.ones(3, 2)})
+    assert optimizer.param_groups[1]["params"] == [p]
 
 
 @pytest.mark.parametrize(

@@ -48,29 +48,33 @@ class CompressionStage(CommunicatingOptimizer):
         return memory
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        if getattr(self, "_overlap", None) is not None:  # a group added after construction
-            self._overlap.watch([p for p in group["params"] if p.requires_grad])
-        if "exp_avg_mask" in group:
-            masks = self._masks_of(group)
-            for index, (param, mask) in enumerate(zip(group["params"], masks, strict=True)):
+        """torch's, after checking the group's ``exp_avg_mask`` (nothing is added when it is
+        wrong); a group added after construction gets the overlap's hooks too."""
+        if "exp_avg_mask" in param_group:
+            params = param_group["params"]
+            params = [params] if isinstance(params, Tensor) else list(params)
+            param_group = {**param_group, "params": params}
+            masks = self._masks_of(params, param_group["exp_avg_mask"])
+            for index, (param, mask) in enumerate(zip(params, masks, strict=True)):
                 if mask.shape != param.shape:
                     raise ValueError(
                         f"exp_avg_mask for parameter {index} of its group has shape "
                         f"{tuple(mask.shape)}; the parameter has shape {tuple(param.shape)}"
                     )
+        super().add_param_group(param_group)
+        if getattr(self, "_overlap", None) is not None:
+            self._overlap.watch([p for p in self.param_groups[-1]["params"] if p.requires_grad])
 
     @staticmethod
-    def _masks_of(group: dict[str, Any]) -> list[Tensor]:
-        masks = group["exp_avg_mask"]
+    def _masks_of(params: list[Tensor], masks: Tensor | Sequence[Tensor]) -> list[Tensor]:
+        """One mask per parameter: ``masks`` itself for each, or its entries."""
         if isinstance(masks, Tensor):
-            return [masks] * len(group["params"])
+            return [masks] * len(params)
         masks = list(masks)
-        if len(masks) != len(group["params"]) or not all(isinstance(m, Tensor) for m in masks):
+        if len(masks) != len(params) or not all(isinstance(m, Tensor) for m in masks):
             raise ValueError(
                 f"exp_avg_mask must be a tensor or a list of one tensor per parameter; got "
-                f"{len(masks)} entries for {len(group['params'])} parameters"
+                f"{len(masks)} entries for {len(params)} parameters"
             )
         return masks
 
@@ -180,7 +184,8 @@ class CompressionStage(CommunicatingOptimizer):
         index_of = {id(param): index for index, param in enumerate(flat.params)}
         for group in self.param_groups:
             if "exp_avg_mask" in group:
-                for param, param_mask in zip(group["params"], self._masks_of(group), strict=True):
+                group_masks = self._masks_of(group["params"], group["exp_avg_mask"])
+                for param, param_mask in zip(group["params"], group_masks, strict=True):
                     if id(param) in index_of:
                         flat.view(mask, index_of[id(param)]).mul_(param_mask)
         return None if bool((mask == 1).all()) else mask
