@@ -248,6 +248,7 @@ def test_exchange_command_checks_before_it_runs(monkeypatch, capsys, tmp_path: P
     assert "onebit bench exchange: the emulated cluster needs root" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @needs_cluster
 def test_exchange_alone_on_two_emulated_hosts(tmp_path: Path, capsys) -> None:
     rows_file = tmp_path / "rows.json"

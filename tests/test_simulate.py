@@ -264,6 +264,7 @@ def test_bad_input_is_named() -> None:
         exchange.add_worker(0, torch.full((16,), float("nan")))
 
 
+@pytest.mark.slow
 def test_cli_simulation_equals_onebit_train_and_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
