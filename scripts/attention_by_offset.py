@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from onebit.train import checkpoint
+from onebit.train.job_data import load_data
 from onebit.train.model import build_mlm_model, config_from_dict
 from onebit.train.run_dir import CHECKPOINT_DIR, read_config
-from onebit.train.job_data import load_data
 
 OFFSETS = (-2, -1, 0, 1, 2)
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from onebit.atomic import atomic_path, write_json_atomic
 from onebit.cli import build_parser, given_options
 from onebit.cli import main as onebit_main
 from onebit.train import checkpoint, report
-from onebit.train.atomic import atomic_path, write_json_atomic
 from onebit.train.config import TrainConfig
 from onebit.train.job_data import lr_factor, step_seed
 from onebit.train.run_dir import prepare_run_dir

@@ -132,11 +132,6 @@ def measure_tcp_throughput(
     return tcp_transfer(cluster, src, dst, nbytes=nbytes, seconds=seconds).bits_per_second
 
 
-def _emit(record: dict[str, object]) -> None:
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
-
-
 def _worker_command(args: argparse.Namespace) -> None:
     """One rank of the all_reduce check; reads the torchrun-style environment."""
     import torch
@@ -159,7 +154,7 @@ def _worker_command(args: argparse.Namespace) -> None:
         correct = bool(torch.all(tensor == expected))
     finally:
         dist.destroy_process_group()
-    _emit(
+    tcp_tool.emit(
         {
             "rank": rank,
             "world_size": world,

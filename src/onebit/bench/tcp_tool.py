@@ -19,7 +19,7 @@ CHUNK = 1 << 20
 """Bytes per send and receive call."""
 
 
-def _emit(record: Mapping[str, object]) -> None:
+def emit(record: Mapping[str, object]) -> None:
     """Write one JSON line on stdout: the answer a helper command gives its parent."""
     sys.stdout.write(json.dumps(record) + "\n")
     sys.stdout.flush()
@@ -28,7 +28,7 @@ def _emit(record: Mapping[str, object]) -> None:
 def _tcp_recv_command(args: argparse.Namespace) -> None:
     """Bind a free port (reported as the first output line), receive one stream, report it."""
     with socket.create_server((args.bind, 0)) as server:
-        _emit({"port": server.getsockname()[1]})
+        emit({"port": server.getsockname()[1]})
         server.settimeout(args.timeout)
         conn, _ = server.accept()
     deadline = time.monotonic() + args.timeout
@@ -48,7 +48,7 @@ def _tcp_recv_command(args: argparse.Namespace) -> None:
                 timed += n
             total += n
     elapsed = last - first
-    _emit(
+    emit(
         {
             "bytes": total,
             "seconds": elapsed,

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onebit.atomic import write_json_atomic
 from onebit.cache import default_cache_dir
 from onebit.estimate.model import COMPRESSION_THROUGHPUT, FP32_BYTES, HOST_THROUGHPUT
 
@@ -93,11 +94,7 @@ def calibration_file(device: str = "cpu") -> Path:
 def save_calibration(measured: dict[str, Any]) -> Path:
     """Save ``measured`` (from :func:`calibrate`) for later estimates on this machine."""
     path = calibration_file(measured["device"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    document = {k: (None if v == math.inf else v) for k, v in measured.items()}
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(document, indent=1))
-    partial.replace(path)  # a reader sees the old file or the new one, never half of one
+    write_json_atomic(path, {k: (None if v == math.inf else v) for k, v in measured.items()})
     return path
 
 

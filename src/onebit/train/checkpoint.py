@@ -9,7 +9,7 @@ A checkpoint is a folder ``checkpoints/step-<K>/`` holding
 * ``manifest.json`` (rank 0, written last): the step, the world size and the SHA-256 digest of
   every file. A checkpoint without a manifest is incomplete and never loaded.
 
-Every file is written atomically (:mod:`onebit.train.atomic`). Older checkpoints are deleted
+Every file is written atomically (:mod:`onebit.atomic`). Older checkpoints are deleted
 only after the new manifest exists, and the newest ``keep`` complete ones are kept, so a
 checkpoint that turns out to be truncated or corrupt (its digest or ``torch.load`` fails) is
 reported and the previous one is used. Everything loads with ``torch.load(weights_only=True)``.
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onebit.train.atomic import atomic_path, write_bytes_atomic
+from onebit.atomic import atomic_path, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 

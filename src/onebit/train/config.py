@@ -283,8 +283,8 @@ class TrainConfig:
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
         for name in ("steps", "batch_size", "layers", "hidden", "heads", "keep_checkpoints"):
-            check_positive_int(name, getattr(self, name))
-        check_positive_int("node_size", self.node_size)
+            check_positive_int_option(name, getattr(self, name))
+        check_positive_int_option("node_size", self.node_size)
         if self.optimizer == ZERO_ONE_ADAM and self.node_size > 1:
             raise ValueError(
                 "--node-size > 1 (the hierarchical exchange) is not offered for 0/1 Adam"
@@ -296,7 +296,7 @@ class TrainConfig:
             "local_step_scaler",
         ):
             if getattr(self, name) is not None:
-                check_positive_int(name, getattr(self, name))
+                check_positive_int_option(name, getattr(self, name))
         if self.eval_seqs < 0:
             raise ValueError(f"--eval-seqs must be >= 0 (0: all), got {self.eval_seqs}")
         if self.seq_len < 8:
@@ -361,8 +361,8 @@ class TrainConfig:
                 f"--lr-warmup-steps must be in [0, --steps={self.steps}), got "
                 f"{self.lr_warmup_steps}"
             )
-        check_positive_int("eval_every", self.eval_every)
-        check_positive_int("checkpoint_every", self.checkpoint_every)
+        check_positive_int_option("eval_every", self.eval_every)
+        check_positive_int_option("checkpoint_every", self.checkpoint_every)
 
     @property
     def uses_onebit(self) -> bool:
@@ -410,7 +410,7 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"--{flag_name(name)} must be one of {list(choices)}, got {value!r}")
 
 
-def check_positive_int(name: str, value: int) -> None:
+def check_positive_int_option(name: str, value: int) -> None:
     """Raise ``ValueError`` naming ``--name`` unless ``value`` is an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"--{flag_name(name)} must be a positive integer, got {value!r}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from onebit.cli import option
 from onebit.optim._common import check_non_negative, check_positive
-from onebit.train.config import check_choice, check_positive_int
+from onebit.train.config import check_choice, check_positive_int_option
 
 #: The tasks of `onebit finetune` and `onebit probe`.
 FINETUNE_TASKS = ("sentiment", "spelling", "replaced-letter")
@@ -76,10 +76,10 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         check_choice("task", self.task, FINETUNE_TASKS)
         for name in ("epochs", "batch_size"):
-            check_positive_int(name, getattr(self, name))
+            check_positive_int_option(name, getattr(self, name))
         for name in ("max_train", "max_test"):
             if getattr(self, name) is not None:
-                check_positive_int(name, getattr(self, name))
+                check_positive_int_option(name, getattr(self, name))
         check_positive("--lr", self.lr)
         check_non_negative("--weight-decay", self.weight_decay)
         if not 0.0 <= self.dropout < 1.0:
@@ -124,10 +124,10 @@ class ProbeConfig:
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, FINETUNE_TASKS)
-        check_positive_int("max_iter", self.max_iter)
+        check_positive_int_option("max_iter", self.max_iter)
         for name in ("max_train", "test_variants"):
             if getattr(self, name) is not None:
-                check_positive_int(name, getattr(self, name))
+                check_positive_int_option(name, getattr(self, name))
         check_non_negative("--l2", self.l2)
         if self.task == "sentiment":
             if self.test_variants not in (None, 1):

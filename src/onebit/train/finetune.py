@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onebit.atomic import write_json_atomic
 from onebit.train import checkpoint, data
-from onebit.train.atomic import write_json_atomic
 from onebit.train.data.spelling import (
     build_spelling_task,
     labelled_windows,

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onebit.atomic import write_json_atomic
 from onebit.train import data
-from onebit.train.atomic import write_json_atomic
 from onebit.train.downstream_config import TOKEN_TASKS, ProbeConfig
 from onebit.train.finetune import (
     EVAL_BATCH,

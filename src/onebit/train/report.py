@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onebit.train.atomic import write_json_atomic
+from onebit.atomic import write_json_atomic
 from onebit.train.config import TrainConfig
 from onebit.train.run_dir import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onebit.train.atomic import write_json_atomic
+from onebit.atomic import write_json_atomic
 from onebit.train.config import TrainConfig
 
 CONFIG_FILE = "config.json"

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 import onebit
+from onebit.atomic import write_bytes_atomic
 from onebit.collectives import TrafficCounter
 from onebit.train import checkpoint, data, report
-from onebit.train.atomic import write_bytes_atomic
 from onebit.train.config import TrainConfig
 from onebit.train.gradients import (
     average_gradients,

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from onebit.atomic import atomic_path
 from onebit.cache import default_cache_dir
-from onebit.train.atomic import atomic_path
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
-from onebit.train.atomic import atomic_path
+from onebit.atomic import atomic_path
 from onebit.train.data.corpus import corpus_digest
 from onebit.train.data.fetch import CACHE_FORMAT_VERSION, resolve_cache_dir
 from onebit.train.data.wordpiece import (

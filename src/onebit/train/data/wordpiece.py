@@ -11,7 +11,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import WordPieceTrainer
 
-from onebit.train.atomic import atomic_path
+from onebit.atomic import atomic_path
 from onebit.train.data.corpus import corpus_digest
 from onebit.train.data.fetch import CACHE_FORMAT_VERSION, resolve_cache_dir
 
