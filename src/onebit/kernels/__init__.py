@@ -15,8 +15,8 @@ Three backends:
   update kernels of its own (the reference is the torch code).
 * ``"numba"``: fused CPU kernels for float32/float64 (the ``numba`` package); one pass over
   memory per stage, and fused update kernels.
-* ``"triton"``: fused CUDA compression kernels (the ``triton`` package that CUDA builds of
-  torch ship); no update kernels yet, so its updates are the torch reference's.
+* ``"triton"``: fused CUDA kernels (the ``triton`` package that CUDA builds of torch ship)
+  for the exchange and for every update, one launch per pass over all parameters.
 
 For the same input every backend produces the same packed signs and error states as the
 reference when given the same scales; a fused backend sums the squares behind a scale in
@@ -54,9 +54,15 @@ __all__ = [
 BACKENDS = ("torch", "numba", "triton")
 """Backend names; a backend's position (from 1) is the code ranks compare."""
 
-_MODULES = {
-    "numba": ("onebit.kernels._numba", "NumbaKernels", "onebit.kernels._numba_optim"),
-    "triton": ("onebit.kernels._triton", "TritonKernels", None),
+_MODULES = {  # compression: module, class; updates: module, class
+    "numba": (
+        ("onebit.kernels._numba", "NumbaKernels"),
+        ("onebit.kernels._numba_optim", "NumbaUpdates"),
+    ),
+    "triton": (
+        ("onebit.kernels._triton", "TritonKernels"),
+        ("onebit.kernels._triton_optim", "TritonUpdates"),
+    ),
 }
 _AUTO_FOR_DEVICE = {"cpu": "numba", "cuda": "triton"}
 
@@ -151,6 +157,21 @@ class UpdateKernels(Protocol):
         active: Sequence[bool],
     ) -> None: ...
 
+    def onebit_adam_per_tensor_step_(
+        self,
+        flat: Any,
+        packed: Any,
+        exchanged: Tensor,
+        mask: Tensor | None,
+        active: Sequence[bool],
+    ) -> None: ...
+
+    def accumulated_update(self, flat: Any, active: Sequence[bool], out: Tensor) -> Tensor: ...
+
+    def synchronised_update_(
+        self, flat: Any, exchanged: Tensor, active: Sequence[bool], lr_sum: Tensor
+    ) -> None: ...
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -175,12 +196,11 @@ def _load(name: str) -> Backend | None:
     """The backend called ``name``, or ``None`` if its package is not installed."""
     if name == "torch":
         return Backend(name, ReferenceKernels(), None)
-    module_name, class_name, updates_module = _MODULES[name]
     try:
-        compression = getattr(importlib.import_module(module_name), class_name)()
-        updates = None
-        if updates_module is not None:
-            updates = importlib.import_module(updates_module).NumbaUpdates()
+        compression, updates = (
+            getattr(importlib.import_module(module), class_name)()
+            for module, class_name in _MODULES[name]
+        )
     except ImportError:
         return None
     return Backend(name, compression, updates)

@@ -27,6 +27,7 @@ from torch import Tensor
 from onebit.coefficients import compression_factor, trust_ratio
 from onebit.kernels._numba import Compiled
 from onebit.kernels._numba import to_numpy as _np
+from onebit.optim import functional
 
 _SUM_FLAGS = {"reassoc", "contract"}
 CHUNK = 1 << 10  # elements whose ratios are kept in scratch at a time
@@ -470,7 +471,12 @@ def _block_values(flat: Any, packed: Any, scaling: Tensor):
 # ----------------------------------------------------------------------------- entry points
 class NumbaUpdates:
     """The update part of the numba backend: the methods of
-    :class:`onebit.kernels.UpdateKernels`, one or two passes over memory each."""
+    :class:`onebit.kernels.UpdateKernels`, one or two passes over memory each, except 1-bit
+    Adam's per-tensor update and 0/1 Adam's synchronisation, which run the torch reference."""
+
+    onebit_adam_per_tensor_step_ = staticmethod(functional.onebit_adam_per_tensor_step_)
+    accumulated_update = staticmethod(functional.accumulated_update)
+    synchronised_update_ = staticmethod(functional.synchronised_update_)
 
     def lamb_step_(
         self, flat: Any, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool

@@ -7,12 +7,10 @@ tensor. Hyper-parameters come from each parameter's group. ``active`` (a bool pe
 parameter, on the host) says which parameters take part; the others keep their state and
 weights bit for bit. No bias correction anywhere.
 
-The functions here are the torch reference. :data:`REFERENCE` gathers the ones a backend
-may replace (the :class:`onebit.kernels.UpdateKernels` protocol; the numba backend's fused
-kernels, :mod:`onebit.kernels._numba_optim`, implement the same methods); an optimizer
-calls ``optimizer.updates``, the backend's or this one, selected once. The rest (1-bit
-Adam's per-tensor update, 0/1 Adam's accumulated and synchronised updates) runs in torch on
-every backend.
+The functions here are the torch reference. :data:`REFERENCE` gathers them as the
+:class:`onebit.kernels.UpdateKernels` protocol, which the fused backends implement too
+(numba's :mod:`onebit.kernels._numba_optim`, Triton's :mod:`onebit.kernels._triton_optim`);
+an optimizer calls ``optimizer.updates``, the backend's or this one, selected once.
 """
 
 from __future__ import annotations
@@ -330,8 +328,7 @@ def onebit_adam_per_tensor_step_(
 ) -> None:
     """A compression-stage 1-bit Adam step with the momentum exchanged tensor by tensor
     (``packed``, decoded into ``exchanged``): ``m = exchanged (* mask)``;
-    ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v`` frozen. Plain torch on every
-    backend."""
+    ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v`` frozen."""
     packed.decode(exchanged)
     if mask is not None:
         exchanged[: flat.numel].mul_(mask)
@@ -403,5 +400,8 @@ REFERENCE = SimpleNamespace(
     adam_momentum_step_=adam_momentum_step_,
     onebit_lamb_compressed_step_=onebit_lamb_compressed_step_,
     onebit_adam_compressed_step_=onebit_adam_compressed_step_,
+    onebit_adam_per_tensor_step_=onebit_adam_per_tensor_step_,
+    accumulated_update=accumulated_update,
+    synchronised_update_=synchronised_update_,
 )
 """The torch reference as update kernels (:class:`onebit.kernels.UpdateKernels`)."""

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.exchange import NodeGroups, PackedResult
-from onebit.optim import _common, functional
+from onebit.optim import _common
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
 
@@ -95,7 +95,7 @@ class OneBitAdam(OneBitOptimizer):
         active: Sequence[bool],
     ) -> None:
         if self.compression == "per_tensor":
-            functional.onebit_adam_per_tensor_step_(flat, packed, scratch, mask, active)
+            self.updates.onebit_adam_per_tensor_step_(flat, packed, scratch, mask, active)
             return
         self.updates.onebit_adam_compressed_step_(
             flat, packed, scratch, flat.scalars["scaling_coeff"], mask, active

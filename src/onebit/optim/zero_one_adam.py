@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.exchange import Exchange, NonFiniteError, PerTensorExchange
-from onebit.optim import _common, functional
+from onebit.optim import _common
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
 from onebit.optim.functional import _active_indices, _pick
@@ -259,9 +259,9 @@ class ZeroOneAdam(OneBitOptimizer):
         indices = _active_indices(self._has_state)
         lr_sum[indices] += flat.segment_values(lambda group: group["lr"])[indices]
         if kind == SYNC:
-            functional.accumulated_update(flat, self._has_state, buffer)
+            self.updates.accumulated_update(flat, self._has_state, buffer)
             self._exchange_per_tensor(flat, buffer)
-            functional.synchronised_update_(flat, buffer, self._has_state, lr_sum)
+            self.updates.synchronised_update_(flat, buffer, self._has_state, lr_sum)
         return True
 
     def _prepare_exchange(self, flat: FlatState) -> Tensor:
