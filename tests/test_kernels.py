@@ -12,6 +12,7 @@ from oracle import oracle_compressed_allreduce
 
 import onebit
 from onebit import kernels
+from onebit.testing import backend_device
 
 CUDA = torch.cuda.is_available()
 FUSED = [name for name in kernels.available() if name != "torch"]
@@ -22,17 +23,13 @@ needs_cuda_triton = pytest.mark.skipif(
 )
 
 
-def _device(backend: str) -> torch.device:
-    return torch.device("cuda" if backend == "triton" and CUDA else "cpu")
-
-
 def _with_dtypes(dtypes) -> list:
     """``(backend, dtype)`` for every fused backend and each of ``dtypes`` it supports here."""
     return [
         pytest.param(name, dtype, id=f"{name}-{str(dtype).removeprefix('torch.')}")
         for name in FUSED
         for dtype in dtypes
-        if kernels._load(name).supports(torch.empty(0, dtype=dtype, device=_device(name)))
+        if kernels._load(name).supports(torch.empty(0, dtype=dtype, device=backend_device(name)))
     ]
 
 
@@ -63,7 +60,7 @@ def _assert_scale(scale: torch.Tensor, ref_scale: torch.Tensor, values: torch.Te
 
 def _backends(name: str, dtype: torch.dtype):
     """The fused backend ``name`` for ``dtype`` on its test device, and the reference."""
-    fused = kernels.select(torch.empty(0, dtype=dtype, device=_device(name)), name)
+    fused = kernels.select(torch.empty(0, dtype=dtype, device=backend_device(name)), name)
     return fused.compression, kernels._load("torch").compression
 
 
@@ -71,7 +68,7 @@ def _check_worker_stages(backend: str, dtype: torch.dtype, numel: int) -> None:
     """Packed signs are the reference's, the scale is right (see :func:`_assert_scale`)
     and left on the device, and with the reference's scale the error update is its bits."""
     fused, reference = _backends(backend, dtype)
-    device = _device(backend)
+    device = backend_device(backend)
     buffer, error = _inputs(numel, dtype, seed=numel, device=device)
     results = {}
     for impl in (reference, fused):
@@ -94,7 +91,7 @@ def _check_server_stages(backend: str, dtype: torch.dtype, n: int, chunk: int) -
     """As :func:`_check_worker_stages` for the server's stages, then decoding. The scales
     are a column of ``[n, 2]`` rows, as :func:`onebit.compressed_allreduce` passes them."""
     fused, reference = _backends(backend, dtype)
-    device = _device(backend)
+    device = backend_device(backend)
     gen = torch.Generator().manual_seed(n)
     received, gathered = (
         torch.randint(0, 256, (n, chunk // 8), generator=gen, dtype=torch.uint8).to(device)
@@ -170,7 +167,7 @@ def test_exchanges_differ_only_where_the_server_average_is_within_rounding_of_ze
     rounding and its sign follows the rounding of the scales (which a fused backend sums in
     another order; whether any sign flips depends on the device). Every disagreement must be such
     an element."""
-    n, numel, device = 4, 8 * 4 * 4000, _device(backend)
+    n, numel, device = 4, 8 * 4 * 4000, backend_device(backend)
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(numel, generator=gen)
     buffers = torch.stack([values[torch.randperm(numel, generator=gen)] for _ in range(n)])
@@ -192,7 +189,7 @@ def test_successive_exchanges_stay_within_rounding_of_the_reference(backend, n):
     """Workers of distinct magnitudes (no ties) over 8 calls: the fused backend's results,
     scales and error states track the reference's to float32 summation error, and signs
     disagree on at most 1 element in 10^4."""
-    numel, calls, device = 8 * n * 4000, 8, _device(backend)
+    numel, calls, device = 8 * n * 4000, 8, backend_device(backend)
     gen = torch.Generator().manual_seed(7)
     magnitudes = torch.linspace(0.5, 2.0, n).unsqueeze(1)
     state = {

@@ -5,7 +5,7 @@ in a gloo (or NCCL) process group through a file store in a fresh temporary dire
 fixed port), and returns each rank's return value. A worker that raises, dies or overruns the
 timeout makes the call raise :class:`WorkerError` with every failing rank's traceback, and no
 process is left behind. Training runs are launched with torch's elastic launcher instead
-(see :mod:`onebit.train`).
+(see :mod:`onebit.train`). :func:`backend_device` says where a backend's tests run.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorkerError", "spawn_workers"]
+__all__ = ["WorkerError", "backend_device", "spawn_workers"]
+
+
+def backend_device(backend: str) -> torch.device:
+    """Where tests run a backend: triton on CUDA where there is a GPU (on CPU otherwise,
+    through Triton's interpreter), every other backend on CPU."""
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
 
 
 class WorkerError(RuntimeError):

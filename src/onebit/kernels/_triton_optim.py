@@ -65,20 +65,27 @@ _TABLE_WIDTH = tl.constexpr(_WIDTH)
 
 
 # ----------------------------------------------------------------------------- elementwise
+# (Few nested calls per program: Triton's interpreter pays for each call, not for each element.)
 @triton.jit
-def _block(rows, BLOCK: tl.constexpr):
+def _block(rows, hyper, BLOCK: tl.constexpr):
     """This program's parameter, element offsets into the flat buffers, which of them are in
-    range, and the parameter's first element."""
+    range, the parameter's first element, and its constants (the first eight of
+    :data:`_COLUMNS`)."""
     row = rows + 4 * tl.program_id(0).to(tl.int64)
     segment, start, end = tl.load(row), tl.load(row + 1), tl.load(row + 2)
     offsets = start + tl.arange(0, BLOCK).to(tl.int64)
-    return segment, offsets, offsets < end, tl.load(row + 3)
-
-
-@triton.jit
-def _hyper(table, segment, column):
-    """Constant ``column`` (of :data:`_COLUMNS`) of parameter ``segment``."""
-    return tl.load(table + segment * _TABLE_WIDTH + column)
+    at = hyper + segment * _TABLE_WIDTH
+    constants = (
+        tl.load(at),
+        tl.load(at + 1),
+        tl.load(at + 2),
+        tl.load(at + 3),
+        tl.load(at + 4),
+        tl.load(at + 5),
+        tl.load(at + 6),
+        tl.load(at + 7),
+    )
+    return segment, offsets, offsets < end, tl.load(row + 3), constants
 
 
 @triton.jit
@@ -89,23 +96,16 @@ def _gradient(grads, segment, offsets, in_range, first, GRAD: tl.constexpr, STAT
 
 
 @triton.jit
-def _moments(m, v, g, hyper, segment):
-    """``(b1 m + (1 - b1) g, b2 v + (1 - b2) g^2)``."""
-    m = _hyper(hyper, segment, 0) * m + _hyper(hyper, segment, 1) * g
-    v = _hyper(hyper, segment, 2) * v + _hyper(hyper, segment, 3) * (g * g)
-    return m, v
-
-
-@triton.jit
-def _denominator(v, hyper, segment):
-    """``sqrt(v) + eps``."""
-    return tl.sqrt_rn(v) + _hyper(hyper, segment, 4)
-
-
-@triton.jit
-def _direction(m, v, p, hyper, segment):
-    """``m / (sqrt(v) + eps) + wd p``."""
-    return tl.div_rn(m, _denominator(v, hyper, segment)) + _hyper(hyper, segment, 5) * p
+def _adam(m, v, p, g, c, MOMENTS: tl.constexpr):
+    """With ``MOMENTS``: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2`` first. Returns
+    ``m, v, sqrt(v) + eps, m / (sqrt(v) + eps)`` and ``u = m / (sqrt(v) + eps) + wd p``
+    (``c``: the parameter's constants)."""
+    if MOMENTS:
+        m = c[0] * m + c[1] * g
+        v = c[2] * v + c[3] * (g * g)
+    denom = tl.sqrt_rn(v) + c[4]
+    base = tl.div_rn(m, denom)
+    return m, v, denom, base, base + c[5] * p
 
 
 @triton.jit
@@ -115,18 +115,17 @@ def _sum_of_squares(x, in_range):
 
 
 @triton.jit
-def _decoded(signs, chunk_elements, chunk_scales, inverse, segment, offsets, in_range):
+def _exchanged(
+    signs, chunk_elements, chunk_scales, inverse, mask, segment, offsets, in_range, HAS_MASK
+):
     """The exchanged momentum ``+-(b_c * (1 / s))`` of each element (its bit MSB first in
-    ``signs``, ``b_c`` the scale of its chunk of ``chunk_elements`` elements)."""
+    ``signs``, ``b_c`` the scale of its chunk of ``chunk_elements`` elements), times the
+    mask where ``HAS_MASK``."""
     byte = tl.load(signs + (offsets >> 3), mask=in_range, other=0).to(tl.int32)
     positive = ((byte >> (7 - (offsets & 7)).to(tl.int32)) & 1) != 0
     scale = tl.load(chunk_scales + offsets // chunk_elements, mask=in_range, other=0.0)
     value = scale * tl.load(inverse + segment)
-    return tl.where(positive, value, -value)
-
-
-@triton.jit
-def _masked(value, mask, offsets, in_range, HAS_MASK: tl.constexpr):
+    value = tl.where(positive, value, -value)
     if HAS_MASK:
         value = value * tl.load(mask + offsets, mask=in_range, other=0.0)
     return value
@@ -148,14 +147,17 @@ def _lamb_sums_kernel(
 ):
     """Per block: ``sum p^2``, ``sum u^2`` and ``sum g`` with the new moments (written back
     where ``STORE``)."""
-    segment, offsets, in_range, first = _block(rows, BLOCK)
-    state: tl.constexpr = m.dtype.element_ty
-    g = _gradient(grads, segment, offsets, in_range, first, GRAD, state)
-    mi, vi = _moments(
-        tl.load(m + offsets, mask=in_range), tl.load(v + offsets, mask=in_range), g, hyper, segment
-    )
+    segment, offsets, in_range, first, c = _block(rows, hyper, BLOCK)
+    g = _gradient(grads, segment, offsets, in_range, first, GRAD, m.dtype.element_ty)
     weights = tl.load(p + offsets, mask=in_range)
-    u = _direction(mi, vi, weights, hyper, segment)
+    mi, vi, _, _, u = _adam(
+        tl.load(m + offsets, mask=in_range),
+        tl.load(v + offsets, mask=in_range),
+        weights,
+        g,
+        c,
+        True,
+    )
     if STORE:
         tl.store(m + offsets, mi, mask=in_range)
         tl.store(v + offsets, vi, mask=in_range)
@@ -179,22 +181,28 @@ def _adam_apply_kernel(
     BLOCK: tl.constexpr,
 ):
     """``m, v <- moments(g)`` (read back where ``STORED``); ``p += steps[t] * u``."""
-    segment, offsets, in_range, first = _block(rows, BLOCK)
-    mi = tl.load(m + offsets, mask=in_range)
-    vi = tl.load(v + offsets, mask=in_range)
+    segment, offsets, in_range, first, c = _block(rows, hyper, BLOCK)
+    weights = tl.load(p + offsets, mask=in_range)
+    g = weights  # (not read where the moments are stored)
     if not STORED:
         g = _gradient(grads, segment, offsets, in_range, first, GRAD, m.dtype.element_ty)
-        mi, vi = _moments(mi, vi, g, hyper, segment)
+    mi, vi, _, _, u = _adam(
+        tl.load(m + offsets, mask=in_range),
+        tl.load(v + offsets, mask=in_range),
+        weights,
+        g,
+        c,
+        not STORED,
+    )
+    if not STORED:
         tl.store(m + offsets, mi, mask=in_range)
         tl.store(v + offsets, vi, mask=in_range)
-    weights = tl.load(p + offsets, mask=in_range)
-    step = tl.load(steps + segment)
-    tl.store(p + offsets, weights + step * _direction(mi, vi, weights, hyper, segment), in_range)
+    tl.store(p + offsets, weights + tl.load(steps + segment) * u, mask=in_range)
 
 
 @triton.jit
-def _gradient_sum_kernel(rows, grads, partials, GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    segment, offsets, in_range, first = _block(rows, BLOCK)
+def _gradient_sum_kernel(rows, grads, hyper, partials, GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    segment, offsets, in_range, first, _ = _block(rows, hyper, BLOCK)
     g = _gradient(grads, segment, offsets, in_range, first, GRAD, tl.float64)
     tl.store(partials + tl.program_id(0), tl.sum(tl.where(in_range, g, 0.0), axis=0))
 
@@ -202,26 +210,22 @@ def _gradient_sum_kernel(rows, grads, partials, GRAD: tl.constexpr, BLOCK: tl.co
 @triton.jit
 def _momentum_kernel(rows, grads, m, hyper, scaling, out, GRAD: tl.constexpr, BLOCK: tl.constexpr):
     """``out = s_t (b1 m + (1 - b1) g)``."""
-    segment, offsets, in_range, first = _block(rows, BLOCK)
+    segment, offsets, in_range, first, c = _block(rows, hyper, BLOCK)
     g = _gradient(grads, segment, offsets, in_range, first, GRAD, m.dtype.element_ty)
-    mi = tl.load(m + offsets, mask=in_range)
-    momentum = _hyper(hyper, segment, 0) * mi + _hyper(hyper, segment, 1) * g
+    momentum = c[0] * tl.load(m + offsets, mask=in_range) + c[1] * g
     tl.store(out + offsets, tl.load(scaling + segment) * momentum, mask=in_range)
 
 
 @triton.jit
 def _momentum_step_kernel(rows, grads, m, v, p, hyper, GRAD: tl.constexpr, BLOCK: tl.constexpr):
     """``m = b1 m + (1 - b1) g``; ``p += -lr u`` (``v`` unchanged)."""
-    segment, offsets, in_range, first = _block(rows, BLOCK)
+    segment, offsets, in_range, first, c = _block(rows, hyper, BLOCK)
     g = _gradient(grads, segment, offsets, in_range, first, GRAD, m.dtype.element_ty)
-    mi = (
-        _hyper(hyper, segment, 0) * tl.load(m + offsets, mask=in_range)
-        + _hyper(hyper, segment, 1) * g
-    )
+    mi = c[0] * tl.load(m + offsets, mask=in_range) + c[1] * g
     tl.store(m + offsets, mi, mask=in_range)
     weights = tl.load(p + offsets, mask=in_range)
-    u = _direction(mi, tl.load(v + offsets, mask=in_range), weights, hyper, segment)
-    tl.store(p + offsets, weights + -_hyper(hyper, segment, 6) * u, mask=in_range)
+    _, _, _, _, u = _adam(mi, tl.load(v + offsets, mask=in_range), weights, g, c, False)
+    tl.store(p + offsets, weights + -c[6] * u, mask=in_range)
 
 
 @triton.jit
@@ -243,21 +247,19 @@ def _onebit_lamb_a_kernel(
 ):
     """Decode the momentum, refresh ``v_fresh``, ``m = m_new``; per block ``sum u0^2``,
     ``sum u^2`` and the largest ``d / (sqrt(v_fresh) + eps)``."""
-    segment, offsets, in_range, _ = _block(rows, BLOCK)
-    new = _decoded(signs, chunk_elements, chunk_scales, inverse, segment, offsets, in_range)
-    new = _masked(new, mask, offsets, in_range, HAS_MASK)
-    grad = (new - _hyper(hyper, segment, 0) * tl.load(m + offsets, mask=in_range)) * _hyper(
-        hyper, segment, 7
+    segment, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
+    new = _exchanged(
+        signs, chunk_elements, chunk_scales, inverse, mask, segment, offsets, in_range, HAS_MASK
     )
-    f = _hyper(hyper, segment, 2) * tl.load(fresh + offsets, mask=in_range) + _hyper(
-        hyper, segment, 3
-    ) * (grad * grad)
+    grad = (new - c[0] * tl.load(m + offsets, mask=in_range)) * c[7]
+    f = c[2] * tl.load(fresh + offsets, mask=in_range) + c[3] * (grad * grad)
     tl.store(fresh + offsets, f, mask=in_range)
     tl.store(m + offsets, new, mask=in_range)
-    denom = _denominator(tl.load(v + offsets, mask=in_range), hyper, segment)
-    base = tl.div_rn(new, denom)
-    full = base + _hyper(hyper, segment, 5) * tl.load(p + offsets, mask=in_range)
-    ratio = tl.div_rn(denom, tl.sqrt_rn(f) + _hyper(hyper, segment, 4))
+    weights = tl.load(p + offsets, mask=in_range)
+    _, _, denom, base, full = _adam(
+        new, tl.load(v + offsets, mask=in_range), weights, new, c, False
+    )
+    ratio = tl.div_rn(denom, tl.sqrt_rn(f) + c[4])
     out = partials + 3 * tl.program_id(0).to(tl.int64)
     tl.store(out, _sum_of_squares(base, in_range))
     tl.store(out + 1, _sum_of_squares(full, in_range))
@@ -267,25 +269,20 @@ def _onebit_lamb_a_kernel(
 @triton.jit
 def _apply_step_kernel(rows, m, v, p, hyper, steps, BLOCK: tl.constexpr):
     """``p += steps[t] (m / (sqrt(v) + eps) + wd p)``."""
-    segment, offsets, in_range, _ = _block(rows, BLOCK)
+    segment, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
     weights = tl.load(p + offsets, mask=in_range)
-    u = _direction(
-        tl.load(m + offsets, mask=in_range),
-        tl.load(v + offsets, mask=in_range),
-        weights,
-        hyper,
-        segment,
-    )
+    mi = tl.load(m + offsets, mask=in_range)
+    _, _, _, _, u = _adam(mi, tl.load(v + offsets, mask=in_range), weights, mi, c, False)
     tl.store(p + offsets, weights + tl.load(steps + segment) * u, mask=in_range)
 
 
 @triton.jit
-def _frozen_adam_update(new, m, v, p, hyper, segment, offsets, in_range):
+def _frozen_adam_update(new, m, v, p, c, offsets, in_range):
     """``m = new``; ``p += -lr (m / (sqrt(v) + eps) + wd p)``."""
     tl.store(m + offsets, new, mask=in_range)
     weights = tl.load(p + offsets, mask=in_range)
-    u = _direction(new, tl.load(v + offsets, mask=in_range), weights, hyper, segment)
-    tl.store(p + offsets, weights + -_hyper(hyper, segment, 6) * u, mask=in_range)
+    _, _, _, _, u = _adam(new, tl.load(v + offsets, mask=in_range), weights, new, c, False)
+    tl.store(p + offsets, weights + -c[6] * u, mask=in_range)
 
 
 @triton.jit
@@ -304,10 +301,11 @@ def _decoded_adam_kernel(
     BLOCK: tl.constexpr,
 ):
     """The frozen-variance Adam update with the momentum decoded from the signs (* mask)."""
-    segment, offsets, in_range, _ = _block(rows, BLOCK)
-    new = _decoded(signs, chunk_elements, chunk_scales, inverse, segment, offsets, in_range)
-    new = _masked(new, mask, offsets, in_range, HAS_MASK)
-    _frozen_adam_update(new, m, v, p, hyper, segment, offsets, in_range)
+    segment, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
+    new = _exchanged(
+        signs, chunk_elements, chunk_scales, inverse, mask, segment, offsets, in_range, HAS_MASK
+    )
+    _frozen_adam_update(new, m, v, p, c, offsets, in_range)
 
 
 @triton.jit
@@ -315,28 +313,31 @@ def _frozen_adam_kernel(
     rows, exchanged, mask, m, v, p, hyper, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr
 ):
     """The frozen-variance Adam update with the decoded momentum ``exchanged`` (* mask)."""
-    segment, offsets, in_range, _ = _block(rows, BLOCK)
-    new = _masked(tl.load(exchanged + offsets, mask=in_range), mask, offsets, in_range, HAS_MASK)
-    _frozen_adam_update(new, m, v, p, hyper, segment, offsets, in_range)
+    _, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
+    new = tl.load(exchanged + offsets, mask=in_range)
+    if HAS_MASK:
+        new = new * tl.load(mask + offsets, mask=in_range, other=0.0)
+    _frozen_adam_update(new, m, v, p, c, offsets, in_range)
 
 
 @triton.jit
 def _accumulated_kernel(rows, p, synced, v, hyper, out, BLOCK: tl.constexpr):
     """``out = (p - p_synced) (sqrt(v) + eps)``."""
-    segment, offsets, in_range, _ = _block(rows, BLOCK)
+    _, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
     delta = tl.load(p + offsets, mask=in_range) - tl.load(synced + offsets, mask=in_range)
-    denom = _denominator(tl.load(v + offsets, mask=in_range), hyper, segment)
-    tl.store(out + offsets, delta * denom, mask=in_range)
+    tl.store(
+        out + offsets, delta * (tl.sqrt_rn(tl.load(v + offsets, mask=in_range)) + c[4]), in_range
+    )
 
 
 @triton.jit
 def _synchronised_kernel(rows, exchanged, m, synced, p, v, hyper, rebuild, BLOCK: tl.constexpr):
     """``m = exchanged * rebuild_t``; ``p_synced += exchanged / (sqrt(v) + eps)``;
     ``p = p_synced``."""
-    segment, offsets, in_range, _ = _block(rows, BLOCK)
+    segment, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
     delta = tl.load(exchanged + offsets, mask=in_range)
     tl.store(m + offsets, delta * tl.load(rebuild + segment), mask=in_range)
-    denom = _denominator(tl.load(v + offsets, mask=in_range), hyper, segment)
+    denom = tl.sqrt_rn(tl.load(v + offsets, mask=in_range)) + c[4]
     weights = tl.load(synced + offsets, mask=in_range) + tl.div_rn(delta, denom)
     tl.store(synced + offsets, weights, mask=in_range)
     tl.store(p + offsets, weights, mask=in_range)
@@ -379,12 +380,12 @@ class _Table:
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_table(offsets: bytes, segments: tuple[int, ...], device: str) -> _Table:
+def _cached_table(offsets: bytes, segments: tuple[int, ...], device: str, block: int) -> _Table:
     return _Table(np.frombuffer(offsets, dtype=np.int64), segments, torch.device(device))
 
 
 def _table(flat: Any, segments: Sequence[int]) -> _Table:
-    return _cached_table(flat.offsets.tobytes(), tuple(segments), str(flat.device))
+    return _cached_table(flat.offsets.tobytes(), tuple(segments), str(flat.device), BLOCK)
 
 
 def _active_segments(active: Sequence[bool]) -> list[int]:
@@ -529,7 +530,14 @@ class TritonUpdates:
             total = torch.zeros((), dtype=torch.float64, device=flat.device)
             for grad_dtype, table, addresses, _ in launches:
                 partials = _partials(table, 1)
-                _launch(_gradient_sum_kernel, table, addresses, partials, GRAD=grad_dtype)
+                _launch(
+                    _gradient_sum_kernel,
+                    table,
+                    addresses,
+                    constants.table,
+                    partials,
+                    GRAD=grad_dtype,
+                )
                 total += partials.sum()
             if not bool(torch.isfinite(total)):
                 return False
