@@ -19,7 +19,7 @@ import time
 import torch
 
 import onebit
-from onebit.bert_shapes import bert_base_shapes
+from onebit.bert_shapes import bert_shapes
 from onebit.timing import copy_fn, cpu_backends
 
 KINDS = ("local", "sync")
@@ -35,7 +35,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    shapes = bert_base_shapes(args.scale)
+    shapes = bert_shapes(args.scale)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(shape, generator=gen) * 1e-3 for shape in shapes]
     runs = {}

@@ -269,10 +269,10 @@ def test_the_stated_emulation_constants_are_the_fit():
 
 
 def test_calibration_measures_positive_throughputs_with_the_library_kernels():
-    from onebit.bert_shapes import bert_base_shapes
+    from onebit.bert_shapes import bert_shapes
     from onebit.estimate.calibration import calibrate
 
-    shapes = bert_base_shapes(0.05)
+    shapes = bert_shapes(0.05)
     measured = calibrate(scale=0.05, repeats=3)
     assert measured["parameters"] == sum(math.prod(shape) for shape in shapes)
     assert measured["world_size"] == 2
@@ -281,10 +281,10 @@ def test_calibration_measures_positive_throughputs_with_the_library_kernels():
 
 
 def test_step_times_on_one_device_without_a_process_group():
-    from onebit.bert_shapes import bert_base_shapes
+    from onebit.bert_shapes import bert_shapes
     from onebit.timing import optimizer_step_times
 
-    measured = optimizer_step_times(bert_base_shapes(0.05), 2, device="cpu")
+    measured = optimizer_step_times(bert_shapes(0.05), 2, device="cpu")
     assert measured["world_size"] == 1 and measured["dense_allreduce_s"] == 0.0
     assert measured["onebit_compression_step_s"] > measured["lamb_step_s"] > 0
     assert measured["onebit_compression_state_bytes"] > measured["lamb_state_bytes"] > 0

@@ -470,3 +470,29 @@ def test_checkpoint_of_another_optimizer_is_rejected():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         zero_one.load_state_dict(zero_one.state_dict())
+
+
+@pytest.mark.parametrize("pre_freeze_exchange", ["gradient", "momentum"])
+def test_the_first_exchanging_step_is_found_without_walking_the_schedule(pre_freeze_exchange):
+    """The step whose local values are checked first: the first 1-bit gradient or sync of
+    the schedule, found from kappa and T (a walk took minutes with kappa = T = 10^9)."""
+    from onebit.optim.zero_one_adam import GRADIENT_1BIT, SYNC
+
+    def built(freeze: int, kappa: int):
+        params = [torch.nn.Parameter(torch.zeros(3))]
+        optimizer = onebit.ZeroOneAdam(
+            params,
+            var_freeze_step=freeze,
+            var_update_scaler=kappa,
+            pre_freeze_exchange=pre_freeze_exchange,
+        )
+        return optimizer, optimizer._first_local_exchange
+
+    for freeze in (1, 2, 3, 5, 16, 17, 18, 100):
+        for kappa in (1, 2, 3, 4, 15, 16, 17, 200):
+            optimizer, found = built(freeze, kappa)
+            walked = next(
+                t for t in range(1, 10**4) if optimizer.kind_of_step(t) in (GRADIENT_1BIT, SYNC)
+            )
+            assert found == walked, (freeze, kappa)
+    assert built(10**9, 10**9)[1] == 10**9 + 1

@@ -1,12 +1,12 @@
 """The shapes of the BERT models that the benchmarks and the cost model speak of: presets by
-name, their parameter counts, and BERT-base's tensor shapes (for timing optimizer steps on
+name, their parameter counts, and their tensor shapes (for timing optimizer steps on
 realistic tensors without building a model)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["PRESETS", "ModelPreset", "bert_base_shapes"]
+__all__ = ["PRESETS", "ModelPreset", "bert_shapes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,25 +30,28 @@ class ModelPreset:
 
 PRESETS: dict[str, ModelPreset] = {
     "base": ModelPreset(30522, 768, 12, 12),
+    "large": ModelPreset(30522, 1024, 24, 16),
     "small": ModelPreset(30522, 512, 4, 8),
     "mini": ModelPreset(30522, 256, 4, 4),
     "tiny": ModelPreset(1024, 64, 2, 2, max_seq_len=128),
 }
 
 
-def bert_base_shapes(scale: float = 1.0) -> list[tuple[int, ...]]:
-    """Parameter shapes of BERT-base (vocabulary 30522, 12 layers, hidden 768): ~110M.
+def bert_shapes(scale: float = 1.0, preset: str = "base") -> list[tuple[int, ...]]:
+    """The encoder's parameter shapes of BERT ``preset`` in their real tensor shapes (base:
+    197 tensors, 108.9M parameters; large: 389, 334.1M), without the pre-training head.
 
     ``scale`` shrinks the widths (hidden and feed-forward) for quick runs."""
-    hidden, ff, vocab = int(768 * scale), int(3072 * scale), 30522
+    shape = PRESETS[preset]
+    hidden, ff, vocab = int(shape.hidden * scale), int(4 * shape.hidden * scale), shape.vocab_size
     shapes: list[tuple[int, ...]] = [
         (vocab, hidden),
-        (512, hidden),
+        (shape.max_seq_len, hidden),
         (2, hidden),
         (hidden,),
         (hidden,),
     ]
-    for _ in range(12):
+    for _ in range(shape.layers):
         shapes += [(hidden, hidden), (hidden,)] * 4  # query, key, value, attention output
         shapes += [(hidden,), (hidden,)]  # attention LayerNorm
         shapes += [(ff, hidden), (ff,), (hidden, ff), (hidden,)]  # feed-forward

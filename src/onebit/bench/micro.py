@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from onebit.bert_shapes import bert_base_shapes
+from onebit.bert_shapes import bert_shapes
 from onebit.timing import copy_fn, cpu_backends, interleaved, rank_step_times
 
 FLOAT_BYTES = 4
@@ -198,7 +198,7 @@ def _print_optimizer_rows(rows: list[dict[str, Any]]) -> None:
 
 
 def run_optimizer_bench(args: argparse.Namespace) -> int:
-    shapes = bert_base_shapes(args.scale)
+    shapes = bert_shapes(args.scale)
     print(f"BERT-base parameter shapes (scale {args.scale}), 1 thread per rank, median of")
     print(
         f"{args.repeats} interleaved steps; LAMB = Lamb.step() with the fused backend + the "

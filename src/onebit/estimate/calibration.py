@@ -48,12 +48,12 @@ def calibrate(
     0.5 on CPU, 1 on an accelerator; ``repeats`` interleaved rounds: 3 on CPU, 10 otherwise).
     Returns the step times too. Raises ``RuntimeError`` when the machine is too busy to tell
     the two steps apart."""
-    from onebit.bert_shapes import bert_base_shapes
+    from onebit.bert_shapes import bert_shapes
     from onebit.testing import spawn_workers
     from onebit.timing import cpu_backends, optimizer_step_times, rank_step_times
 
     on_cpu = device == "cpu"
-    shapes = bert_base_shapes(scale if scale is not None else 0.5 if on_cpu else 1.0)
+    shapes = bert_shapes(scale if scale is not None else 0.5 if on_cpu else 1.0)
     repeats = repeats if repeats is not None else 3 if on_cpu else 10
     if on_cpu:
         fused = cpu_backends()[-1]

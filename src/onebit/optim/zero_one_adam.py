@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -190,9 +189,17 @@ class ZeroOneAdam(OneBitOptimizer):
             max_grad_norm=max_grad_norm,
         )
         self._counters["bytes_sent"] = dict.fromkeys(STEP_KINDS, 0)
-        # The gradient check runs once, at the first step that exchanges local values.
+        # The gradient check runs once, at the first step that exchanges local values: the
+        # first step up to the freeze that is not a variance update (steps 1..kappa are, at
+        # interval 1, so it is kappa + 1 or, where that starts the interval of 2, kappa + 2),
+        # else the first step after the freeze (a synchronisation).
         self._first_local_exchange = next(
-            t for t in itertools.count(1) if self.kind_of_step(t) in (GRADIENT_1BIT, SYNC)
+            (
+                t
+                for t in (var_update_scaler + 1, var_update_scaler + 2)
+                if t <= var_freeze_step and self.kind_of_step(t) != VARIANCE_UPDATE
+            ),
+            var_freeze_step + 1,
         )
 
     # ----------------------------------------------------------------- the schedule
