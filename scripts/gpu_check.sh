@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# GPU check of onebit on one CUDA machine, offline, in under 10 minutes:
+# GPU check of onebit on one CUDA machine, offline, in under 8 minutes:
 #   1. a Python with a CUDA build of torch (the system's if it has one) and the test tools;
 #      nothing is downloaded: a missing package is installed from local wheels only;
 #   2. the tests marked `cuda` (pytest -m cuda);
-#   3. the other kernel tests of the triton backend, on the GPU;
+#   3. the other tests of the triton backend, on the GPU: its exchange kernels and its
+#      update kernels against the torch reference on CUDA in float32;
 #   4. timings of compressed_allreduce (world size 1) at 2^24 and 2^26 float32 elements,
 #      torch and triton backends, in device-to-device copies of the same buffer;
-#   5. the optimizers on the GPU against the same run on CPU, and on 2 NCCL ranks against 2
+#   5. every optimizer's kinds of step on BERT-base and BERT-Large shapes beside
+#      torch.optim.AdamW(fused=True) and AdamW(foreach=True), in ms and copies, with the
+#      targets (scripts/gpu_step_benchmark.py; its JSON is step-benchmark.json in LOG_DIR);
+#   6. the optimizers on the GPU against the same run on CPU, and on 2 NCCL ranks against 2
 #      gloo ranks where two GPUs are visible (scripts/gpu_optimizer_check.py).
 # Every step runs under its own timeout; a failure is recorded, never fatal. One summary is
 # printed at the end; each step's full output is in LOG_DIR.
 #
 # Usage: scripts/gpu_check.sh [LOG_DIR]
-# Environment: ONEBIT_PYTHON (a Python to try first), GPU_CHECK_BUDGET_S (default 570),
+# Environment: ONEBIT_PYTHON (a Python to try first), GPU_CHECK_BUDGET_S (default 470),
 # GPU_CHECK_WHEELS (a folder of wheels for missing packages, default .whl).
 
 set -u
@@ -20,7 +24,7 @@ set -o pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LOG_DIR=${1:-$(mktemp -d -t onebit-gpu-check.XXXXXX)}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-570}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
 WHEELS=${GPU_CHECK_WHEELS:-$REPO/.whl}
 SITE=$LOG_DIR/site # where missing packages go (pip install --target)
 mkdir -p "$LOG_DIR"
@@ -211,7 +215,12 @@ for log2 in (24, 26):
 EOF
 }
 
-# -- 5. the optimizers on CUDA --------------------------------------------------------
+# -- 5. optimizer steps ------------------------------------------------------------------
+step_benchmark() {
+    "$PY" scripts/gpu_step_benchmark.py --repeats 15 --out "$LOG_DIR/step-benchmark.json"
+}
+
+# -- 6. the optimizers on CUDA --------------------------------------------------------
 # The optimizers on CUDA against CPU (and 2 NCCL ranks against 2 gloo ranks where two GPUs
 # are visible); exit 77 when nothing could run.
 nccl_optimizer_check() {
@@ -221,12 +230,13 @@ nccl_optimizer_check() {
 # -- run ---------------------------------------------------------------------------------
 if setup_environment; then
     export PY SKIPPED LOG_DIR
-    export -f cuda_tests time_allreduce nccl_optimizer_check
-    run_step cuda-tests 180 bash -c cuda_tests
-    run_step triton-kernel-tests 150 "$PY" -m pytest -q -p no:cacheprovider \
-        tests/test_kernels.py -k triton -m "not cuda"
-    run_step timings 120 bash -c time_allreduce
-    run_step nccl-optimizer 120 bash -c nccl_optimizer_check
+    export -f cuda_tests time_allreduce step_benchmark nccl_optimizer_check
+    run_step cuda-tests 120 bash -c cuda_tests
+    run_step triton-kernel-tests 100 "$PY" -m pytest -q -p no:cacheprovider \
+        tests/test_kernels.py tests/test_backends_float32.py -k triton -m "not cuda"
+    run_step timings 60 bash -c time_allreduce
+    run_step step-benchmark 150 bash -c step_benchmark
+    run_step nccl-optimizer 60 bash -c nccl_optimizer_check
 fi
 
 echo
@@ -238,8 +248,9 @@ for i in "${!NAMES[@]}"; do
 done
 for i in "${!NAMES[@]}"; do
     log="$LOG_DIR/${NAMES[$i]}.log"
-    if [[ ${NAMES[$i]} == timings && ${STATUSES[$i]} == PASS ]]; then
-        echo "-- timings"
+    if [[ ${NAMES[$i]} == timings || ${NAMES[$i]} == step-benchmark ]] &&
+        [[ ${STATUSES[$i]} == PASS ]]; then
+        echo "-- ${NAMES[$i]}"
         cat "$log"
     elif [[ ${STATUSES[$i]} == FAIL || ${STATUSES[$i]} == TIMEOUT ]] && [[ -s $log ]]; then
         echo "-- the end of ${NAMES[$i]}.log"

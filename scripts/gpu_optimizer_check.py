@@ -1,7 +1,7 @@
 """The optimizers on CUDA against the same run on CPU (part of scripts/gpu_check.sh).
 
 1. World size 1: Lamb, OneBitLamb, OneBitAdam and ZeroOneAdam on float64 CUDA parameters
-   (triton for the exchange, the torch reference for the update) against float64 CPU
+   (triton for the exchange and the update) against float64 CPU
    parameters (numba where installed): same gradients, clipped by the optimizers' max_grad_norm,
    one row that never gets a gradient (the variance-0 mask), 12 steps across the switch to
    compression (0/1 Adam: dense and 1-bit gradient steps, the freeze, local intervals of 1
