@@ -96,11 +96,7 @@ class Round:
         workspace: CompressionWorkspace,
     ) -> None:
         self.segments, self.xs, self.transport, self.ws = segments, xs, transport, workspace
-        layout = workspace.stages.layout
-        self.worker_errors = worker_error.view(-1).split(layout.sizes)
-        self.server_errors = server_error.view(-1).split(layout.chunks)
-        self.packed = workspace.worker_packed.split([size // 8 for size in layout.sizes])
-        self.server_packed = workspace.server_packed.split(layout.chunk_bytes)
+        self.worker_error, self.server_error = worker_error.view(-1), server_error.view(-1)
         self.device = worker_error.device
         self._works: list = []
 
@@ -113,15 +109,11 @@ class Round:
 
     def send_workers(self) -> None:
         ws, stages = self.ws, self.ws.stages
-        layout, count = stages.layout, stages.layout.segments
         stages.compress_worker(
-            self.segments, self.xs, self.worker_errors, self.packed, ws.local_scales
+            self.segments, self.xs, self.worker_error, ws.worker_packed, ws.local_scales
         )
-        ws.local_scales[count] = stages.backend.code
-        if count > 1:  # chunk j of every segment's signs, for rank j
-            columns = ws.send.split(layout.chunk_bytes, dim=1)
-            for column, signs in zip(columns, self.packed, strict=True):
-                column.copy_(signs.view(layout.n, -1))
+        ws.local_scales[stages.layout.segments] = stages.backend.code
+        stages.fill_send(ws.worker_packed, ws.send)  # chunk j of every segment, for rank j
         self._works = [
             self.transport.all_gather(ws.worker_scales, ws.local_scales, async_op=True),
             self.transport.all_to_all(ws.received, ws.send, async_op=True),
@@ -129,21 +121,17 @@ class Round:
 
     def send_servers(self) -> None:
         ws, stages = self.ws, self.ws.stages
-        layout, count = stages.layout, stages.layout.segments
+        count = stages.layout.segments
         self.drain()
         problem = worker_scales_problem(ws.worker_scales, stages.backend.name, BACKENDS)
         self.transport.agree(problem, self.device)
-        if count == 1:
-            self.received = [ws.received]
-        else:
-            parts = ws.received.split(layout.chunk_bytes, dim=1)
-            self.received = [part.contiguous() for part in parts]
+        self.received = stages.server_view(ws.received)
         self.worker_scales = ws.worker_scales[:, :count].T.contiguous()  # row t: a_0t ... a_(n-1)t
         stages.compress_server(
             self.received,
             self.worker_scales,
-            self.server_errors,
-            self.server_packed,
+            self.server_error,
+            ws.server_packed,
             ws.local_server_scales,
         )
         self._works = [
@@ -158,13 +146,13 @@ class Round:
 
         def commit() -> None:
             stages.update_worker_errors(
-                self.segments, self.xs, self.worker_errors, self.packed, ws.local_scales
+                self.segments, self.xs, self.worker_error, ws.worker_packed, ws.local_scales
             )
             stages.update_server_errors(
                 self.received,
                 self.worker_scales,
-                self.server_errors,
-                self.server_packed,
+                self.server_error,
+                ws.server_packed,
                 ws.local_server_scales,
             )
 

@@ -123,74 +123,133 @@ def exchange_bytes(layout: Layout, dtype: torch.dtype) -> int:
 
 
 class Stages:
-    """The local work of both phases for one layout on one backend, segment by segment
-    (the backend's compression kernels, :mod:`onebit.kernels`), with their scratch."""
+    """The local work of both phases for one layout on one backend (the backend's
+    compression kernels, :mod:`onebit.kernels`), with their scratch: all segments in one
+    call where the backend compresses segments together
+    (:class:`~onebit.kernels.SegmentedCompressionKernels`), else segment by segment.
+
+    Worker-side buffers are flat (``W`` elements, segment after segment), server-side ones
+    flat over this rank's chunks (``W / n``); ``received`` is what :meth:`server_view` made
+    of the all-to-all's ``[n, W / 8n]`` signs."""
 
     def __init__(
         self, layout: Layout, backend: Backend, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.layout, self.backend = layout, backend
         self.kernels = backend.compression
-        self.scratch = [
-            self.kernels.scratch(size, layout.n, dtype, device) for size in layout.sizes
-        ]
+        self.together = layout.segments > 1 and hasattr(self.kernels, "worker_compress_segments")
+        sizes = (layout.width,) if self.together else layout.sizes
+        self.scratch = [self.kernels.scratch(size, layout.n, dtype, device) for size in sizes]
+
+    def _worker_parts(self, worker_error: Tensor, packed: Tensor):
+        layout = self.layout
+        return worker_error.split(layout.sizes), packed.split([s // 8 for s in layout.sizes])
+
+    def _server_parts(self, server_error: Tensor, packed: Tensor):
+        layout = self.layout
+        return server_error.split(layout.chunks), packed.split(layout.chunk_bytes)
 
     def compress_worker(
         self,
         segments: Sequence[Tensor],
         xs: Sequence[Tensor],
-        errors: Sequence[Tensor],
-        packed: Sequence[Tensor],
+        worker_error: Tensor,
+        packed: Tensor,
         scales: Tensor,
     ) -> None:
         """Per segment: ``x = segment + error`` (in ``xs``, which may be the segments),
         its packed signs into ``packed`` and ``scales[t] = ||x|| / sqrt(P_t)``."""
+        if self.together:
+            scales[: self.layout.segments] = self.kernels.worker_compress_segments(
+                segments, worker_error, packed, self.layout
+            )
+            return
+        errors, packs = self._worker_parts(worker_error, packed)
         for t in range(self.layout.segments):
             scales[t] = self.kernels.worker_compress(
-                segments[t], errors[t], packed[t], xs[t], self.scratch[t]
+                segments[t], errors[t], packs[t], xs[t], self.scratch[t]
             )
 
     def update_worker_errors(
         self,
         segments: Sequence[Tensor],
         xs: Sequence[Tensor],
-        errors: Sequence[Tensor],
-        packed: Sequence[Tensor],
+        worker_error: Tensor,
+        packed: Tensor,
         scales: Tensor,
     ) -> None:
         """Per segment: ``error = x - scales[t] sign(x)``."""
+        if self.together:
+            self.kernels.worker_error_update_segments(
+                segments, worker_error, packed, scales[: self.layout.segments], self.layout
+            )
+            return
+        errors, packs = self._worker_parts(worker_error, packed)
         for t in range(self.layout.segments):
             self.kernels.worker_error_update(
-                segments[t], errors[t], packed[t], scales[t], xs[t], self.scratch[t]
+                segments[t], errors[t], packs[t], scales[t], xs[t], self.scratch[t]
             )
+
+    def fill_send(self, packed: Tensor, send: Tensor) -> None:
+        """Chunk ``j`` of every segment's packed signs into row ``j`` of ``send``, segment
+        after segment (nothing to do for one segment: ``send`` is a view of ``packed``)."""
+        layout = self.layout
+        if layout.segments == 1:
+            return
+        if self.together:
+            self.kernels.gather_columns(packed, send, layout)
+            return
+        columns = send.split(layout.chunk_bytes, dim=1)
+        signs = packed.split([size // 8 for size in layout.sizes])
+        for column, segment_signs in zip(columns, signs, strict=True):
+            column.copy_(segment_signs.view(layout.n, -1))
+
+    def server_view(self, received: Tensor) -> Tensor | list[Tensor]:
+        """The all-to-all's signs as the server stages take them: whole, or each segment's
+        ``[n, C_t / 8]`` columns made contiguous where segments are compressed one by one."""
+        if self.together or self.layout.segments == 1:
+            return received if self.together else [received]
+        return [part.contiguous() for part in received.split(self.layout.chunk_bytes, dim=1)]
 
     def compress_server(
         self,
-        received: Sequence[Tensor],
+        received: Tensor | Sequence[Tensor],
         worker_scales: Tensor,
-        errors: Sequence[Tensor],
-        packed: Sequence[Tensor],
+        server_error: Tensor,
+        packed: Tensor,
         scales: Tensor,
     ) -> None:
-        """Per segment: ``y = error + (1/n) sum_i worker_scales[t, i] sign_i`` of the chunks
-        in ``received[t]`` (``[n, C_t / 8]``), its packed signs and ``scales[t]``."""
+        """Per segment: ``y = error + (1/n) sum_i worker_scales[t, i] sign_i`` of its
+        chunks in ``received``, its packed signs and ``scales[t]``."""
+        if self.together:
+            scales[:] = self.kernels.server_compress_segments(
+                received, worker_scales, server_error, packed, self.layout
+            )
+            return
+        errors, packs = self._server_parts(server_error, packed)
         for t in range(self.layout.segments):
             scales[t] = self.kernels.server_compress(
-                received[t], worker_scales[t], errors[t], packed[t], self.scratch[t]
+                received[t], worker_scales[t], errors[t], packs[t], self.scratch[t]
             )
 
     def update_server_errors(
         self,
-        received: Sequence[Tensor],
+        received: Tensor | Sequence[Tensor],
         worker_scales: Tensor,
-        errors: Sequence[Tensor],
-        packed: Sequence[Tensor],
+        server_error: Tensor,
+        packed: Tensor,
         scales: Tensor,
     ) -> None:
         """Per segment: ``error = y - scales[t] sign(y)``."""
+        if self.together:
+            self.kernels.server_error_update_segments(
+                received, worker_scales, server_error, packed, scales, self.layout
+            )
+            return
+        errors, packs = self._server_parts(server_error, packed)
         for t in range(self.layout.segments):
             self.kernels.server_error_update(
-                received[t], worker_scales[t], errors[t], packed[t], scales[t], self.scratch[t]
+                received[t], worker_scales[t], errors[t], packs[t], scales[t], self.scratch[t]
             )
 
 
@@ -321,6 +380,9 @@ class PackedResult:
         flat = out.view(-1)
         if self.layout.segments == 1 and flat.numel() == self.layout.width:
             self.backend.compression.decode(self.signs, self.chunk_scales, flat)
+            return out
+        if hasattr(self.backend.compression, "decode_segments"):
+            self.backend.compression.decode_segments(self.signs, self.scales, flat, self.layout)
             return out
         scales = self.scales.T.contiguous()
         offset = 0

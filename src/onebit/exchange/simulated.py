@@ -121,15 +121,15 @@ class SimulatedExchange(Exchange):
     def _compress(self, shard: int, node: int, x: Tensor, error: Tensor, rank: int) -> None:
         """Worker compression of ``x`` (also its scratch) with ``error`` as member ``node``
         of the inter-node exchange of ``shard``."""
-        packed, scale = [self.signs[shard, node]], self.scales[shard, node : node + 1]
-        self.stages.compress_worker([x], [x], [error], packed, scale)
+        packed, scale = self.signs[shard, node].view(-1), self.scales[shard, node : node + 1]
+        self.stages.compress_worker([x], [x], error, packed, scale)
         if not math.isfinite(float(scale)):
             raise SimulationDiverged(
                 f"the local momentum of simulated worker {rank} is not finite (its compression "
                 "scale is NaN or Inf); the simulation cannot skip the step, since earlier "
                 "workers' error states are already updated"
             )
-        self.stages.update_worker_errors([x], [x], [error], packed, scale)
+        self.stages.update_worker_errors([x], [x], error, packed, scale)
 
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
         if self._added != self.workers - 1:
@@ -146,10 +146,10 @@ class SimulatedExchange(Exchange):
             for server in range(self.nodes):
                 received = self.signs[shard, :, server * chunk_bytes : (server + 1) * chunk_bytes]
                 arguments = (
-                    [received.contiguous()],
+                    self.stages.server_view(received.contiguous()),
                     worker_scales,
-                    [errors[server * self.local + shard]],
-                    [self.server_signs[shard, server]],
+                    errors[server * self.local + shard],
+                    self.server_signs[shard, server],
                     self.server_scales[shard, server : server + 1],
                 )
                 self.stages.compress_server(*arguments)

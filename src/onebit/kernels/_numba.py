@@ -8,14 +8,17 @@ same bits: work is split into fixed blocks whatever the thread count.
 
 from __future__ import annotations
 
-import math
+import functools
 import types
+from collections.abc import Sequence
 
 import numba
 import numpy as np
 import torch
+from numba import typed
 from torch import Tensor
 
+from onebit.exchange.protocol import Layout
 from onebit.kernels import _numba_compression as compression
 from onebit.kernels._reference import ReferenceKernels
 
@@ -25,6 +28,7 @@ _DRIVERS = (
     "server_compress",
     "server_error_update",
     "decode",
+    "gather_columns",
 )
 
 
@@ -79,12 +83,75 @@ def to_numpy(tensor: Tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
 
-def _scale(sumsq: float, numel: int, dtype: torch.dtype) -> Tensor:
-    return torch.tensor(math.sqrt(sumsq) / math.sqrt(numel), dtype=dtype)
+# ----------------------------------------------------------------------------- tables
+def _rows(spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``[B, 3]`` rows ``(segment, start, end)``: blocks of at most ``BLOCK`` elements of each
+    span ``(start, end)`` of the flat buffer, which they never cross."""
+    block = compression.BLOCK
+    rows = [
+        (t, s, min(s + block, end)) for t, (start, end) in enumerate(spans)
+        for s in range(start, end, block)
+    ]  # fmt: skip
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def _spans(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    return tuple(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@functools.lru_cache(maxsize=128)
+def _worker_blocks(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The worker side's blocks of segments of ``sizes`` and each segment's start."""
+    spans = _spans(sizes)
+    return _rows(spans), np.asarray([start for start, _ in spans], dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=128)
+def _server_blocks(chunks: tuple[int, ...]) -> np.ndarray:
+    """The server side's blocks of its chunks of every segment (``chunks[t]`` elements)."""
+    return _rows(_spans(chunks))
+
+
+@functools.lru_cache(maxsize=128)
+def _decode_pieces(layout: Layout) -> np.ndarray:
+    """Rows ``(segment, server, out offset, first byte, count)`` that decode every segment's
+    first ``numels[t]`` values, segment after segment (the whole buffer for one segment of
+    ``width`` values), in pieces of at most ``BLOCK`` elements within one server's chunk."""
+    block, rows, out = compression.BLOCK, [], 0
+    column = 0  # the segment's first byte in a server's row
+    for t, (numel, chunk) in enumerate(zip(layout.numels, layout.chunks, strict=True)):
+        for j in range(layout.n):
+            end = min(chunk, numel - j * chunk)
+            rows.extend(
+                (t, j, out + j * chunk + k, column + k // 8, min(block, end - k))
+                for k in range(0, max(end, 0), block)
+            )
+        out, column = out + numel, column + chunk // 8
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+
+
+def _per_segment(blocks: np.ndarray, partial: np.ndarray, segments: int) -> np.ndarray:
+    """Per-block partial sums added per segment, in block order."""
+    totals = np.zeros(segments, np.float64)
+    np.add.at(totals, blocks[:, 0], partial)
+    return totals
+
+
+def _scales(sums: np.ndarray, sizes: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """``sqrt(sum) / sqrt(P_t)`` per segment, as a ``dtype`` vector."""
+    return torch.from_numpy(np.sqrt(sums) / np.sqrt(np.asarray(sizes, np.float64))).to(dtype)
+
+
+def _weights(worker_scales: Tensor, n: int, dtype: torch.dtype) -> np.ndarray:
+    """The server's weights ``a_ti / n`` (``[segments, n]``), rounded to the buffer's dtype."""
+    return to_numpy((worker_scales / n).to(dtype)).reshape(-1, n)
 
 
 class NumbaKernels(ReferenceKernels):
-    """Fused compression on CPU: worker side, server side and decoding, one pass each."""
+    """Fused compression on CPU: worker side, server side and decoding, one pass each, for
+    one buffer or for all segments of a per-tensor layout at once (the ``*_segments``
+    methods of :class:`onebit.kernels.SegmentedCompressionKernels`)."""
 
     name = "numba"
 
@@ -94,32 +161,82 @@ class NumbaKernels(ReferenceKernels):
     def scratch(self, numel, n, dtype, device) -> None:
         return None  # intermediates are recomputed, never stored
 
+    # ------------------------------------------------------------- one buffer
     def worker_compress(self, buffer, error, packed, x, scratch):
-        sumsq = _COMPRESSION("worker_compress")(to_numpy(buffer), to_numpy(error), to_numpy(packed))
-        return _scale(sumsq, buffer.numel(), self.scale_dtype(buffer.dtype))
+        layout = Layout.flat(buffer.numel(), 1)
+        return self.worker_compress_segments([buffer], error, packed, layout)[0]
 
     def worker_error_update(self, buffer, error, packed, x_scale, x, scratch):
-        _COMPRESSION("worker_error_update")(
-            to_numpy(buffer), to_numpy(error), _scalar(x_scale, error)
-        )
+        layout = Layout.flat(buffer.numel(), 1)
+        self.worker_error_update_segments([buffer], error, packed, x_scale.reshape(1), layout)
 
     def server_compress(self, received, scales, server_error, packed, scratch):
-        weights = to_numpy((scales / received.shape[0]).to(server_error.dtype))
-        sumsq = _COMPRESSION("server_compress")(
-            to_numpy(received), weights, to_numpy(server_error), to_numpy(packed)
-        )
-        return _scale(sumsq, server_error.numel(), self.scale_dtype(server_error.dtype))
+        layout = Layout.flat(server_error.numel() * received.shape[0], received.shape[0])
+        return self.server_compress_segments(
+            received, scales.reshape(1, -1), server_error, packed, layout
+        )[0]
 
     def server_error_update(self, received, scales, server_error, packed, y_scale, scratch):
-        weights = to_numpy((scales / received.shape[0]).to(server_error.dtype))
-        _COMPRESSION("server_error_update")(
-            to_numpy(received), weights, to_numpy(server_error), _scalar(y_scale, server_error)
+        layout = Layout.flat(server_error.numel() * received.shape[0], received.shape[0])
+        self.server_error_update_segments(
+            received, scales.reshape(1, -1), server_error, packed, y_scale.reshape(1), layout
         )
 
     def decode(self, gathered, scales, out):
-        _COMPRESSION("decode")(to_numpy(gathered), to_numpy(scales.to(out.dtype)), to_numpy(out))
+        layout = Layout.flat(out.numel(), gathered.shape[0])
+        self.decode_segments(gathered, scales.reshape(-1, 1), out, layout)
 
+    # ------------------------------------------------------------- every segment at once
+    def worker_compress_segments(self, segments, error, packed, layout):
+        blocks, starts = _worker_blocks(layout.sizes)
+        arrays = typed.List([to_numpy(segment) for segment in segments])
+        partial = _COMPRESSION("worker_compress")(
+            blocks, arrays, starts, to_numpy(error), to_numpy(packed)
+        )
+        sums = _per_segment(blocks, partial, layout.segments)
+        return _scales(sums, layout.sizes, self.scale_dtype(error.dtype))
 
-def _scalar(value: Tensor, like: Tensor):
-    """A 0-d tensor as a numpy scalar of ``like``'s dtype (keeps float32 maths float32)."""
-    return to_numpy(value.to(like.dtype))[()]
+    def worker_error_update_segments(self, segments, error, packed, scales, layout):
+        blocks, starts = _worker_blocks(layout.sizes)
+        arrays = typed.List([to_numpy(segment) for segment in segments])
+        _COMPRESSION("worker_error_update")(
+            blocks, arrays, starts, to_numpy(error), to_numpy(scales.to(error.dtype))
+        )
+
+    def server_compress_segments(self, received, worker_scales, server_error, packed, layout):
+        blocks = _server_blocks(layout.chunks)
+        weights = _weights(worker_scales, layout.n, server_error.dtype)
+        partial = _COMPRESSION("server_compress")(
+            blocks, to_numpy(received), weights, to_numpy(server_error), to_numpy(packed)
+        )
+        sums = _per_segment(blocks, partial, layout.segments)
+        return _scales(sums, layout.chunks, self.scale_dtype(server_error.dtype))
+
+    def server_error_update_segments(
+        self, received, worker_scales, server_error, packed, scales, layout
+    ):
+        blocks = _server_blocks(layout.chunks)
+        weights = _weights(worker_scales, layout.n, server_error.dtype)
+        _COMPRESSION("server_error_update")(
+            blocks,
+            to_numpy(received),
+            weights,
+            to_numpy(server_error),
+            to_numpy(scales.to(server_error.dtype)),
+        )
+
+    def decode_segments(self, gathered, scales, out, layout):
+        _COMPRESSION("decode")(
+            _decode_pieces(layout),
+            to_numpy(gathered),
+            to_numpy(scales.to(out.dtype)),
+            to_numpy(out.view(-1)),
+        )
+
+    def gather_columns(self, packed, send, layout):
+        segment_bytes = np.cumsum([0, *layout.sizes[:-1]], dtype=np.int64) // 8
+        column_bytes = np.cumsum([0, *layout.chunk_bytes[:-1]], dtype=np.int64)
+        widths = np.asarray(layout.chunk_bytes, dtype=np.int64)
+        _COMPRESSION("gather_columns")(
+            to_numpy(packed), to_numpy(send), segment_bytes, column_bytes, widths
+        )

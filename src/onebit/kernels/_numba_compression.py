@@ -115,65 +115,85 @@ def _decode(packed, scale, out):
 
 
 @njit(cache=True)
-def _blocks(n):
-    return (n + BLOCK - 1) // BLOCK
+def _decode_count(packed, scale, out):
+    """:func:`_decode` of the first ``out.size`` elements (a last byte only partly used)."""
+    whole = out.size >> 3
+    _decode(packed[:whole], scale, out[: 8 * whole])
+    byte = np.int32(packed[whole]) if out.size & 7 else 0
+    for j in range(out.size & 7):
+        out[8 * whole + j] = scale if (byte >> (7 - j)) & 1 else -scale
 
 
-def worker_compress(a, b, packed):
-    """Pack ``sign(a + b)`` into ``packed``; returns ``sum((a + b)^2)`` (float64)."""
-    n = a.size
-    partial = np.empty(_blocks(n), np.float64)
-    for block in prange(partial.size):
-        s, e = block * BLOCK, min((block + 1) * BLOCK, n)
-        partial[block] = _sumsq_pack_sum(a[s:e], b[s:e], packed[s // 8 : e // 8])
-    return partial.sum()
+# Drivers: every one works on *segments* compressed alone, in blocks of at most BLOCK
+# elements that never cross a segment (a table of rows ``(segment, start, end)`` in flat
+# coordinates, made by :mod:`onebit.kernels._numba`); a buffer exchanged whole is one
+# segment. Reductions are returned per block, for the caller to add per segment in block
+# order.
+def worker_compress(blocks, segments, starts, error, packed):
+    """Pack ``sign(x)``, ``x = segment + error``; per block ``sum(x^2)`` (float64).
+    ``segments[t]`` holds segment ``t``, which starts at ``starts[t]`` of ``error``."""
+    partial = np.empty(blocks.shape[0], np.float64)
+    for b in prange(blocks.shape[0]):
+        t, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
+        a = segments[t][s - starts[t] : e - starts[t]]
+        partial[b] = _sumsq_pack_sum(a, error[s:e], packed[s // 8 : e // 8])
+    return partial
 
 
-def worker_error_update(a, error, scale):
-    """``error = (a + error) - scale * sign(a + error)``, in place."""
-    n = a.size
-    for block in prange(_blocks(n)):
-        s, e = block * BLOCK, min((block + 1) * BLOCK, n)
-        _error_feedback_sum(a[s:e], error[s:e], scale)
+def worker_error_update(blocks, segments, starts, error, scales):
+    """``error = x - scales[t] sign(x)``, ``x = segment + error``, in place."""
+    for b in prange(blocks.shape[0]):
+        t, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
+        a = segments[t][s - starts[t] : e - starts[t]]
+        _error_feedback_sum(a, error[s:e], scales[t])
 
 
-def server_compress(received, weights, server_error, packed):
-    """Pack ``sign(y)``, ``y = server_error + sum_i weights[i] sign_i``; returns ``sum(y^2)``."""
-    n = server_error.size
-    partial = np.zeros(_blocks(n), np.float64)
-    for block in prange(partial.size):
-        s, e = block * BLOCK, min((block + 1) * BLOCK, n)
+def server_compress(blocks, received, weights, server_error, packed):
+    """Pack ``sign(y)``, ``y = server_error + sum_i weights[t, i] sign_i``; per block
+    ``sum(y^2)``."""
+    partial = np.zeros(blocks.shape[0], np.float64)
+    for b in prange(blocks.shape[0]):
+        t, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         y = np.empty(CHUNK, server_error.dtype)
         for c in range(s, e, CHUNK):
             d = min(c + CHUNK, e)
             rows = received[:, c // 8 : d // 8]
-            head = _server_sum(server_error[c:d], rows, weights, y[: d - c])
-            partial[block] += _last_sumsq_pack(head, weights[-1], rows[-1], packed[c // 8 : d // 8])
-    return partial.sum()
+            head = _server_sum(server_error[c:d], rows, weights[t], y[: d - c])
+            partial[b] += _last_sumsq_pack(head, weights[t, -1], rows[-1], packed[c // 8 : d // 8])
+    return partial
 
 
-def server_error_update(received, weights, server_error, scale):
-    """``server_error = y - scale * sign(y)`` with ``y`` as in :func:`server_compress`."""
-    n = server_error.size
-    for block in prange(_blocks(n)):
-        s, e = block * BLOCK, min((block + 1) * BLOCK, n)
+def server_error_update(blocks, received, weights, server_error, scales):
+    """``server_error = y - scales[t] sign(y)`` with ``y`` as in :func:`server_compress`."""
+    for b in prange(blocks.shape[0]):
+        t, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         y = np.empty(CHUNK, server_error.dtype)
         for c in range(s, e, CHUNK):
             d = min(c + CHUNK, e)
             rows = received[:, c // 8 : d // 8]
             if rows.shape[0] == 1:
-                _only_error_feedback(weights[0], rows[0], scale, server_error[c:d])
+                _only_error_feedback(weights[t, 0], rows[0], scales[t], server_error[c:d])
             else:
-                head = _server_sum(server_error[c:d], rows, weights, y[: d - c])
-                _last_error_feedback(head, weights[-1], rows[-1], scale, server_error[c:d])
+                head = _server_sum(server_error[c:d], rows, weights[t], y[: d - c])
+                _last_error_feedback(head, weights[t, -1], rows[-1], scales[t], server_error[c:d])
 
 
-def decode(gathered, scales, out):
-    """``out[chunk j] = scales[j] * sign`` from row ``j`` of ``gathered``."""
-    chunks, nbytes = gathered.shape
-    chunk = 8 * nbytes
-    per_chunk = _blocks(chunk)
-    for index in prange(chunks * per_chunk):
-        j, block = index // per_chunk, index % per_chunk
-        s, e = block * BLOCK, min((block + 1) * BLOCK, chunk)
-        _decode(gathered[j, s // 8 : e // 8], scales[j], out[j * chunk + s : j * chunk + e])
+def decode(pieces, gathered, scales, out):
+    """``out[o : o + k] = scales[j, t] * sign`` for each piece ``(t, j, o, byte, k)``: ``k``
+    elements of server ``j``'s signs of segment ``t`` from byte ``byte`` of its row."""
+    for b in prange(pieces.shape[0]):
+        t, j, o = pieces[b, 0], pieces[b, 1], pieces[b, 2]
+        first, count = pieces[b, 3], pieces[b, 4]
+        _decode_count(
+            gathered[j, first : first + (count + 7) // 8], scales[j, t], out[o : o + count]
+        )
+
+
+def gather_columns(packed, send, segment_bytes, column_bytes, widths):
+    """``send[j, column_bytes[t] + :w_t] = packed[segment_bytes[t] + j w_t + :w_t]``: chunk
+    ``j`` of every segment's signs (``w_t`` bytes) into row ``j``, segment after segment."""
+    for t in prange(widths.size):
+        w = widths[t]
+        for j in range(send.shape[0]):
+            start = segment_bytes[t] + j * w
+            send[j, column_bytes[t] : column_bytes[t] + w] = packed[start : start + w]

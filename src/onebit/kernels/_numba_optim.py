@@ -345,6 +345,23 @@ def onebit_adam(blocks, active, signs, values, mask, m, v, p, eps, wd, step):
             )
 
 
+def frozen_adam(blocks, active, exchanged, mask, m, v, p, eps, wd, step):
+    """``m = exchanged (* mask)``; ``p += step * (m / (sqrt(v) + eps) + wd p)``."""
+    for b in prange(blocks.shape[0]):
+        seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
+        if active[seg]:
+            _onebit_adam_chunk(
+                exchanged[s:e],
+                mask[s:e] if mask.size else mask,
+                m[s:e],
+                v[s:e],
+                p[s:e],
+                eps[seg],
+                wd[seg],
+                step[seg],
+            )
+
+
 _KERNELS = Compiled(
     sys.modules[__name__],
     (
@@ -356,6 +373,7 @@ _KERNELS = Compiled(
         "apply_step",
         "momentum_step",
         "onebit_adam",
+        "frozen_adam",
     ),
 )
 
@@ -471,10 +489,9 @@ def _block_values(flat: Any, packed: Any, scaling: Tensor):
 # ----------------------------------------------------------------------------- entry points
 class NumbaUpdates:
     """The update part of the numba backend: the methods of
-    :class:`onebit.kernels.UpdateKernels`, one or two passes over memory each, except 1-bit
-    Adam's per-tensor update and 0/1 Adam's synchronisation, which run the torch reference."""
+    :class:`onebit.kernels.UpdateKernels`, one or two passes over memory each, except 0/1
+    Adam's synchronisation (once per local interval), which runs the torch reference."""
 
-    onebit_adam_per_tensor_step_ = staticmethod(functional.onebit_adam_per_tensor_step_)
     accumulated_update = staticmethod(functional.accumulated_update)
     synchronised_update_ = staticmethod(functional.synchronised_update_)
 
@@ -611,6 +628,30 @@ class NumbaUpdates:
             _active(active),
             _np(packed.flat_signs),
             values,
+            _mask_array(flat, mask),
+            _np(flat.exp_avg),
+            _np(flat.exp_avg_sq),
+            _np(flat.weights),
+            hyper.key("eps"),
+            hyper.key("weight_decay"),
+            -hyper.key("lr"),
+        )
+
+    def onebit_adam_per_tensor_step_(
+        self,
+        flat: Any,
+        packed: Any,
+        exchanged: Tensor,
+        mask: Tensor | None,
+        active: Sequence[bool],
+    ) -> None:
+        """The momentum is decoded into ``exchanged`` first (one segment per tensor)."""
+        packed.decode(exchanged)
+        hyper = _Hyper(flat)
+        _KERNELS("frozen_adam")(
+            _blocks(flat),
+            _active(active),
+            _np(exchanged),
             _mask_array(flat, mask),
             _np(flat.exp_avg),
             _np(flat.exp_avg_sq),
