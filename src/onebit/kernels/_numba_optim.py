@@ -27,7 +27,6 @@ from torch import Tensor
 from onebit.coefficients import compression_factor, trust_ratio
 from onebit.kernels._numba import Compiled
 from onebit.kernels._numba import to_numpy as _np
-from onebit.optim import functional
 
 _SUM_FLAGS = {"reassoc", "contract"}
 CHUNK = 1 << 10  # elements whose ratios are kept in scratch at a time
@@ -362,6 +361,40 @@ def frozen_adam(blocks, active, exchanged, mask, m, v, p, eps, wd, step):
             )
 
 
+@njit(error_model="numpy", cache=True)
+def _accumulated_block(p, synced, v, eps, out):
+    """``out = (p - p_synced) (sqrt(v) + eps)``."""
+    for i in range(p.size):
+        out[i] = (p[i] - synced[i]) * (np.sqrt(v[i]) + eps)
+
+
+@njit(error_model="numpy", cache=True)
+def _synchronised_block(delta, m, synced, p, v, eps, rebuild):
+    """``m = delta * rebuild``; ``p_synced += delta / (sqrt(v) + eps)``; ``p = p_synced``."""
+    for i in range(delta.size):
+        m[i] = delta[i] * rebuild
+        synced[i] = synced[i] + delta[i] / (np.sqrt(v[i]) + eps)
+        p[i] = synced[i]
+
+
+def accumulated(blocks, active, p, synced, v, eps, out):
+    for b in prange(blocks.shape[0]):
+        seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
+        if active[seg]:
+            _accumulated_block(p[s:e], synced[s:e], v[s:e], eps[seg], out[s:e])
+        else:
+            out[s:e] = 0
+
+
+def synchronised(blocks, active, delta, m, synced, p, v, eps, rebuild):
+    for b in prange(blocks.shape[0]):
+        seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
+        if active[seg]:
+            _synchronised_block(
+                delta[s:e], m[s:e], synced[s:e], p[s:e], v[s:e], eps[seg], rebuild[seg]
+            )
+
+
 _KERNELS = Compiled(
     sys.modules[__name__],
     (
@@ -374,6 +407,8 @@ _KERNELS = Compiled(
         "momentum_step",
         "onebit_adam",
         "frozen_adam",
+        "accumulated",
+        "synchronised",
     ),
 )
 
@@ -489,11 +524,7 @@ def _block_values(flat: Any, packed: Any, scaling: Tensor):
 # ----------------------------------------------------------------------------- entry points
 class NumbaUpdates:
     """The update part of the numba backend: the methods of
-    :class:`onebit.kernels.UpdateKernels`, one or two passes over memory each, except 0/1
-    Adam's synchronisation (once per local interval), which runs the torch reference."""
-
-    accumulated_update = staticmethod(functional.accumulated_update)
-    synchronised_update_ = staticmethod(functional.synchronised_update_)
+    :class:`onebit.kernels.UpdateKernels`, one or two passes over memory each."""
 
     def lamb_step_(
         self, flat: Any, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
@@ -660,3 +691,29 @@ class NumbaUpdates:
             hyper.key("weight_decay"),
             -hyper.key("lr"),
         )
+
+    def accumulated_update(self, flat: Any, active: Sequence[bool], out: Tensor) -> Tensor:
+        hyper = _Hyper(flat)
+        state = (_np(flat.weights), _np(flat.synced_param), _np(flat.exp_avg_sq))
+        _KERNELS("accumulated")(_blocks(flat), _active(active), *state, hyper.key("eps"), _np(out))
+        out[flat.numel :].zero_()
+        return out
+
+    def synchronised_update_(
+        self, flat: Any, exchanged: Tensor, active: Sequence[bool], lr_sum: Tensor
+    ) -> None:
+        """(``exchanged`` is left as it is.)"""
+        rebuild = torch.where(lr_sum > 0, -1 / torch.where(lr_sum > 0, lr_sum, 1), 0)
+        on = _active(active)
+        _KERNELS("synchronised")(
+            _blocks(flat),
+            on,
+            _np(exchanged),
+            _np(flat.exp_avg),
+            _np(flat.synced_param),
+            _np(flat.weights),
+            _np(flat.exp_avg_sq),
+            _Hyper(flat).key("eps"),
+            _np(rebuild.to(flat.dtype)),
+        )
+        lr_sum[torch.from_numpy(on)] = 0
