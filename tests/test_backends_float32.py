@@ -150,3 +150,13 @@ def test_triton_blocks_that_split_a_tensor_reduce_per_tensor(monkeypatch):
     whole = _run("onebit-lamb", "triton", torch.float32, steps=12)
     monkeypatch.setattr(_triton_optim, "BLOCK", 256)
     _assert_follows(_run("onebit-lamb", "triton", torch.float32, steps=12), whole, 1e-6, "blocks")
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["onebit-lamb", "zero-one-adam"])
+def test_triton_updates_in_float64_follow_the_reference_to_summation_order(kind):
+    """float64 state (float64 loads, square roots and divisions in the kernels): the run
+    differs from the reference's only in the order of its sums, far below 1e-12."""
+    device = backend_device("triton")
+    fused = _run(kind, "triton", torch.float64, steps=12)
+    _assert_follows(fused, _run(kind, "torch", torch.float64, device, steps=12), 1e-12, kind)

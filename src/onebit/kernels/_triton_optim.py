@@ -89,6 +89,22 @@ def _block(rows, hyper, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _sqrt(x):
+    """The correctly rounded square root (``tl.sqrt`` is approximate in float32 on a GPU)."""
+    if x.dtype == tl.float32:
+        return tl.sqrt_rn(x)
+    return tl.sqrt(x)
+
+
+@triton.jit
+def _div(a, b):
+    """The correctly rounded quotient (``/`` is approximate in float32 on a GPU)."""
+    if a.dtype == tl.float32:
+        return tl.div_rn(a, b)
+    return a / b
+
+
+@triton.jit
 def _gradient(grads, segment, offsets, in_range, first, GRAD: tl.constexpr, STATE: tl.constexpr):
     """The parameter's gradient at ``offsets`` (read at its own address), in the state dtype."""
     pointer = tl.load(grads + segment).to(tl.pointer_type(GRAD))
@@ -103,8 +119,8 @@ def _adam(m, v, p, g, c, MOMENTS: tl.constexpr):
     if MOMENTS:
         m = c[0] * m + c[1] * g
         v = c[2] * v + c[3] * (g * g)
-    denom = tl.sqrt_rn(v) + c[4]
-    base = tl.div_rn(m, denom)
+    denom = _sqrt(v) + c[4]
+    base = _div(m, denom)
     return m, v, denom, base, base + c[5] * p
 
 
@@ -259,7 +275,7 @@ def _onebit_lamb_a_kernel(
     _, _, denom, base, full = _adam(
         new, tl.load(v + offsets, mask=in_range), weights, new, c, False
     )
-    ratio = tl.div_rn(denom, tl.sqrt_rn(f) + c[4])
+    ratio = _div(denom, _sqrt(f) + c[4])
     out = partials + 3 * tl.program_id(0).to(tl.int64)
     tl.store(out, _sum_of_squares(base, in_range))
     tl.store(out + 1, _sum_of_squares(full, in_range))
@@ -326,7 +342,7 @@ def _accumulated_kernel(rows, p, synced, v, hyper, out, BLOCK: tl.constexpr):
     _, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
     delta = tl.load(p + offsets, mask=in_range) - tl.load(synced + offsets, mask=in_range)
     tl.store(
-        out + offsets, delta * (tl.sqrt_rn(tl.load(v + offsets, mask=in_range)) + c[4]), in_range
+        out + offsets, delta * (_sqrt(tl.load(v + offsets, mask=in_range)) + c[4]), in_range
     )
 
 
@@ -337,8 +353,8 @@ def _synchronised_kernel(rows, exchanged, m, synced, p, v, hyper, rebuild, BLOCK
     segment, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
     delta = tl.load(exchanged + offsets, mask=in_range)
     tl.store(m + offsets, delta * tl.load(rebuild + segment), mask=in_range)
-    denom = tl.sqrt_rn(tl.load(v + offsets, mask=in_range)) + c[4]
-    weights = tl.load(synced + offsets, mask=in_range) + tl.div_rn(delta, denom)
+    denom = _sqrt(tl.load(v + offsets, mask=in_range)) + c[4]
+    weights = tl.load(synced + offsets, mask=in_range) + _div(delta, denom)
     tl.store(synced + offsets, weights, mask=in_range)
     tl.store(p + offsets, weights, mask=in_range)
 
