@@ -341,9 +341,7 @@ def _accumulated_kernel(rows, p, synced, v, hyper, out, BLOCK: tl.constexpr):
     """``out = (p - p_synced) (sqrt(v) + eps)``."""
     _, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
     delta = tl.load(p + offsets, mask=in_range) - tl.load(synced + offsets, mask=in_range)
-    tl.store(
-        out + offsets, delta * (_sqrt(tl.load(v + offsets, mask=in_range)) + c[4]), in_range
-    )
+    tl.store(out + offsets, delta * (_sqrt(tl.load(v + offsets, mask=in_range)) + c[4]), in_range)
 
 
 @triton.jit
