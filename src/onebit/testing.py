@@ -30,7 +30,10 @@ __all__ = ["WorkerError", "backend_device", "spawn_workers"]
 def backend_device(backend: str) -> torch.device:
     """Where tests run a backend: triton on CUDA where there is a GPU (on CPU otherwise,
     through Triton's interpreter), every other backend on CPU."""
-    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+    from onebit.kernels import native_device
+
+    cuda = native_device(backend) == "cuda" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
 
 
 class WorkerError(RuntimeError):

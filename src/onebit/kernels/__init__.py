@@ -4,7 +4,8 @@ A :class:`Backend` is selected once (:func:`select`) and passed down as an objec
 two parts, each declared by a protocol:
 
 * ``compression`` (:class:`CompressionKernels`): the five stages of the two-phase exchange
-  (worker compression and error update, server compression and error update, decoding);
+  (worker compression and error update, server compression and error update, decoding), for
+  one buffer, or (:class:`SegmentedCompressionKernels`, numba's) for all segments at once;
 * ``updates`` (:class:`UpdateKernels`): the optimizers' updates over flat state, or ``None``
   where the backend has none, and the pure-torch reference in
   :mod:`onebit.optim.functional` runs instead.
@@ -46,8 +47,10 @@ __all__ = [
     "Backend",
     "CompressionKernels",
     "ReferenceKernels",
+    "SegmentedCompressionKernels",
     "UpdateKernels",
     "available",
+    "native_device",
     "select",
 ]
 
@@ -106,6 +109,48 @@ class CompressionKernels(Protocol):
     ) -> None: ...
 
     def decode(self, gathered: Tensor, scales: Tensor, out: Tensor) -> None: ...
+
+
+class SegmentedCompressionKernels(CompressionKernels, Protocol):
+    """Compression kernels that also run each stage once for all segments of a layout
+    (:class:`~onebit.exchange.protocol.Layout`; a segment per tensor, each compressed alone),
+    giving what compressing each segment alone gives. Worker-side buffers are flat over the
+    layout's ``width`` (segment after segment; ``segments`` the tensors themselves),
+    server-side ones over this rank's chunks; scales are one per segment (``[n, K]`` where
+    gathered)."""
+
+    def worker_compress_segments(
+        self, segments: Sequence[Tensor], error: Tensor, packed: Tensor, layout: Any
+    ) -> Tensor: ...
+
+    def worker_error_update_segments(
+        self, segments: Sequence[Tensor], error: Tensor, packed: Tensor, scales: Tensor, layout: Any
+    ) -> None: ...
+
+    def server_compress_segments(
+        self,
+        received: Tensor,
+        worker_scales: Tensor,
+        server_error: Tensor,
+        packed: Tensor,
+        layout: Any,
+    ) -> Tensor: ...
+
+    def server_error_update_segments(
+        self,
+        received: Tensor,
+        worker_scales: Tensor,
+        server_error: Tensor,
+        packed: Tensor,
+        scales: Tensor,
+        layout: Any,
+    ) -> None: ...
+
+    def gather_columns(self, packed: Tensor, send: Tensor, layout: Any) -> None:
+        """Chunk ``j`` of every segment's signs into row ``j`` of ``send``."""
+
+    def decode_segments(self, gathered: Tensor, scales: Tensor, out: Tensor, layout: Any) -> None:
+        """Every segment's first ``numels[t]`` values, one after another, into ``out``."""
 
 
 class UpdateKernels(Protocol):
@@ -204,6 +249,12 @@ def _load(name: str) -> Backend | None:
     except ImportError:
         return None
     return Backend(name, compression, updates)
+
+
+def native_device(name: str) -> str:
+    """The device type a backend's kernels are built for (``"cuda"`` for triton; the torch
+    reference and numba: ``"cpu"``)."""
+    return next((device for device, fused in _AUTO_FOR_DEVICE.items() if fused == name), "cpu")
 
 
 def available() -> list[str]:
