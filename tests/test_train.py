@@ -171,6 +171,7 @@ def test_dense_optimizer_without_ddp(workspace: Path) -> None:
     assert metrics.validation[-1]["loss"] < metrics.validation[0]["loss"]
 
 
+@pytest.mark.slow
 def test_onebit_adam_per_tensor_compression(workspace: Path) -> None:
     """1-bit Adam with DeepSpeed's per-tensor compression: it trains, at 1 bit per element."""
     out = workspace / "onebit-adam-per-tensor"
