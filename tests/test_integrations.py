@@ -146,7 +146,9 @@ def _run_accelerate(rank):
     with TrafficProbe() as probe:
         accelerator = Accelerator(cpu=True)
         net = Net()
-        optimizer = probe.optimizer = onebit.OneBitAdam(net.parameters(), lr=1e-3, freeze_step=3)
+        optimizer = probe.optimizer = onebit.OneBitAdam(  # the fused exchange's bytes below
+            net.parameters(), lr=1e-3, freeze_step=3, compression="fused"
+        )
         loader = torch.utils.data.DataLoader(Samples(), batch_size=BATCH)
         model, prepared, loader = accelerator.prepare(net, optimizer, loader)
         register_comm_hook(model, prepared)

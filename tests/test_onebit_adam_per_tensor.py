@@ -218,9 +218,38 @@ def test_a_simulated_exchange_is_refused():
     assert opt.stage == "compression" and opt.exchange.worker_error is not None
 
 
-def test_a_deepspeed_config_can_ask_for_deepspeeds_per_tensor_compression():
+def test_a_deepspeed_config_builds_deepspeeds_per_tensor_compression_by_default():
     config = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 5}}}
     param = torch.nn.Parameter(torch.zeros(3))
-    opt = onebit.from_deepspeed_config(config, [param], compression="per_tensor")
+    opt = onebit.from_deepspeed_config(config, [param])
     assert isinstance(opt, onebit.OneBitAdam) and opt.compression == "per_tensor"
-    assert onebit.from_deepspeed_config(config, [param]).compression == "fused"
+    assert onebit.from_deepspeed_config(config, [param], compression="fused").compression == "fused"
+
+
+def test_the_default_is_per_tensor_and_fused_where_only_the_fused_buffer_is_exchanged():
+    def made(**options):
+        return onebit.OneBitAdam([torch.nn.Parameter(torch.zeros(3))], freeze_step=2, **options)
+
+    assert made().compression == "per_tensor"
+    assert made(bucket_cap_mb=1.0).compression == "fused"
+    assert made(overlap_backward=True).compression == "fused"
+    with pytest.raises(ValueError, match="bucket the flat fused exchange"):
+        made(compression="per_tensor", bucket_cap_mb=1.0)
+    # simulated: the default becomes the simulation's fused exchange; a refusal changes nothing
+    simulated = made()
+    simulated.use_exchange(SimulatedExchange(2))
+    assert simulated.compression == "fused"
+    with pytest.raises(ValueError, match="already simulated"):
+        simulated.use_exchange(SimulatedExchange(2))
+    assert simulated.compression == "fused"
+    refused = made(compression=None, bucket_cap_mb=1.0)
+    with pytest.raises(ValueError, match="bucket_cap_mb is not simulated"):
+        refused.use_exchange(SimulatedExchange(2))
+    assert refused.compression == "fused"
+    started = made()  # past its first exchange: too late to simulate, and it stays per tensor
+    for _ in range(3):
+        started.param_groups[0]["params"][0].grad = torch.ones(3)
+        started.step()
+    with pytest.raises(ValueError, match="must come before the first exchange"):
+        started.use_exchange(SimulatedExchange(2))
+    assert started.compression == "per_tensor"

@@ -299,8 +299,8 @@ def test_parameters_without_gradients_are_left_alone():
     "make",
     [
         lambda ps: onebit.OneBitLamb(ps, lr=0.01, freeze_step=4),
-        lambda ps: onebit.OneBitAdam(ps, lr=0.01, freeze_step=4),
-        lambda ps: onebit.OneBitAdam(ps, lr=0.01, freeze_step=4, compression="per_tensor"),
+        lambda ps: onebit.OneBitAdam(ps, lr=0.01, freeze_step=4, compression="fused"),
+        lambda ps: onebit.OneBitAdam(ps, lr=0.01, freeze_step=4),  # per tensor
         lambda ps: onebit.ZeroOneAdam(ps, lr=0.01, var_freeze_step=8, var_update_scaler=2),
     ],
 )

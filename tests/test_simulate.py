@@ -66,8 +66,13 @@ def build_optimizer(
     if name == "lamb":
         return onebit.Lamb(params, lr=0.02, weight_decay=0.01, **clip)
     if name == "onebit-adam":
-        return onebit.OneBitAdam(
-            params, lr=0.01, freeze_step=FREEZE, node_groups=node_groups, **clip
+        return onebit.OneBitAdam(  # the simulated exchange is the fused one
+            params,
+            lr=0.01,
+            freeze_step=FREEZE,
+            node_groups=node_groups,
+            compression="fused",
+            **clip,
         )
     return onebit.OneBitLamb(
         params,

@@ -31,12 +31,18 @@ class OneBitAdam(OneBitOptimizer):
     ``overlap_backward`` and the ``exp_avg_mask`` group option as in
     :class:`onebit.OneBitLamb`, and ``compression``, how the momentum is exchanged:
 
-    * ``"fused"`` (default): one :func:`onebit.compressed_allreduce` of all tensors, each
-      scaled by ``s_p`` as in :class:`OneBitLamb`.
     * ``"per_tensor"``: DeepSpeed's scheme, each tensor compressed alone with its own scales
       and error buffers and no ``s_p`` (:func:`onebit.compressed_allreduce_per_tensor`, all
-      tensors in the same four collectives). Not with ``node_groups``. Its checkpoints load
-      only into a ``"per_tensor"`` optimizer (and ``"fused"`` ones into ``"fused"``).
+      tensors in the same four collectives). Not with ``node_groups``, ``bucket_cap_mb`` or
+      ``overlap_backward``.
+    * ``"fused"``: one :func:`onebit.compressed_allreduce` of all tensors, each scaled by
+      ``s_p`` as in :class:`OneBitLamb` (it blew up in 3 of 10 short runs where per-tensor
+      compression did not: docs/ONEBIT-ADAM.md).
+    * ``None`` (default): ``"per_tensor"``, or ``"fused"`` where ``node_groups``,
+      ``bucket_cap_mb`` or ``overlap_backward`` is given (they exchange the fused buffer) and
+      where the optimizer is simulated (:meth:`use_exchange`).
+
+    A checkpoint loads only into an optimizer of the compression it was saved with.
     """
 
     def __init__(
@@ -52,14 +58,20 @@ class OneBitAdam(OneBitOptimizer):
         verify_every: int = 0,
         kernels: str | None = None,
         node_groups: NodeGroups | None = None,
-        compression: str = "fused",
+        compression: str | None = None,
         max_grad_norm: float = 0.0,
         bucket_cap_mb: float | None = None,
         overlap_backward: bool = False,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        self._compression_chosen = compression is None
+        if compression is None:
+            fused_only = node_groups is not None or bucket_cap_mb is not None or overlap_backward
+            compression = "fused" if fused_only else "per_tensor"
         if compression not in COMPRESSIONS:
-            raise ValueError(f"Invalid compression={compression!r}: use one of {COMPRESSIONS}")
+            raise ValueError(
+                f"Invalid compression={compression!r}: use None or one of {COMPRESSIONS}"
+            )
         if compression == "per_tensor" and node_groups is not None:
             raise ValueError(
                 "compression='per_tensor' does not support node_groups (the hierarchical "
@@ -80,6 +92,18 @@ class OneBitAdam(OneBitOptimizer):
             bucket_cap_mb=bucket_cap_mb,
             overlap_backward=overlap_backward,
         )
+
+    def use_exchange(self, exchange) -> None:
+        """As :meth:`OneBitOptimizer.use_exchange`; where the compression was left to the
+        default, the simulated optimizer compresses fused (the simulation's exchange)."""
+        chosen = self.compression
+        if self._compression_chosen:
+            self.compression = "fused"
+        try:
+            super().use_exchange(exchange)
+        except ValueError:
+            self.compression = chosen  # nothing changed
+            raise
 
     def _warmup_update(
         self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]

@@ -150,13 +150,14 @@ class TrainConfig:
     factor_threshold: float = option(
         0.1, group=_HYPER, help="1-bit LAMB: largest relative change of the factor per step"
     )
-    onebit_adam_compression: str = option(
-        "fused",
+    onebit_adam_compression: str | None = option(
+        None,
         group=_HYPER,
         choices=ONEBIT_ADAM_COMPRESSIONS,
-        help="1-bit Adam: how the momentum is exchanged: fused (one buffer of all tensors, "
-        "scaled per tensor as 1-bit LAMB does) or per_tensor (each tensor compressed alone, "
-        "DeepSpeed's scheme)",
+        help="1-bit Adam: how the momentum is exchanged: per_tensor (each tensor compressed "
+        "alone, DeepSpeed's scheme) or fused (one buffer of all tensors, scaled per tensor as "
+        "1-bit LAMB does); default: per_tensor, or fused with --node-size > 1, --bucket-cap-mb "
+        "or --overlap-backward",
     )
     var_freeze_step: int | None = option(
         None,
@@ -270,9 +271,10 @@ class TrainConfig:
         check_choice("architecture", self.architecture, ARCHITECTURES)
         check_choice("backend", self.backend, BACKENDS)
         check_choice("device", self.device, DEVICES)
-        check_choice(
-            "onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS
-        )
+        if self.onebit_adam_compression is not None:
+            check_choice(
+                "onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS
+            )
         check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
         if self.optimizer == "onebit-adam" and self.node_size > 1:
             if self.onebit_adam_compression == "per_tensor":
@@ -319,7 +321,7 @@ class TrainConfig:
         flag = "--overlap-backward" if self.overlap_backward else "--bucket-cap-mb"
         check_bucket_cap_mb("--bucket-cap-mb", self.bucket_cap_mb)
         fused = self.optimizer == "onebit-lamb" or (
-            self.optimizer == "onebit-adam" and self.onebit_adam_compression == "fused"
+            self.optimizer == "onebit-adam" and self.onebit_adam_compression != "per_tensor"
         )
         if not fused or self.node_size > 1:
             raise ValueError(
