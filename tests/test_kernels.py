@@ -270,3 +270,31 @@ def test_triton_takes_cpu_tensors_only_in_the_interpreter(monkeypatch):
     assert not backend.supports(torch.zeros(8, dtype=torch.int32))
     monkeypatch.delenv("ONEBIT_KERNELS", raising=False)
     assert kernels.select(torch.zeros(8)).name != "triton"  # CPU's default stays numba
+
+
+@pytest.mark.skipif("numba" not in FUSED, reason="numba is not installed")
+def test_numba_gives_the_same_bits_on_one_thread_and_on_two():
+    """Work is split into fixed blocks whatever the thread count: the parallel build (two
+    threads) equals the serial one bit for bit, for the exchange and for an update."""
+
+    def run(threads: int):
+        default = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            gen = torch.Generator().manual_seed(3)
+            numel = 3 * (1 << 16) + 8 * 5  # several blocks of the exchange's kernels
+            buffer = torch.randn(numel, generator=gen)
+            state = (torch.zeros(numel), torch.zeros(numel))
+            out = onebit.compressed_allreduce(buffer.clone(), *state, kernels="numba")
+            params = [torch.nn.Parameter(torch.randn(40_000, generator=gen)) for _ in range(2)]
+            optimizer = onebit.Lamb(params, lr=0.01, weight_decay=0.01, kernels="numba")
+            for _ in range(2):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                optimizer.step()
+            return [out, *state, *[p.detach() for p in params]]
+        finally:
+            torch.set_num_threads(default)
+
+    for serial, parallel in zip(run(1), run(2), strict=True):
+        assert torch.equal(serial, parallel)
