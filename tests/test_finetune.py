@@ -72,6 +72,7 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_finetune_reports_accuracy(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["finetune", str(run_dir), "--epochs", "8", "--lr", "3e-3", "--max-test", "50"]
     assert onebit_main(args) == 0
@@ -86,6 +87,7 @@ def test_finetune_reports_accuracy(run_dir: Path, capsys: pytest.CaptureFixture[
     assert scratch["train_examples"] == 20 and scratch["config"]["from_scratch"]
 
 
+@pytest.mark.slow
 def test_finetune_spelling_task_on_the_runs_corpus(run_dir: Path) -> None:
     args = ["finetune", str(run_dir), "--task", "spelling", "--epochs", "1", "--seed", "2"]
     assert onebit_main([*args, "--max-train", "64", "--max-test", "40"]) == 0
@@ -99,6 +101,7 @@ def test_finetune_spelling_task_on_the_runs_corpus(run_dir: Path) -> None:
     assert scratch["train_examples"] == 8 and scratch["test_examples"] > 40  # every window
 
 
+@pytest.mark.slow
 def test_finetune_replaced_letter_task(run_dir: Path) -> None:
     common = ["--task", "replaced-letter", "--epochs", "2", "--lr", "3e-3", "--max-test", "40"]
     assert onebit_main(["finetune", str(run_dir), *common, "--max-train", "64"]) == 0

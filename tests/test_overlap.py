@@ -126,9 +126,21 @@ def _runs(rank: int, world: int):
     return out
 
 
+class _Runs(dict):
+    """The runs of each world size, spawned when a test first asks for them (3 ranks only in
+    the end-to-end group)."""
+
+    def __missing__(self, world: int):
+        self[world] = spawn_workers(_runs, world, timeout_s=240)
+        return self[world]
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return {world: spawn_workers(_runs, world, timeout_s=240) for world in (2, 3)}
+    return _Runs()
+
+
+WORLDS = [2, pytest.param(3, marks=pytest.mark.slow)]
 
 
 def _same(a, b) -> bool:
@@ -136,7 +148,7 @@ def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1], strict=True))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_overlapped_equals_the_bucketed_exchange_after_backward(runs, world, backend):
     ranks = runs[world]
@@ -171,7 +183,7 @@ def test_buckets_start_before_backward_returns(runs, backend):
                 assert count >= (8 if step % 2 == 0 else 1), (mode, started)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_a_non_finite_bucket_sent_last_skips_on_every_rank(runs, world, backend):
     for rank in range(world):

@@ -156,6 +156,7 @@ def test_resume_skips_a_corrupt_checkpoint(
     assert_same_trajectory(out, reference_run)
 
 
+@pytest.mark.slow
 def test_dense_optimizer_without_ddp(workspace: Path) -> None:
     """AdamW with the job's own dense gradient averaging: every step sends what LAMB sends,
     and one flag per parameter tensor (whether this rank had its gradient)."""
