@@ -378,6 +378,10 @@ class PackedResult:
         """Write the result into ``out`` and return it: all ``P`` elements of the one segment,
         or, with several, segment ``t``'s first ``numels[t]`` values one after another."""
         flat = out.view(-1)
+        if flat.numel() < sum(self.layout.numels):
+            raise ValueError(
+                f"out has {flat.numel()} elements; the result has {sum(self.layout.numels)}"
+            )
         if self.layout.segments == 1 and flat.numel() == self.layout.width:
             self.backend.compression.decode(self.signs, self.chunk_scales, flat)
             return out

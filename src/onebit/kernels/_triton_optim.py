@@ -238,10 +238,7 @@ def _momentum_step_kernel(rows, grads, m, v, p, hyper, GRAD: tl.constexpr, BLOCK
     segment, offsets, in_range, first, c = _block(rows, hyper, BLOCK)
     g = _gradient(grads, segment, offsets, in_range, first, GRAD, m.dtype.element_ty)
     mi = c[0] * tl.load(m + offsets, mask=in_range) + c[1] * g
-    tl.store(m + offsets, mi, mask=in_range)
-    weights = tl.load(p + offsets, mask=in_range)
-    _, _, _, _, u = _adam(mi, tl.load(v + offsets, mask=in_range), weights, g, c, False)
-    tl.store(p + offsets, weights + -c[6] * u, mask=in_range)
+    _frozen_adam_update(mi, m, v, p, c, offsets, in_range)
 
 
 @triton.jit
