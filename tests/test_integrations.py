@@ -252,14 +252,17 @@ def _check(results, framework):
     )
 
 
+@pytest.mark.slow  # a run of each framework
 def test_trainer(results):
     _check(results, "trainer")
     assert all(rank["same_as_plain_ddp"] for rank in results["trainer"])
 
 
+@pytest.mark.slow  # a run of each framework
 def test_accelerate(results):
     _check(results, "accelerate")
 
 
+@pytest.mark.slow  # a run of each framework
 def test_lightning(results):
     _check(results, "lightning")

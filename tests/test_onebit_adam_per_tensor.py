@@ -47,7 +47,7 @@ def _trajectories(rank, world_size):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
     results = spawn_workers(_trajectories, world_size, timeout_s=180)
     masks = [None, None, None, MASK]

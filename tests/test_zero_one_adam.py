@@ -158,7 +158,7 @@ def _expected_bytes(n, elem):
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_follows_the_float64_model_through_every_phase(world_size, exchange):
     n = world_size
     dtypes = (torch.float64, torch.float32) if n == 2 else (torch.float64,)
