@@ -1,12 +1,13 @@
-"""The per-tensor coefficients of LAMB and 1-bit LAMB (ALGORITHM.md), on device vectors of one
-entry per parameter: the maths every update backend shares (torch only, no other import)."""
+"""The per-tensor coefficients of LAMB and 1-bit LAMB, and 0/1 Adam's momentum rebuild
+(ALGORITHM.md), on device vectors of one entry per parameter: the maths every update backend
+shares (torch only, no other import)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["compression_factor", "trust_ratio"]
+__all__ = ["compression_factor", "momentum_rebuild", "trust_ratio"]
 
 
 def trust_ratio(
@@ -42,3 +43,9 @@ def compression_factor(
     factor = torch.minimum(torch.maximum(factor, factor_min), factor_max)
     low, high = last_factor * (1 - factor_threshold), last_factor * (1 + factor_threshold)
     return torch.minimum(torch.maximum(factor, low), high)
+
+
+def momentum_rebuild(lr_sum: Tensor) -> Tensor:
+    """0/1 Adam's synchronisation: the factor ``-1 / lr_sum`` that turns the exchanged
+    accumulated update into the momentum (0 where ``lr_sum = 0``)."""
+    return torch.where(lr_sum > 0, -1 / torch.where(lr_sum > 0, lr_sum, 1), 0)

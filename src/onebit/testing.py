@@ -24,14 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from onebit.kernels import native_device
+
 __all__ = ["WorkerError", "backend_device", "spawn_workers"]
 
 
 def backend_device(backend: str) -> torch.device:
     """Where tests run a backend: triton on CUDA where there is a GPU (on CPU otherwise,
     through Triton's interpreter), every other backend on CPU."""
-    from onebit.kernels import native_device
-
     cuda = native_device(backend) == "cuda" and torch.cuda.is_available()
     return torch.device("cuda" if cuda else "cpu")
 

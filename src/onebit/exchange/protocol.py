@@ -207,8 +207,10 @@ class Stages:
     def server_view(self, received: Tensor) -> Tensor | list[Tensor]:
         """The all-to-all's signs as the server stages take them: whole, or each segment's
         ``[n, C_t / 8]`` columns made contiguous where segments are compressed one by one."""
-        if self.together or self.layout.segments == 1:
-            return received if self.together else [received]
+        if self.together:
+            return received
+        if self.layout.segments == 1:
+            return [received]
         return [part.contiguous() for part in received.split(self.layout.chunk_bytes, dim=1)]
 
     def compress_server(

@@ -24,7 +24,7 @@ import torch
 from numba import njit, prange, typed
 from torch import Tensor
 
-from onebit.coefficients import compression_factor, trust_ratio
+from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
 from onebit.kernels._numba import Compiled
 from onebit.kernels._numba import to_numpy as _np
 
@@ -703,7 +703,7 @@ class NumbaUpdates:
         self, flat: Any, exchanged: Tensor, active: Sequence[bool], lr_sum: Tensor
     ) -> None:
         """(``exchanged`` is left as it is.)"""
-        rebuild = torch.where(lr_sum > 0, -1 / torch.where(lr_sum > 0, lr_sum, 1), 0)
+        rebuild = momentum_rebuild(lr_sum)
         on = _active(active)
         _KERNELS("synchronised")(
             _blocks(flat),

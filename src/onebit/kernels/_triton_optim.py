@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onebit.coefficients import compression_factor, trust_ratio
+from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
 from onebit.kernels._triton import _INTERPRETED
 
 # Elements per program. The interpreter runs programs one after another at a cost per
@@ -392,6 +392,7 @@ class _Table:
 
 @functools.lru_cache(maxsize=256)
 def _cached_table(offsets: bytes, segments: tuple[int, ...], device: str, block: int) -> _Table:
+    """(``block``, the :data:`BLOCK` the table is cut by, keys the cache only.)"""
     return _Table(np.frombuffer(offsets, dtype=np.int64), segments, torch.device(device))
 
 
@@ -489,6 +490,14 @@ def _mask_input(flat: Any, mask: Tensor | None) -> dict[str, Any]:
     return {"mask": flat.exp_avg if mask is None else mask, "HAS_MASK": mask is not None}
 
 
+def _apply_adam(flat: Any, launches: list, constants: _Constants, steps: Tensor, stored: bool):
+    """``p += steps[t] u`` with the moments from the gradients (``launches``: what
+    :func:`_by_grad_dtype` gave), or read back where the first pass ``stored`` them."""
+    for grad_dtype, table, addresses, _ in launches:
+        state = (flat.exp_avg, flat.exp_avg_sq, flat.weights, constants.table)
+        _launch(_adam_apply_kernel, table, addresses, *state, steps, STORED=stored, GRAD=grad_dtype)
+
+
 def _partials(table: _Table, columns: int) -> Tensor:
     return torch.empty((table.blocks, columns), dtype=torch.float64, device=table.rows.device)
 
@@ -523,12 +532,7 @@ class TritonUpdates:
             constants["min_coeff"],
             constants["max_coeff"],
         )
-        steps = -constants["lr"] * coeff
-        for grad_dtype, table, addresses, _ in launches:
-            state = (flat.exp_avg, flat.exp_avg_sq, flat.weights, constants.table)
-            _launch(
-                _adam_apply_kernel, table, addresses, *state, steps, STORED=store, GRAD=grad_dtype
-            )
+        _apply_adam(flat, launches, constants, -constants["lr"] * coeff, stored=store)
         on = _taking_part(_table(flat, segments), len(active))
         return torch.where(on, coeff, 1), defined & on
 
@@ -552,12 +556,7 @@ class TritonUpdates:
                 total += partials.sum()
             if not bool(torch.isfinite(total)):
                 return False
-        steps = -constants["lr"]
-        for grad_dtype, table, addresses, _ in launches:
-            state = (flat.exp_avg, flat.exp_avg_sq, flat.weights, constants.table)
-            _launch(
-                _adam_apply_kernel, table, addresses, *state, steps, STORED=False, GRAD=grad_dtype
-            )
+        _apply_adam(flat, launches, constants, -constants["lr"], stored=False)
         return True
 
     def scaled_momentum(
@@ -689,7 +688,7 @@ class TritonUpdates:
     ) -> None:
         """(``exchanged`` is left as it is.)"""
         table = _table(flat, _active_segments(active))
-        rebuild = torch.where(lr_sum > 0, -1 / torch.where(lr_sum > 0, lr_sum, 1), 0)
+        rebuild = momentum_rebuild(lr_sum)
         _launch(
             _synchronised_kernel,
             table,

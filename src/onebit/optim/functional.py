@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from onebit.coefficients import compression_factor, trust_ratio
+from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
 from onebit.exchange import PackedResult
 from onebit.optim._common import all_finite
 from onebit.optim._flat import FlatState
@@ -382,7 +382,7 @@ def synchronised_update_(
     indices = _active_indices(active)
     m, synced, p = (flat.views(t) for t in (flat.exp_avg, flat.synced_param, flat.weights))
     delta = flat.views(exchanged)
-    rebuild = torch.where(lr_sum > 0, -1 / torch.where(lr_sum > 0, lr_sum, 1), 0)
+    rebuild = momentum_rebuild(lr_sum)
     for group, idx in _by_group(flat, indices):
         torch._foreach_copy_(_pick(m, idx), _pick(delta, idx))
         _scale_each(_pick(m, idx), rebuild[idx])
