@@ -21,6 +21,7 @@ import sys
 import torch
 
 import onebit
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 from onebit.testing import spawn_workers
 
 SHAPES = [(64, 48), (48,), (33, 7), (5,)]
@@ -51,6 +52,7 @@ def trajectory(kind: str, device: str, rank: int = 0) -> list[torch.Tensor]:
             var_update_scaler=2,
             local_step_scaler=3,
             local_step_clipper=2,
+            **DEEPSPEED_SCHEDULE,
         ),
     }
     optimizer = build[kind]()

@@ -20,6 +20,7 @@ import torch
 
 import onebit
 from onebit.bert_shapes import bert_shapes
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 from onebit.timing import copy_fn, cpu_backends
 
 KINDS = ("local", "sync")
@@ -44,7 +45,7 @@ def main() -> None:
         params = [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes]
         optimizer = onebit.ZeroOneAdam(
             params, lr=1e-4, weight_decay=0.01, var_freeze_step=1, local_step_scaler=1,
-            kernels=backend,
+            kernels=backend, **DEEPSPEED_SCHEDULE,
         )  # fmt: skip
         runs[backend] = (params, optimizer, {kind: [] for kind in KINDS})
     numel = sum(p.numel() for p in runs[cpu_backends()[0]][0])

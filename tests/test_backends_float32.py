@@ -16,6 +16,7 @@ import torch
 
 import onebit
 from onebit import kernels
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 from onebit.testing import backend_device
 
 # Triton runs on CUDA where there is a GPU, else in its interpreter on CPU.
@@ -55,7 +56,9 @@ def _build(kind: str, backend: str, dtype: torch.dtype, device: torch.device):
         )
         return params, optimizer
     schedule = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=4)
-    return params, onebit.ZeroOneAdam(groups, **schedule, local_step_clipper=4, kernels=backend)
+    return params, onebit.ZeroOneAdam(
+        groups, **schedule, **DEEPSPEED_SCHEDULE, local_step_clipper=4, kernels=backend
+    )
 
 
 def _run(

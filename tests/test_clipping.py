@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import onebit
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 from onebit.testing import spawn_workers
 
 
@@ -80,7 +81,7 @@ def test_averaged_gradients_are_clipped_as_torch_clips_them(make):
 
 def test_zero_one_adam_clips_its_one_bit_gradient_steps_locally():
     params = _params_with_gradient(1.0)
-    optimizer = onebit.ZeroOneAdam(params, var_update_scaler=1)
+    optimizer = onebit.ZeroOneAdam(params, var_update_scaler=1, **DEEPSPEED_SCHEDULE)
     for _ in range(2):  # with κ = 1 steps 1, 2, 4, 8, ... update the variance; 3 does not
         optimizer.step()
     assert not optimizer.needs_averaged_gradients
@@ -123,7 +124,9 @@ def _clipped_run(rank, kind, use_ddp, drop_on_rank_1, max_grad_norm):
         optimizer = onebit.OneBitLamb(model.parameters(), freeze_step=4, **options)
     else:
         schedule = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2)
-        optimizer = onebit.ZeroOneAdam(model.parameters(), **schedule, **options)
+        optimizer = onebit.ZeroOneAdam(
+            model.parameters(), **schedule, **DEEPSPEED_SCHEDULE, **options
+        )
     forward = model
     if use_ddp:
         forward = torch.nn.parallel.DistributedDataParallel(model)

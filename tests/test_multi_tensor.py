@@ -10,6 +10,7 @@ import torch
 
 import onebit
 from onebit import kernels
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 
 BACKENDS = [name for name in kernels.available() if name != "triton"]
 SYNCING = ("item", "tolist", "__float__", "__bool__", "__int__", "__index__")
@@ -88,7 +89,11 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
         # every kind of step within 12: variance updates 1, 2, 4, 6; 1-bit gradients 3, 5;
         # after the freeze at 6, synchronisations 7, 8, 10, 12 and local steps 9, 11
         "zero-one-adam": lambda: onebit.ZeroOneAdam(
-            groups, var_freeze_step=6, var_update_scaler=2, local_step_scaler=2
+            groups,
+            var_freeze_step=6,
+            var_update_scaler=2,
+            local_step_scaler=2,
+            **DEEPSPEED_SCHEDULE,
         ),
     }[kind]()
     history = []

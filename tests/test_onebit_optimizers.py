@@ -11,6 +11,7 @@ import torch
 from oracle_onebit import oracle_run
 
 import onebit
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 from onebit.testing import WorkerError, spawn_workers
 
 FREEZE, STEPS = 10, 32  # 10 warm-up steps, 22 compressed
@@ -301,7 +302,9 @@ def test_parameters_without_gradients_are_left_alone():
         lambda ps: onebit.OneBitLamb(ps, lr=0.01, freeze_step=4),
         lambda ps: onebit.OneBitAdam(ps, lr=0.01, freeze_step=4, compression="fused"),
         lambda ps: onebit.OneBitAdam(ps, lr=0.01, freeze_step=4),  # per tensor
-        lambda ps: onebit.ZeroOneAdam(ps, lr=0.01, var_freeze_step=8, var_update_scaler=2),
+        lambda ps: onebit.ZeroOneAdam(
+            ps, lr=0.01, var_freeze_step=8, var_update_scaler=2, **DEEPSPEED_SCHEDULE
+        ),
     ],
 )
 def test_an_embedding_row_no_input_reads_stays_where_it_is(make):

@@ -191,6 +191,7 @@ def test_onebit_adam_per_tensor_compression(workspace: Path) -> None:
 ZERO_ONE = [
     "--optimizer", "zero-one-adam", "--lr", "0.01", "--var-freeze-step", "6",
     "--var-update-scaler", "2", "--local-step-scaler", "2", "--local-step-clipper", "4",
+    "--var-warmup-steps", "2",
     "--checkpoint-every", "3",
 ]  # fmt: skip
 

@@ -21,7 +21,12 @@ from oracle_zero_one_adam import oracle_zero_one_adam, padded
 from traffic_probe import TrafficProbe
 
 import onebit
-from onebit.optim.zero_one_adam import is_variance_update_step, local_step_interval, step_kind
+from onebit.optim.zero_one_adam import (
+    DEEPSPEED_SCHEDULE,
+    is_variance_update_step,
+    local_step_interval,
+    step_kind,
+)
 from onebit.testing import spawn_workers
 
 STEPS = 32
@@ -75,6 +80,7 @@ def build(dtype, **options):
         {"params": params[:2], "lr": BASE_LR[0], "weight_decay": DECAY[0]},
         {"params": params[2:], "lr": BASE_LR[2], "exp_avg_mask": [torch.ones(4), MASK]},
     ]
+    options = {**DEEPSPEED_SCHEDULE, **options}
     return params, onebit.ZeroOneAdam(groups, betas=HYPER["betas"], **SCHEDULE, **options)
 
 
@@ -325,7 +331,12 @@ def _plain_or_ddp(rank, world_size, use_ddp, exchange):
     torch.manual_seed(0)  # identical initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = onebit.ZeroOneAdam(
-        model.parameters(), lr=0.01, weight_decay=0.01, **SCHEDULE, pre_freeze_exchange=exchange
+        model.parameters(),
+        lr=0.01,
+        weight_decay=0.01,
+        **SCHEDULE,
+        pre_freeze_exchange=exchange,
+        var_warmup_steps=None,
     )
     if use_ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -432,7 +443,7 @@ def test_bf16_parameters_track_fp32_parameters():
     runs = {}
     for dtype in (torch.float32, torch.bfloat16):
         p = torch.nn.Parameter(init.clone().to(dtype))
-        opt = onebit.ZeroOneAdam([p], lr=0.01, **SCHEDULE)
+        opt = onebit.ZeroOneAdam([p], lr=0.01, **SCHEDULE, **DEEPSPEED_SCHEDULE)
         for _ in range(STEPS):
             p.grad = (p.detach().float() - targets).to(dtype)
             opt.step()
@@ -485,6 +496,7 @@ def test_the_first_exchanging_step_is_found_without_walking_the_schedule(pre_fre
             var_freeze_step=freeze,
             var_update_scaler=kappa,
             pre_freeze_exchange=pre_freeze_exchange,
+            var_warmup_steps=None,
         )
         return optimizer, optimizer._first_local_exchange
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from onebit.optim import Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 from onebit.optim.registry import by_deepspeed_type
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 
 __all__ = ["from_deepspeed_config"]
 
@@ -155,8 +156,11 @@ def from_deepspeed_config(
         kwargs["max_grad_norm"] = float(config["gradient_clipping"])
     if "max_grad_norm" in options:
         kwargs.pop("max_grad_norm", None)
-    optimizer = cls(params, **kwargs, **options)
-    _report(name, cls, ignored, given, config)
+    schedule = {}
+    if cls is ZeroOneAdam:
+        schedule = {k: v for k, v in DEEPSPEED_SCHEDULE.items() if k not in options}
+    optimizer = cls(params, **kwargs, **schedule, **options)
+    _report(name, cls, ignored, given, config, schedule)
     return optimizer
 
 
@@ -171,12 +175,24 @@ def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, An
 
 
 def _report(
-    name: str, cls: type, ignored: list[str], given: dict[str, Any], config: Mapping[str, Any]
+    name: str,
+    cls: type,
+    ignored: list[str],
+    given: dict[str, Any],
+    config: Mapping[str, Any],
+    schedule: dict[str, Any],
 ) -> None:
     """One info message (rank 0): what the config asked of DeepSpeed and not of onebit."""
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     lines = [f"from_deepspeed_config: DeepSpeed {name} -> onebit.{cls.__name__}"]
+    if schedule:
+        built = ", ".join(f"{key}={value!r}" for key, value in schedule.items())
+        lines.append(
+            f"  DeepSpeed's schedule ({built}), not ZeroOneAdam's defaults (var_warmup_steps="
+            "'auto', pre_freeze_exchange='momentum', which keep learning where DeepSpeed's "
+            "stalled: docs/ZERO-ONE-ADAM.md); pass them as options to choose onebit's"
+        )
     for key in ignored:
         why = _IGNORED.get(key, "DeepSpeed's 1-bit optimizers store it but never read it")
         lines.append(f"  optimizer.params.{key}={given[key]!r} ignored: {why}")

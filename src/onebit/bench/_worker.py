@@ -50,6 +50,7 @@ from onebit.bench.settings import (
 )
 from onebit.exchange.transport import all_gather_into
 from onebit.optim.registry import PAPER_BERT_SETTINGS, optimizer_spec
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 
 logger = logging.getLogger("onebit.bench.worker")
 
@@ -100,7 +101,9 @@ class _Method:
         }
         if name == ZERO_ONE_ADAM_METHOD:
             self.freeze_step, self.step_kinds = zero_one_adam_arm(cfg["skip_steps"] + cfg["steps"])
-            values.update(var_freeze_step=self.freeze_step, **ZERO_ONE_ADAM_SCHEDULE)
+            values.update(
+                var_freeze_step=self.freeze_step, **ZERO_ONE_ADAM_SCHEDULE, **DEEPSPEED_SCHEDULE
+            )
         elif spec.compresses:
             self.freeze_step = values["freeze_step"] = cfg["skip_steps"] + cfg["warm_steps"]
             values["overlap_backward"] = name in OVERLAP_METHODS

@@ -63,8 +63,10 @@ def ideal_speedup(s: float, ratio: float = COMPRESSION_RATIO, w: float = 0.0) ->
 
 def zero_one_adam_run_schedule(run_steps: int, freeze_fraction: float) -> dict[str, Any]:
     """0/1 Adam's schedule in a run of ``run_steps`` steps as ``onebit train --optimizer
-    zero-one-adam --steps S --freeze-step wS`` sets it (``var_freeze_step`` = the freeze
-    step, the other settings its defaults), and how many of its steps are of each kind."""
+    zero-one-adam --steps S --freeze-step wS --var-warmup-steps 16 --pre-freeze-exchange
+    gradient`` sets it (DeepSpeed's schedule, whose kinds of step are known in advance;
+    ``var_freeze_step`` = the freeze step, the other settings the job's defaults), and how many
+    of its steps are of each kind."""
     config = TrainConfig(
         optimizer=ZERO_ONE_ADAM,
         steps=run_steps,

@@ -26,9 +26,10 @@ class OneBitAdam(OneBitOptimizer):
     Compression (later steps): ``m <- b1 m + (1 - b1) g_local`` on each rank, exchanged at
     1 bit per element, then the same update with ``v`` frozen. No bias correction.
 
-    Arguments as DeepSpeed's ``OnebitAdam``; ``process_group``, ``on_nonfinite``,
-    ``verify_every``, ``kernels``, ``node_groups``, ``max_grad_norm``, ``bucket_cap_mb``,
-    ``overlap_backward`` and the ``exp_avg_mask`` group option as in
+    Arguments as DeepSpeed's ``OnebitAdam``; ``freeze_step="auto"`` with ``max_freeze_step``,
+    ``process_group``, ``on_nonfinite``, ``verify_every``, ``kernels``, ``node_groups``,
+    ``max_grad_norm``, ``bucket_cap_mb``, ``overlap_backward`` and the ``exp_avg_mask`` group
+    option as in
     :class:`onebit.OneBitLamb`, and ``compression``, how the momentum is exchanged:
 
     * ``"per_tensor"``: DeepSpeed's scheme, each tensor compressed alone with its own scales
@@ -49,7 +50,7 @@ class OneBitAdam(OneBitOptimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | str = 100000,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -62,6 +63,7 @@ class OneBitAdam(OneBitOptimizer):
         max_grad_norm: float = 0.0,
         bucket_cap_mb: float | None = None,
         overlap_backward: bool = False,
+        max_freeze_step: int | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         self._compression_chosen = compression is None
@@ -83,6 +85,7 @@ class OneBitAdam(OneBitOptimizer):
             params,
             defaults,
             freeze_step=freeze_step,
+            max_freeze_step=max_freeze_step,
             process_group=process_group,
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,

@@ -48,7 +48,9 @@ class OneBitLamb(OneBitOptimizer):
         params: parameters or parameter groups.
         lr: learning rate.
         freeze_step: number of warm-up steps (LAMB) before compression starts; the reference
-            tutorial suggests 15-25 % of all steps.
+            tutorial suggests 15-25 % of all steps. A warning says when the variance has not
+            settled by then (ALGORITHM.md, "Variance readiness"). ``"auto"``: freeze once it
+            has, checked every 10 steps, at ``max_freeze_step`` (default 100000) at the latest.
         betas: ``(beta1, beta2)``.
         eps: added to ``sqrt(v)``.
         weight_decay: decoupled weight decay, part of the update ``u``.
@@ -88,6 +90,7 @@ class OneBitLamb(OneBitOptimizer):
             ``step()`` comes too late, and passes that only accumulate gradients run under
             :meth:`no_sync`. Plain loops and DDP (with :func:`onebit.ddp.register_comm_hook`)
             alike.
+        max_freeze_step: the latest step ``freeze_step="auto"`` freezes at.
 
     Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
     ``scaler.step(optimizer)``): the step unscales the
@@ -100,7 +103,7 @@ class OneBitLamb(OneBitOptimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
-        freeze_step: int = 100000,
+        freeze_step: int | str = 100000,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -118,6 +121,7 @@ class OneBitLamb(OneBitOptimizer):
         max_grad_norm: float = 0.0,
         bucket_cap_mb: float | None = None,
         overlap_backward: bool = False,
+        max_freeze_step: int | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         _common.check_coeff_bounds(min_coeff, max_coeff)
@@ -140,6 +144,7 @@ class OneBitLamb(OneBitOptimizer):
             params,
             defaults,
             freeze_step=freeze_step,
+            max_freeze_step=max_freeze_step,
             process_group=process_group,
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,

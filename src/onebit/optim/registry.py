@@ -123,7 +123,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "local_step_scaler",
                 "local_step_clipper",
             ),
-            ("pre_freeze_exchange", *_CLIPPING),
+            ("pre_freeze_exchange", "var_warmup_steps", *_CLIPPING),
             deepspeed_type="zerooneadam",
         ),
     )

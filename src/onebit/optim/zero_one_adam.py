@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -14,14 +15,20 @@ from onebit.exchange import Exchange, NonFiniteError, PerTensorExchange
 from onebit.optim import _common
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
+from onebit.optim._readiness import AUTO
+from onebit.optim._readiness import describe as describe_readiness
 from onebit.optim.functional import _active_indices, _pick
+
+logger = logging.getLogger("onebit")
 
 __all__ = [
     "ZeroOneAdam",
+    "DEEPSPEED_SCHEDULE",
     "PRE_FREEZE_EXCHANGES",
     "STEP_KINDS",
     "is_variance_update_step",
     "local_step_interval",
+    "variance_updates_until",
     "step_kind",
 ]
 
@@ -32,24 +39,51 @@ LOCAL = "local"  # after the freeze: local gradients, nothing sent
 SYNC = "sync"  # after the freeze: the accumulated update exchanged at 1 bit
 STEP_KINDS = (VARIANCE_UPDATE, GRADIENT_1BIT, LOCAL, SYNC)
 
+#: The arguments that differ from DeepSpeed's ``ZeroOneAdam`` by default, at DeepSpeed's values:
+#: its first 16 steps dense, then 1-bit gradients between the variance updates.
+DEEPSPEED_SCHEDULE = {"var_warmup_steps": None, "pre_freeze_exchange": "gradient"}
+
 #: What the 1-bit steps before the variance freeze exchange: ``"gradient"`` (DeepSpeed's
 #: ``ZeroOneAdam``: the gradients, a ``gradient_1bit`` step) or ``"momentum"`` (the paper's
 #: Algorithm 1: each rank's own momentum step, synchronised at 1 bit, a ``sync`` step).
 PRE_FREEZE_EXCHANGES = ("gradient", "momentum")
 
 
-def is_variance_update_step(step: int, var_update_scaler: int) -> bool:
+def _variance_rounds(var_update_scaler: int, first_interval: int | None):
+    """The rounds of T_v: ``(first, final, interval)``, round r on the multiples of 2^r from
+    ``first`` to ``final``; round 0 holds ``first_interval`` updates (steps 1..first_interval;
+    default kappa), each later round kappa."""
+    last, interval = 0, 1
+    updates = var_update_scaler if first_interval is None else first_interval
+    while True:
+        first = (last // interval + 1) * interval
+        final = first + (updates - 1) * interval
+        yield first, final, interval
+        last, interval, updates = final, 2 * interval, var_update_scaler
+
+
+def is_variance_update_step(
+    step: int, var_update_scaler: int, first_interval: int | None = None
+) -> bool:
     """Whether ``step`` (counted from 1) is in the variance-update schedule T_v, before the
     freeze is applied: ``var_update_scaler`` (kappa) updates at each interval 1, 2, 4, ...,
     on the multiples of the interval that follow the previous interval's last update
-    (kappa = 16: steps 1-16, 18, 20, ..., 48, 52, ..., 112, 120, ...)."""
-    last, interval = 0, 1
-    while True:
-        first = (last // interval + 1) * interval
-        final = first + (var_update_scaler - 1) * interval
+    (kappa = 16: steps 1-16, 18, 20, ..., 48, 52, ..., 112, 120, ...); the interval of 1
+    holds ``first_interval`` updates instead where given (``var_warmup_steps``)."""
+    for first, final, interval in _variance_rounds(var_update_scaler, first_interval):
         if step <= final:
             return step >= first and step % interval == 0
-        last, interval = final, 2 * interval
+
+
+def variance_updates_until(
+    step: int, var_update_scaler: int, first_interval: int | None = None
+) -> int:
+    """How many steps ``1 .. step`` are in T_v (before the freeze is applied)."""
+    count = 0
+    for first, final, interval in _variance_rounds(var_update_scaler, first_interval):
+        if step <= final:
+            return count + max(0, (step - first) // interval + 1)
+        count += (final - first) // interval + 1
 
 
 def local_step_interval(
@@ -67,13 +101,14 @@ def step_kind(
     local_step_scaler: int,
     local_step_clipper: int,
     pre_freeze_exchange: str = "gradient",
+    first_interval: int | None = None,
 ) -> str:
     """The kind of step ``step`` (counted from 1), one of :data:`STEP_KINDS`: up to the
     freeze a variance update, or else a 1-bit gradient step (``pre_freeze_exchange`` =
     ``"gradient"``) or a synchronisation (``"momentum"``); after it a synchronisation when
     ``t mod H_t = 0``, else a local step."""
     if step <= var_freeze_step:
-        if is_variance_update_step(step, var_update_scaler):
+        if is_variance_update_step(step, var_update_scaler, first_interval):
             return VARIANCE_UPDATE
         return GRADIENT_1BIT if pre_freeze_exchange == "gradient" else SYNC
     interval = local_step_interval(step, var_freeze_step, local_step_scaler, local_step_clipper)
@@ -120,27 +155,38 @@ class ZeroOneAdam(OneBitOptimizer):
         lr, betas, eps, weight_decay: as in :class:`onebit.OneBitAdam`; weight decay is part
             of the update, and so of the accumulated update (as in DeepSpeed).
         var_freeze_step: the last step that may update the variance (T); DeepSpeed suggests
-            the end of the learning-rate warm-up.
+            the end of the learning-rate warm-up. ``"auto"``: once the variance is ready, as
+            ``freeze_step="auto"`` of :class:`onebit.OneBitLamb` (checked every 10 variance
+            updates), at ``max_var_freeze_step`` (default 100000) at the latest. A warning
+            says when the variance has not settled at T or at the first 1-bit step.
         var_update_scaler: variance updates at each interval before it doubles (kappa).
         local_step_scaler: steps after the freeze at each local interval before it doubles.
         local_step_clipper: the longest local interval (H).
-        pre_freeze_exchange: what the 1-bit steps before the freeze exchange: ``"gradient"``
-            (DeepSpeed's) or ``"momentum"`` (the paper's; counted as ``"sync"`` steps). In
-            short runs whose variance schedule reaches past the learning-rate warm-up,
-            ``"momentum"`` keeps up with 1-bit Adam where ``"gradient"`` falls behind
-            (docs/ZERO-ONE-ADAM.md).
+        var_warmup_steps: the variance updates of the schedule's first interval (steps 1, 2,
+            ..., each dense): ``"auto"`` (default) until the variance has caught up
+            (ALGORITHM.md, "Variance readiness"), checked every 10 steps; a number of steps; or
+            ``None`` for ``var_update_scaler``, DeepSpeed's schedule.
+        pre_freeze_exchange: what the 1-bit steps before the freeze exchange: ``"momentum"``
+            (default, the paper's; counted as ``"sync"`` steps) or ``"gradient"``
+            (DeepSpeed's). In short runs whose variance schedule reaches past the
+            learning-rate warm-up, ``"momentum"`` keeps up with 1-bit Adam where
+            ``"gradient"`` falls behind (docs/ZERO-ONE-ADAM.md).
         process_group, on_nonfinite, verify_every, kernels, max_grad_norm: as in
             :class:`onebit.OneBitLamb` (the variance updates clip the averaged gradients, the
             other steps each rank's own, at ``max_grad_norm·√W``).
             A non-finite local gradient in a local or synchronisation step is ignored on that
             rank alone (with a warning, or an error with ``on_nonfinite="raise"``).
 
-    Argument names and defaults follow DeepSpeed's ``ZeroOneAdam`` (``pre_freeze_exchange``
-    is onebit's).
+    Argument names follow DeepSpeed's ``ZeroOneAdam``, and so do the defaults except two
+    (``pre_freeze_exchange`` and ``var_warmup_steps`` are onebit's): with DeepSpeed's schedule
+    the first 1-bit steps come after 16 dense steps, before the variance has caught up, and
+    training stalled on the convergence study's model and on a task with a plateau
+    (docs/ZERO-ONE-ADAM.md). ``**DEEPSPEED_SCHEDULE`` restores DeepSpeed's.
     """
 
     _SCALARS = {"lr_sum": 0.0}  # Gamma: the sum of lr since the last synchronisation
     DENSE_KINDS = frozenset({VARIANCE_UPDATE})
+    _FREEZE_ARGUMENT = "var_freeze_step"
 
     def __init__(
         self,
@@ -149,20 +195,27 @@ class ZeroOneAdam(OneBitOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        var_freeze_step: int = 100000,
+        var_freeze_step: int | str = 100000,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
-        pre_freeze_exchange: str = "gradient",
+        pre_freeze_exchange: str = "momentum",
         process_group: dist.ProcessGroup | None = None,
         on_nonfinite: str = "skip",
         verify_every: int = 0,
         kernels: str | None = None,
         max_grad_norm: float = 0.0,
+        max_var_freeze_step: int | None = None,
+        var_warmup_steps: int | str | None = AUTO,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if var_warmup_steps not in (None, AUTO):
+            _common.check_positive_int(
+                "var_warmup_steps",
+                var_warmup_steps,
+                "the first steps, each a variance update; or 'auto', or None for var_update_scaler",
+            )
         for name, value, meaning in (
-            ("var_freeze_step", var_freeze_step, "the last step that may update the variance"),
             ("var_update_scaler", var_update_scaler, "variance updates at each interval"),
             ("local_step_scaler", local_step_scaler, "steps at each local interval"),
             ("local_step_clipper", local_step_clipper, "the longest local interval"),
@@ -182,6 +235,7 @@ class ZeroOneAdam(OneBitOptimizer):
             params,
             defaults,
             freeze_step=var_freeze_step,
+            max_freeze_step=max_var_freeze_step,
             process_group=process_group,
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,
@@ -189,17 +243,26 @@ class ZeroOneAdam(OneBitOptimizer):
             max_grad_norm=max_grad_norm,
         )
         self._counters["bytes_sent"] = dict.fromkeys(STEP_KINDS, 0)
-        # The gradient check runs once, at the first step that exchanges local values: the
-        # first step up to the freeze that is not a variance update (steps 1..kappa are, at
-        # interval 1, so it is kappa + 1 or, where that starts the interval of 2, kappa + 2),
-        # else the first step after the freeze (a synchronisation).
-        self._first_local_exchange = next(
+        self.warmup_auto = var_warmup_steps == AUTO
+        #: The variance updates at interval 1 (steps 1..first_interval): ``var_warmup_steps``,
+        #: kappa where it is None; with ``"auto"`` the freeze's bound until the variance has
+        #: caught up, then the step it did.
+        self.first_interval = self.freeze_step if self.warmup_auto else var_warmup_steps
+        self._first_local_exchange = self._first_local_exchange_step()
+
+    def _first_local_exchange_step(self) -> int:
+        """The step of the gradient check, once: the first step that exchanges local values,
+        the first step up to the freeze that is not a variance update (steps 1..k are, at
+        interval 1, k the first interval's updates, so it is k + 1 or, where that starts the
+        interval of 2, k + 2), else the first step after the freeze (a synchronisation)."""
+        kappa, freeze = self._first_interval_updates(), self.freeze_step
+        return next(
             (
                 t
-                for t in (var_update_scaler + 1, var_update_scaler + 2)
-                if t <= var_freeze_step and self.kind_of_step(t) != VARIANCE_UPDATE
+                for t in (kappa + 1, kappa + 2)
+                if t <= freeze and self.kind_of_step(t) != VARIANCE_UPDATE
             ),
-            var_freeze_step + 1,
+            freeze + 1,
         )
 
     # ----------------------------------------------------------------- the schedule
@@ -216,7 +279,61 @@ class ZeroOneAdam(OneBitOptimizer):
             self.local_step_scaler,
             self.local_step_clipper,
             self.pre_freeze_exchange,
+            self.first_interval,
         )
+
+    def _first_interval_updates(self) -> int:
+        return self.var_update_scaler if self.first_interval is None else self.first_interval
+
+    def variance_updates(self, step: int) -> int:
+        return variance_updates_until(
+            min(step, self.freeze_step), self.var_update_scaler, self.first_interval
+        )
+
+    def _readiness_checks(self) -> dict[int, tuple[str, str]]:
+        """As :meth:`OneBitOptimizer._readiness_checks`, and before the first 1-bit step."""
+        checks = {
+            self.variance_updates(self.freeze_step): (
+                f"freezes the variance (exp_avg_sq) after step {self.freeze_step}",
+                "Freeze later (a larger var_freeze_step) or pass var_freeze_step='auto', which "
+                "freezes once the variance is ready",
+            )
+        }
+        last_dense = self._first_local_exchange - 1
+        if not self.warmup_auto and last_dense < self.freeze_step:
+            checks.setdefault(
+                self.variance_updates(last_dense),
+                (
+                    f"starts its 1-bit steps after step {last_dense}, updating the variance on "
+                    "every 2nd step from there on and then ever more rarely,",
+                    "Pass var_warmup_steps='auto', which keeps every step dense until the "
+                    "variance has caught up, or a larger var_warmup_steps",
+                ),
+            )
+        return checks
+
+    def _readiness_decision_pending(self, step: int) -> bool:
+        """With ``var_freeze_step="auto"`` or ``var_warmup_steps="auto"``: whether to freeze
+        or to end the first interval after ``step``."""
+        warmup = self.warmup_auto and step < self.first_interval
+        return step < self.freeze_step and (self.auto_freeze or warmup)
+
+    def _variance_caught_up(self, step: int, ratios: Tensor, flat: FlatState) -> None:
+        """``var_freeze_step="auto"``: the variance freezes after ``step``; else
+        ``var_warmup_steps="auto"``: the first interval ends there."""
+        if self.auto_freeze:
+            super()._variance_caught_up(step, ratios, flat)
+        else:
+            self.first_interval = step
+            logger.info(
+                "%s: the variance has caught up after step %d: the 1-bit steps start (the "
+                "largest R was %.3g; now %s)",
+                type(self).__name__,
+                step,
+                self._readiness.peak,
+                describe_readiness(ratios, flat),
+            )
+        self._first_local_exchange = self._first_local_exchange_step()
 
     def _build_exchange(self) -> Exchange:
         """Every tensor compressed alone (DeepSpeed's 0/1 Adam), over the process group."""
@@ -329,6 +446,7 @@ class ZeroOneAdam(OneBitOptimizer):
         """As :meth:`OneBitOptimizer.state_dict`; inside a local interval each parameter's
         state also holds this rank's own weights (``local_param``)."""
         state = super().state_dict()
+        state["onebit"]["first_interval"] = self.first_interval
         if self._replicas_agree():
             return state
         params = _common.trainable_params(self)
@@ -346,6 +464,10 @@ class ZeroOneAdam(OneBitOptimizer):
         """As :meth:`OneBitOptimizer.load_state_dict`; a checkpoint taken inside a local
         interval also puts this rank's own weights back into the parameters."""
         super().load_state_dict(state_dict)
+        saved = state_dict["onebit"].get("first_interval", self.first_interval)
+        if self.warmup_auto and saved < self.first_interval:
+            self.first_interval = int(saved)  # where "auto" ended the first interval
+        self._first_local_exchange = self._first_local_exchange_step()
         for param in _common.params_in_order(self.param_groups):
             local = self.state[param].pop("local_param", None)
             if local is not None:

@@ -21,6 +21,7 @@ from onebit.optim._common import (
     check_positive,
     check_unit_interval,
 )
+from onebit.optim._readiness import AUTO
 from onebit.optim.onebit_adam import COMPRESSIONS as ONEBIT_ADAM_COMPRESSIONS
 from onebit.optim.registry import PAPER_BERT_SETTINGS
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
@@ -54,6 +55,19 @@ DEFAULT_LR_WARMUP_FRACTION = 0.1
 #: Number of validation points and checkpoints of a run when their interval is not given.
 DEFAULT_EVALS = 10
 DEFAULT_CHECKPOINTS = 4
+
+
+def _int_or_auto(text: str) -> int | str:
+    """An option's value: ``auto`` or a positive integer."""
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected 'auto' or a positive integer, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected 'auto' or a positive integer, got {value}")
+    return value
 
 
 _JOB = "job"
@@ -176,12 +190,20 @@ class TrainConfig:
     )
     local_step_clipper: int = option(16, group=_HYPER, help="0/1 Adam: the longest local interval")
     pre_freeze_exchange: str = option(
-        "gradient",
+        "momentum",
         group=_HYPER,
         choices=PRE_FREEZE_EXCHANGES,
-        help="0/1 Adam: what the 1-bit steps before the variance freeze exchange: gradient "
-        "(DeepSpeed's) or momentum (the paper's: each worker's own momentum step, "
-        "synchronised at 1 bit as after the freeze)",
+        help="0/1 Adam: what the 1-bit steps before the variance freeze exchange: momentum "
+        "(the paper's: each worker's own momentum step, synchronised at 1 bit as after the "
+        "freeze) or gradient (DeepSpeed's)",
+    )
+    var_warmup_steps: int | str = option(
+        AUTO,
+        group=_HYPER,
+        parse=_int_or_auto,
+        help="0/1 Adam: the first steps, each a variance update, before the schedule spaces "
+        "them: auto (until the variance has caught up with the gradients) or a number "
+        "(DeepSpeed's: --var-update-scaler)",
     )
     grad_clip: float = option(
         1.0,
@@ -276,6 +298,8 @@ class TrainConfig:
                 "onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS
             )
         check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
+        if self.var_warmup_steps != AUTO:
+            check_positive_int_option("var_warmup_steps", self.var_warmup_steps)
         if self.optimizer == "onebit-adam" and self.node_size > 1:
             if self.onebit_adam_compression == "per_tensor":
                 raise ValueError(

@@ -1,0 +1,124 @@
+"""Ten seeds of the shortened main job for each optimizer with its defaults: does any diverge?
+
+    .venv/bin/python scripts/seed_study.py [--seeds 0 1 ... 9] [--optimizers lamb onebit-lamb ...]
+    .venv/bin/python scripts/seed_study.py --report-only
+
+Runs ``onebit train`` (4 workers under DDP, the settings of docs/ONEBIT-ADAM.md: 150 steps,
+the variance frozen after 30, global batch 256 of 32-token sequences, a 2-layer BERT with a
+4096-token vocabulary; every optimizer hyper-parameter at the job's default) for each seed and
+optimizer, one run at a time, and skips a run whose ``summary.json`` already exists, so an
+interrupted study resumes where it stopped. Then prints, per optimizer, each seed's final
+validation loss beside its dense baseline's (LAMB for 1-bit LAMB, AdamW for 1-bit Adam and 0/1
+Adam), the mean and standard deviation over the seeds, and the seeds that **diverged**: a
+non-finite loss, or a training loss after the freeze above ``--blow-up`` times the training
+loss of the step before the freeze.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+JOB = [
+    "--workers", "4", "--steps", "150", "--freeze-step", "30", "--batch-size", "256",
+    "--seq-len", "32", "--vocab-size", "4096", "--heads", "2", "--architecture", "bert",
+    "--eval-every", "25", "--eval-seqs", "2048", "--checkpoint-every", "150",
+]  # fmt: skip
+BASELINE = {"onebit-lamb": "lamb", "onebit-adam": "adam", "zero-one-adam": "adam"}
+OPTIMIZERS = ("lamb", "onebit-lamb", "adam", "onebit-adam", "zero-one-adam")
+FREEZE_STEP = 30
+
+
+def run_dir(root: Path, optimizer: str, seed: int) -> Path:
+    return root / f"{optimizer}-seed{seed}"
+
+
+def run(root: Path, optimizer: str, seed: int) -> None:
+    """``onebit train`` for one optimizer and seed, unless its run already finished."""
+    out = run_dir(root, optimizer, seed)
+    if (out / "summary.json").exists():
+        return
+    command = [sys.executable, "-m", "onebit", "train", "--optimizer", optimizer, *JOB]
+    command += ["--seed", str(seed), "--out", str(out)]
+    print(" ".join(command[1:]), flush=True)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+
+
+def outcome(out: Path, blow_up: float) -> dict[str, float | bool]:
+    """The final validation loss of a finished run, its highest training loss after the
+    freeze and whether it diverged."""
+    summary = json.loads((out / "summary.json").read_text())
+    train = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "train":
+            train[record["step"]] = record["loss"]
+    after = [loss for step, loss in train.items() if step > FREEZE_STEP]
+    final = summary["final_validation_loss"]
+    finite = all(math.isfinite(loss) for loss in train.values()) and math.isfinite(final)
+    highest = max(after)
+    return {
+        "final": final,
+        "highest_after_freeze": highest,
+        "diverged": not finite or highest > blow_up * train[FREEZE_STEP],
+    }
+
+
+def report(root: Path, seeds: list[int], optimizers: list[str], blow_up: float) -> None:
+    results = {}
+    for optimizer in optimizers:
+        done = [s for s in seeds if (run_dir(root, optimizer, s) / "summary.json").exists()]
+        results[optimizer] = {s: outcome(run_dir(root, optimizer, s), blow_up) for s in done}
+    print(
+        "\n| optimizer | seeds | mean final validation loss | std | vs baseline, mean of "
+        "paired differences | diverged | highest training loss after the freeze |"
+    )
+    print("|---|---:|---:|---:|---:|---|---:|")
+    for optimizer, by_seed in results.items():
+        if not by_seed:
+            continue
+        finals = [r["final"] for r in by_seed.values()]
+        baseline = results.get(BASELINE.get(optimizer, ""), {})
+        paired = [
+            100 * (by_seed[s]["final"] / baseline[s]["final"] - 1) for s in by_seed if s in baseline
+        ]
+        versus = (
+            f"{statistics.mean(paired):+.2f}% ± {statistics.stdev(paired):.2f} ({len(paired)})"
+            if len(paired) > 1
+            else ""
+        )
+        diverged = [s for s, r in by_seed.items() if r["diverged"]]
+        spread = statistics.stdev(finals) if len(finals) > 1 else float("nan")
+        highest = max(r["highest_after_freeze"] for r in by_seed.values())
+        print(
+            f"| {optimizer} | {len(finals)} | {statistics.mean(finals):.4f} | {spread:.4f} | "
+            f"{versus} | {diverged or 'none'} | {highest:.2f} |"
+        )
+    print("\nfinal validation loss by seed:")
+    for optimizer, by_seed in results.items():
+        row = " ".join(f"{s}:{r['final']:.4f}" for s, r in by_seed.items())
+        print(f"  {optimizer}: {row}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    parser.add_argument("--out", type=Path, default=Path("runs/seed-study"))
+    parser.add_argument("--blow-up", type=float, default=1.5)
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    if not args.report_only:
+        for seed in args.seeds:
+            for optimizer in args.optimizers:
+                run(args.out, optimizer, seed)
+    report(args.out, args.seeds, list(OPTIMIZERS), args.blow_up)
+
+
+if __name__ == "__main__":
+    main()

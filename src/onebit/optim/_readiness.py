@@ -1,0 +1,121 @@
+"""Whether the variance is ready to be frozen (ALGORITHM.md, "Variance readiness").
+
+For each tensor j, over the last ``W`` dense steps (steps whose gradients are averaged over the
+ranks at full precision)::
+
+    R_j = mean_s ||g_j(s)||² / (Σ_i v_ji / (1 - β2^k))
+
+the gradients' recent energy against the energy the variance holds (``v`` bias-corrected
+after its ``k`` updates: the variance's long average of ``g²``, summed over the tensor). R_j is
+about 1 when the variance has caught up with the gradients; above 1 the gradients have grown
+faster than ``v`` (an average over ``1/(1-β2)`` steps) follows, and a variance frozen now gives
+the tensor steps about ``√R_j`` times larger than Adam's with a variance that kept up. The
+statistic costs one squared norm per tensor per observed step and one sum of ``v`` per tensor
+per check, all on the device; the decision is one host read per check. It is computed from
+the averaged gradients and the variance, which are bit-identical on every rank in the
+warm-up, so every rank decides the same without communicating.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from onebit.optim._flat import FlatState
+
+#: Dense steps the gradients' energy is averaged over, and steps between two checks of
+#: ``freeze_step="auto"``.
+READINESS_WINDOW = 10
+#: The largest R_j of a variance that has caught up: steps at most √2 times Adam's.
+READY_RATIO = 2.0
+#: What a check finds (:meth:`VarianceReadiness.update`): some R_j above READY_RATIO and the
+#: largest grown since the last check; after such a growth, the largest back to half its peak
+#: or to READY_RATIO; neither.
+FALLING_BEHIND = "falling behind"
+CAUGHT_UP = "caught up"
+CATCHING_UP = "catching up"
+#: ``freeze_step`` asking the optimizer to freeze once the variance is ready.
+AUTO = "auto"
+
+
+class VarianceReadiness:
+    """The gradients' energy of the last :data:`READINESS_WINDOW` dense steps, per tensor, and
+    the readiness statistic ``R`` computed from it (module docstring)."""
+
+    def __init__(self) -> None:
+        self._energies: list[Tensor] = []  # one float64 vector per observed step, newest last
+        #: The largest R_j of any check so far, and of the last check (0.0: none yet).
+        self.peak = 0.0
+        self.last = 0.0
+
+    def observe(self, grads: Sequence[Tensor | None], present: Sequence[bool]) -> None:
+        """Record ``||g_j||²`` of this dense step's averaged gradients (0 where absent)."""
+        reference = next(g for g, has in zip(grads, present, strict=True) if has)
+        zero = reference.new_zeros(1)
+        norms = torch._foreach_norm(
+            [g if has else zero for g, has in zip(grads, present, strict=True)]
+        )
+        self._energies = [*self._energies[1 - READINESS_WINDOW :], torch.stack(norms).double() ** 2]
+
+    @property
+    def observed(self) -> int:
+        """Dense steps in the current window."""
+        return len(self._energies)
+
+    def ratios(self, flat: FlatState, variance_updates: int) -> Tensor:
+        """``R_j`` for every tensor (float64, on the device); 0 where the variance is 0."""
+        held = torch.stack(torch._foreach_norm(flat.views(flat.exp_avg_sq), ord=1)).double()
+        beta2 = torch.tensor(
+            [group["betas"][1] for group in flat.groups], dtype=torch.float64, device=held.device
+        )
+        held = held / (1 - beta2**variance_updates)
+        energy = torch.stack(self._energies).mean(dim=0)
+        return torch.where(held > 0, energy / held.clamp(min=torch.finfo(held.dtype).tiny), 0.0)
+
+    def update(self, largest: float) -> str:
+        """Record a check whose largest R_j is ``largest``; what it finds: the variance
+        :data:`FALLING_BEHIND` (a growth under way), :data:`CAUGHT_UP` (one that has ended)
+        or :data:`CATCHING_UP`."""
+        rising = largest > self.last
+        self.peak, self.last = max(self.peak, largest), largest
+        if largest > READY_RATIO and rising:
+            return FALLING_BEHIND
+        if self.peak > READY_RATIO and largest <= max(READY_RATIO, self.peak / 2):
+            return CAUGHT_UP
+        return CATCHING_UP
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"energies": [e.cpu() for e in self._energies], "peak": self.peak, "last": self.last}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self._energies = [e.to(device) for e in state["energies"]]
+        self.peak, self.last = float(state["peak"]), float(state["last"])
+
+
+def describe(ratios: Tensor, flat: FlatState) -> str:
+    """The tensor with the largest R_j, its value and what it means."""
+    index = int(ratios.argmax())
+    value = float(ratios[index])
+    return (
+        f"parameter {index} (shape {list(flat.params[index].shape)}) had R = {value:.3g}: its "
+        f"gradients carried {value:.3g}x the energy its variance holds over the last "
+        f"{READINESS_WINDOW} dense steps (mean ||g||² / (sum(exp_avg_sq) / (1 - beta2^k))), "
+        f"so a variance frozen now makes its steps about {value**0.5:.2g}x larger than Adam's"
+    )
+
+
+def warn_not_ready(
+    optimizer: str, event: str, advice: str, ratios: Tensor, flat: FlatState
+) -> None:
+    """The warning of a step taken before the variance is ready: ``optimizer`` ``event``."""
+    warnings.warn(
+        f"{optimizer} {event} before the variance has settled: {describe(ratios, flat)}; "
+        f"ready means R <= {READY_RATIO} for every parameter. {advice} (ALGORITHM.md, "
+        "'Variance readiness')",
+        UserWarning,
+        stacklevel=5,
+    )
