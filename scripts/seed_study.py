@@ -1,13 +1,14 @@
 """Ten seeds of the shortened main job for each optimizer with its defaults: does any diverge?
 
-    .venv/bin/python scripts/seed_study.py [--seeds 0 1 ... 9] [--optimizers lamb onebit-lamb ...]
+    .venv/bin/python scripts/seed_study.py [--seeds 0 1 ... 9] [--arms lamb onebit-lamb ...]
     .venv/bin/python scripts/seed_study.py --report-only
 
 Runs ``onebit train`` (4 workers under DDP, the settings of docs/ONEBIT-ADAM.md: 150 steps,
 the variance frozen after 30, global batch 256 of 32-token sequences, a 2-layer BERT with a
 4096-token vocabulary; every optimizer hyper-parameter at the job's default) for each seed and
-optimizer, one run at a time, and skips a run whose ``summary.json`` already exists, so an
-interrupted study resumes where it stopped. Then prints, per optimizer, each seed's final
+arm (an optimizer with the job's defaults; the ``-auto`` arms with ``--freeze-step auto``), one
+run at a time, and skips a run whose ``summary.json`` already exists, so an
+interrupted study resumes where it stopped. Then prints, per arm, each seed's final
 validation loss beside its dense baseline's (LAMB for 1-bit LAMB, AdamW for 1-bit Adam and 0/1
 Adam), the mean and standard deviation over the seeds, and the seeds that **diverged**: a
 non-finite loss, or a training loss after the freeze above ``--blow-up`` times the training
@@ -29,21 +30,31 @@ JOB = [
     "--seq-len", "32", "--vocab-size", "4096", "--heads", "2", "--architecture", "bert",
     "--eval-every", "25", "--eval-seqs", "2048", "--checkpoint-every", "150",
 ]  # fmt: skip
-BASELINE = {"onebit-lamb": "lamb", "onebit-adam": "adam", "zero-one-adam": "adam"}
-OPTIMIZERS = ("lamb", "onebit-lamb", "adam", "onebit-adam", "zero-one-adam")
+#: The arms: name -> (optimizer, options beyond JOB, the dense baseline).
+ARMS = {
+    "lamb": ("lamb", [], None),
+    "onebit-lamb": ("onebit-lamb", [], "lamb"),
+    "adam": ("adam", [], None),
+    "onebit-adam": ("onebit-adam", [], "adam"),
+    "zero-one-adam": ("zero-one-adam", [], "adam"),
+    "onebit-lamb-auto": ("onebit-lamb", ["--freeze-step", "auto"], "lamb"),
+    "onebit-adam-auto": ("onebit-adam", ["--freeze-step", "auto"], "adam"),
+}
+DEFAULT_ARMS = ("lamb", "onebit-lamb", "adam", "onebit-adam", "zero-one-adam")
 FREEZE_STEP = 30
 
 
-def run_dir(root: Path, optimizer: str, seed: int) -> Path:
-    return root / f"{optimizer}-seed{seed}"
+def run_dir(root: Path, arm: str, seed: int) -> Path:
+    return root / f"{arm}-seed{seed}"
 
 
-def run(root: Path, optimizer: str, seed: int) -> None:
-    """``onebit train`` for one optimizer and seed, unless its run already finished."""
-    out = run_dir(root, optimizer, seed)
+def run(root: Path, arm: str, seed: int) -> None:
+    """``onebit train`` for one arm and seed, unless its run already finished."""
+    out = run_dir(root, arm, seed)
     if (out / "summary.json").exists():
         return
-    command = [sys.executable, "-m", "onebit", "train", "--optimizer", optimizer, *JOB]
+    optimizer, options, _ = ARMS[arm]
+    command = [sys.executable, "-m", "onebit", "train", "--optimizer", optimizer, *JOB, *options]
     command += ["--seed", str(seed), "--out", str(out)]
     print(" ".join(command[1:]), flush=True)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -58,32 +69,34 @@ def outcome(out: Path, blow_up: float) -> dict[str, float | bool]:
         record = json.loads(line)
         if record["kind"] == "train":
             train[record["step"]] = record["loss"]
-    after = [loss for step, loss in train.items() if step > FREEZE_STEP]
+    freeze = summary["freeze_step"] or FREEZE_STEP
+    after = [loss for step, loss in train.items() if step > freeze]
     final = summary["final_validation_loss"]
     finite = all(math.isfinite(loss) for loss in train.values()) and math.isfinite(final)
     highest = max(after)
     return {
         "final": final,
+        "freeze": freeze,
         "highest_after_freeze": highest,
-        "diverged": not finite or highest > blow_up * train[FREEZE_STEP],
+        "diverged": not finite or highest > blow_up * train[freeze],
     }
 
 
-def report(root: Path, seeds: list[int], optimizers: list[str], blow_up: float) -> None:
+def report(root: Path, seeds: list[int], blow_up: float) -> None:
     results = {}
-    for optimizer in optimizers:
-        done = [s for s in seeds if (run_dir(root, optimizer, s) / "summary.json").exists()]
-        results[optimizer] = {s: outcome(run_dir(root, optimizer, s), blow_up) for s in done}
+    for arm in ARMS:
+        done = [s for s in seeds if (run_dir(root, arm, s) / "summary.json").exists()]
+        results[arm] = {s: outcome(run_dir(root, arm, s), blow_up) for s in done}
     print(
-        "\n| optimizer | seeds | mean final validation loss | std | vs baseline, mean of "
-        "paired differences | diverged | highest training loss after the freeze |"
+        "\n| arm | seeds | mean final validation loss | std | vs baseline, mean of paired "
+        "differences ± std | diverged | highest training loss after the freeze | froze after |"
     )
-    print("|---|---:|---:|---:|---:|---|---:|")
-    for optimizer, by_seed in results.items():
+    print("|---|---:|---:|---:|---:|---|---:|---|")
+    for arm, by_seed in results.items():
         if not by_seed:
             continue
         finals = [r["final"] for r in by_seed.values()]
-        baseline = results.get(BASELINE.get(optimizer, ""), {})
+        baseline = results.get(ARMS[arm][2] or "", {})
         paired = [
             100 * (by_seed[s]["final"] / baseline[s]["final"] - 1) for s in by_seed if s in baseline
         ]
@@ -95,29 +108,31 @@ def report(root: Path, seeds: list[int], optimizers: list[str], blow_up: float) 
         diverged = [s for s, r in by_seed.items() if r["diverged"]]
         spread = statistics.stdev(finals) if len(finals) > 1 else float("nan")
         highest = max(r["highest_after_freeze"] for r in by_seed.values())
+        freezes = sorted({r["freeze"] for r in by_seed.values()})
+        froze = f"{freezes[0]}-{freezes[-1]}" if len(freezes) > 1 else str(freezes[0])
         print(
-            f"| {optimizer} | {len(finals)} | {statistics.mean(finals):.4f} | {spread:.4f} | "
-            f"{versus} | {diverged or 'none'} | {highest:.2f} |"
+            f"| {arm} | {len(finals)} | {statistics.mean(finals):.4f} | {spread:.4f} | "
+            f"{versus} | {diverged or 'none'} | {highest:.2f} | {froze if ARMS[arm][2] else ''} |"
         )
     print("\nfinal validation loss by seed:")
-    for optimizer, by_seed in results.items():
+    for arm, by_seed in results.items():
         row = " ".join(f"{s}:{r['final']:.4f}" for s, r in by_seed.items())
-        print(f"  {optimizer}: {row}")
+        print(f"  {arm}: {row}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
-    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
     parser.add_argument("--out", type=Path, default=Path("runs/seed-study"))
     parser.add_argument("--blow-up", type=float, default=1.5)
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if not args.report_only:
         for seed in args.seeds:
-            for optimizer in args.optimizers:
-                run(args.out, optimizer, seed)
-    report(args.out, args.seeds, list(OPTIMIZERS), args.blow_up)
+            for arm in args.arms:
+                run(args.out, arm, seed)
+    report(args.out, args.seeds, args.blow_up)
 
 
 if __name__ == "__main__":

@@ -276,3 +276,26 @@ def test_on_the_plateau_task_auto_learns_where_an_early_freeze_stalls():
     assert not results[0]["onebit-adam auto"][1]
     assert loss["zero-one-adam defaults"] <= 1.15 * loss["adam"]
     assert loss["zero-one-adam deepspeed"] > 0.9 * chance
+
+
+# ------------------------------------------------------------------ the job
+
+
+def test_the_job_freezes_by_readiness_with_freeze_step_auto():
+    from onebit.train.config import TrainConfig
+    from onebit.train.gradients import build_optimizer
+    from onebit.train.report import frozen_after
+
+    config = TrainConfig(optimizer="onebit-adam", steps=90, freeze_step="auto").resolved()
+    optimizer = build_optimizer(config, [torch.nn.Parameter(torch.zeros(3))])
+    assert optimizer.auto_freeze and optimizer.freeze_step == 90  # bounded by --steps
+    rows = [{"step": t, "stage": "warmup" if t <= 40 else "compression"} for t in range(1, 91)]
+    assert frozen_after(config, rows) == 40
+    assert frozen_after(TrainConfig(freeze_step=7).resolved(), rows) == 7
+    for bad, match in (
+        ({"freeze_step": 0}, "--freeze-step must be a positive integer"),
+        ({"optimizer": "zero-one-adam", "freeze_step": "auto"}, "--var-freeze-step"),
+        ({"optimizer": "zero-one-adam", "var_warmup_steps": 0}, "--var-warmup-steps"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**bad).resolved()

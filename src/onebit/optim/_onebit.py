@@ -296,7 +296,7 @@ class OneBitOptimizer(CompressionStage):
             self.variance_updates(self.freeze_step): (
                 f"freezes the variance (exp_avg_sq) after step {self.freeze_step}",
                 "Freeze later (a larger freeze_step) or pass freeze_step='auto', which freezes "
-                "once the variance is ready",
+                "once the variance has caught up",
             )
         }
 

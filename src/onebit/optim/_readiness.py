@@ -38,7 +38,7 @@ READY_RATIO = 2.0
 FALLING_BEHIND = "falling behind"
 CAUGHT_UP = "caught up"
 CATCHING_UP = "catching up"
-#: ``freeze_step`` asking the optimizer to freeze once the variance is ready.
+#: ``freeze_step`` asking the optimizer to freeze once the variance has caught up.
 AUTO = "auto"
 
 
@@ -114,8 +114,8 @@ def warn_not_ready(
     """The warning of a step taken before the variance is ready: ``optimizer`` ``event``."""
     warnings.warn(
         f"{optimizer} {event} before the variance has settled: {describe(ratios, flat)}; "
-        f"ready means R <= {READY_RATIO} for every parameter. {advice} (ALGORITHM.md, "
+        f"it has caught up where every R <= {READY_RATIO}. {advice} (ALGORITHM.md, "
         "'Variance readiness')",
         UserWarning,
-        stacklevel=5,
+        stacklevel=7,  # the caller of optimizer.step(), through torch's two wrappers
     )

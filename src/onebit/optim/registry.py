@@ -82,6 +82,7 @@ class OptimizerSpec:
 
 _CLIPPING = ("max_grad_norm", "kernels")
 _FLAT_EXCHANGE = ("node_groups", "bucket_cap_mb", "overlap_backward", *_CLIPPING)
+_AUTO_FREEZE = ("max_freeze_step",)
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     spec.name: spec
@@ -98,7 +99,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "factor_min",
                 "factor_threshold",
             ),
-            _FLAT_EXCHANGE,
+            (*_FLAT_EXCHANGE, *_AUTO_FREEZE),
             deepspeed_type="onebitlamb",
             default_lr=0.016,
         ),
@@ -108,7 +109,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             OneBitAdam,
             "adam",
             (*ADAM_HYPERPARAMETERS, "freeze_step"),
-            (*_FLAT_EXCHANGE, "compression"),
+            (*_FLAT_EXCHANGE, "compression", *_AUTO_FREEZE),
             deepspeed_type="onebitadam",
         ),
         OptimizerSpec("adam", torch.optim.AdamW, "adam", ADAM_HYPERPARAMETERS),

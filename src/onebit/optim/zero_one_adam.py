@@ -155,7 +155,7 @@ class ZeroOneAdam(OneBitOptimizer):
         lr, betas, eps, weight_decay: as in :class:`onebit.OneBitAdam`; weight decay is part
             of the update, and so of the accumulated update (as in DeepSpeed).
         var_freeze_step: the last step that may update the variance (T); DeepSpeed suggests
-            the end of the learning-rate warm-up. ``"auto"``: once the variance is ready, as
+            the end of the learning-rate warm-up. ``"auto"``: once the variance has caught up, as
             ``freeze_step="auto"`` of :class:`onebit.OneBitLamb` (checked every 10 variance
             updates), at ``max_var_freeze_step`` (default 100000) at the latest. A warning
             says when the variance has not settled at T or at the first 1-bit step.
@@ -296,7 +296,7 @@ class ZeroOneAdam(OneBitOptimizer):
             self.variance_updates(self.freeze_step): (
                 f"freezes the variance (exp_avg_sq) after step {self.freeze_step}",
                 "Freeze later (a larger var_freeze_step) or pass var_freeze_step='auto', which "
-                "freezes once the variance is ready",
+                "freezes once the variance has caught up",
             )
         }
         last_dense = self._first_local_exchange - 1

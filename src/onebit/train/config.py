@@ -105,10 +105,13 @@ class TrainConfig:
         default_help=f"{DEFAULT_LAMB_LR} for lamb and onebit-lamb, {DEFAULT_ADAM_LR} for adam, "
         "onebit-adam and zero-one-adam",
     )
-    freeze_step: int | None = option(
+    freeze_step: int | str | None = option(
         None,
         group=_JOB,
-        help="warm-up (uncompressed) steps of the 1-bit optimizers",
+        parse=_int_or_auto,
+        help="warm-up (uncompressed) steps of the 1-bit optimizers; auto: until the variance "
+        "has caught up with the gradients (onebit-lamb and onebit-adam; at --steps at the "
+        "latest)",
         default_help=f"{DEFAULT_FREEZE_FRACTION:.0%} of --steps",
     )
     lr_warmup_steps: int | None = option(
@@ -273,6 +276,11 @@ class TrainConfig:
         if config.freeze_step is None:
             config.freeze_step = max(1, round(DEFAULT_FREEZE_FRACTION * config.steps))
         if config.optimizer == ZERO_ONE_ADAM:
+            if config.freeze_step == AUTO and config.var_freeze_step is None:
+                raise ValueError(
+                    "--freeze-step auto is offered for onebit-lamb and onebit-adam; 0/1 Adam "
+                    "freezes at --var-freeze-step (a number)"
+                )
             if config.var_freeze_step is None:
                 config.var_freeze_step = config.freeze_step
             if config.local_step_scaler is None:
@@ -298,8 +306,9 @@ class TrainConfig:
                 "onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS
             )
         check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
-        if self.var_warmup_steps != AUTO:
-            check_positive_int_option("var_warmup_steps", self.var_warmup_steps)
+        for name in ("freeze_step", "var_warmup_steps"):
+            if getattr(self, name) not in (None, AUTO):
+                check_positive_int_option(name, getattr(self, name))
         if self.optimizer == "onebit-adam" and self.node_size > 1:
             if self.onebit_adam_compression == "per_tensor":
                 raise ValueError(
@@ -373,7 +382,12 @@ class TrainConfig:
 
     def validate_intervals(self) -> None:
         """Check the step-count options against ``steps``."""
-        if self.optimizer in ONEBIT_OPTIMIZERS and not 1 <= self.freeze_step <= self.steps:
+        auto = self.freeze_step == AUTO
+        if (
+            self.optimizer in ONEBIT_OPTIMIZERS
+            and not auto
+            and not 1 <= self.freeze_step <= self.steps
+        ):
             raise ValueError(
                 f"--freeze-step must be in [1, --steps={self.steps}], got {self.freeze_step}"
             )

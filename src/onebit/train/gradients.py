@@ -13,6 +13,7 @@ from torch import nn
 import onebit
 from onebit.collectives import TrafficCounter, allreduce_bytes
 from onebit.exchange import NodeGroups
+from onebit.optim._readiness import AUTO
 from onebit.optim.registry import optimizer_spec
 from onebit.train.config import TrainConfig
 
@@ -33,6 +34,8 @@ def build_optimizer(
         "node_groups": node_groups,
         "max_grad_norm": max_grad_norm,
     }
+    if config.freeze_step == AUTO:
+        values["max_freeze_step"] = config.steps
     return optimizer_spec(config.optimizer).build(params, values)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from onebit.atomic import write_json_atomic
+from onebit.optim._onebit import WARMUP
+from onebit.optim._readiness import AUTO
 from onebit.train.config import TrainConfig
 from onebit.train.run_dir import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE
 
@@ -57,6 +59,14 @@ def read_metrics(run_dir: Path) -> Metrics:
     )
 
 
+def frozen_after(config: TrainConfig, train: list[dict[str, Any]]) -> int:
+    """The last warm-up step: ``--freeze-step``, or with ``auto`` the last step the run's
+    metrics record in the warm-up."""
+    if config.freeze_step != AUTO:
+        return config.freeze_step
+    return max((row["step"] for row in train if row["stage"] == WARMUP), default=0)
+
+
 def summarize(run_dir: Path, config: TrainConfig, *, world_size: int, numel: int) -> dict[str, Any]:
     """The run's figures: losses, throughput, traffic per stage and against dense LAMB."""
     metrics = read_metrics(run_dir)
@@ -85,7 +95,7 @@ def summarize(run_dir: Path, config: TrainConfig, *, world_size: int, numel: int
         "workers": world_size,
         "node_size": config.node_size if config.hierarchical else 1,
         "steps": len(train),
-        "freeze_step": config.freeze_step if config.uses_onebit else None,
+        "freeze_step": frozen_after(config, train) if config.uses_onebit else None,
         "global_batch": config.batch_size,
         "samples": train[-1]["samples"],
         "parameters": numel,
@@ -140,7 +150,11 @@ def plot_loss(
     if config.uses_onebit:
         for axes in (ax, traffic):
             axes.axvline(
-                config.freeze_step + 0.5, color="gray", ls="--", lw=1, label="switch to 1-bit"
+                frozen_after(config, metrics.train) + 0.5,
+                color="gray",
+                ls="--",
+                lw=1,
+                label="switch to 1-bit",
             )
     ax.set_ylabel("MLM loss")
     ax.set_title(f"{config.optimizer}: {config.layers} layers, hidden {config.hidden}")
