@@ -18,6 +18,7 @@ import warnings
 import torch
 
 import onebit
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 from onebit.plateau import PointerTask, train
 from onebit.testing import spawn_workers
 
@@ -34,6 +35,10 @@ def arms(early: int, steps: int) -> dict[str, tuple[str, dict]]:
     ):
         for label, value in (("early", early), ("never", steps), ("auto", "auto")):
             table[f"{name} {label}"] = (optimizer, {argument: value})
+    table["zero-one-adam deepspeed-never"] = (
+        "ZeroOneAdam",
+        {"var_freeze_step": steps, **DEEPSPEED_SCHEDULE},
+    )
     return table
 
 
@@ -59,7 +64,8 @@ def worker(rank: int, world: int, table: dict, steps: int) -> dict:
             losses = train(PointerTask(), build, steps=steps)
         warned = any("has settled" in str(w.message) for w in caught)
         frozen = getattr(built[0], "freeze_step", None)
-        out[name] = (sum(losses[-25:]) / 25, frozen, warned, min(losses))
+        first = getattr(built[0], "first_interval", None)
+        out[name] = (sum(losses[-25:]) / 25, frozen, warned, first)
     return out
 
 
@@ -71,14 +77,17 @@ def main() -> None:
     table = arms(args.early, args.steps)
     results = spawn_workers(worker, 2, args=(table, args.steps), timeout_s=3600)[0]
     adam = results["adam"][0]
-    print("| optimizer | freeze | froze after step | warned | loss, last 25 steps | vs Adam |")
-    print("|---|---|---:|---|---:|---:|")
-    for name, (loss, frozen, warned, _) in results.items():
+    print(
+        "| optimizer | freeze | froze after step | 0/1 Adam: first interval | warned | "
+        "loss, last 25 steps | vs Adam |"
+    )
+    print("|---|---|---:|---:|---|---:|---:|")
+    for name, (loss, frozen, warned, first) in results.items():
         optimizer, _, label = name.partition(" ")
         froze = "" if frozen is None else frozen
         print(
-            f"| {optimizer} | {label or 'dense'} | {froze} | {'yes' if warned else 'no'} | "
-            f"{loss:.4f} | {loss / adam:.2f}x |"
+            f"| {optimizer} | {label or 'dense'} | {froze} | {first or ''} | "
+            f"{'yes' if warned else 'no'} | {loss:.4f} | {loss / adam:.2f}x |"
         )
 
 
