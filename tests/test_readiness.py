@@ -294,7 +294,7 @@ def test_the_job_freezes_by_readiness_with_freeze_step_auto():
     assert frozen_after(TrainConfig(freeze_step=7).resolved(), rows) == 7
     for bad, match in (
         ({"freeze_step": 0}, "--freeze-step must be a positive integer"),
-        ({"optimizer": "zero-one-adam", "freeze_step": "auto"}, "--var-freeze-step"),
+        ({"optimizer": "zero-one-adam", "freeze_step": "auto"}, "give --var-freeze-step"),
         ({"optimizer": "zero-one-adam", "var_warmup_steps": 0}, "--var-warmup-steps"),
     ):
         with pytest.raises(ValueError, match=match):

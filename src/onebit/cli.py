@@ -210,3 +210,33 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def flag_name(name: str) -> str:
+    """The option ``--name`` of a field ``name``."""
+    return name.replace("_", "-")
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming ``--name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"--{flag_name(name)} must be one of {list(choices)}, got {value!r}")
+
+
+def check_positive_int_option(name: str, value: int) -> None:
+    """Raise ``ValueError`` naming ``--name`` unless ``value`` is an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--{flag_name(name)} must be a positive integer, got {value!r}")
+
+
+def int_or_auto(text: str) -> int | str:
+    """An option's value: ``auto`` or a positive integer."""
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected 'auto' or a positive integer, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected 'auto' or a positive integer, got {value}")
+    return value

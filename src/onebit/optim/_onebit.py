@@ -26,15 +26,7 @@ from onebit.optim import _common
 from onebit.optim._compression_stage import COMPRESSION, CompressionStage
 from onebit.optim._flat import FlatState
 from onebit.optim._overlap import BackwardOverlap
-from onebit.optim._readiness import (
-    AUTO,
-    CAUGHT_UP,
-    FALLING_BEHIND,
-    READINESS_WINDOW,
-    VarianceReadiness,
-    warn_not_ready,
-)
-from onebit.optim._readiness import describe as describe_readiness
+from onebit.optim._readiness import ReadinessChecks, VarianceReadiness
 
 logger = logging.getLogger("onebit")
 
@@ -42,12 +34,9 @@ WARMUP = "warmup"
 NONFINITE_POLICIES = ("skip", "raise")
 #: The buckets of ``overlap_backward`` when no ``bucket_cap_mb`` is given (DDP's default).
 DEFAULT_BUCKET_CAP_MB = 25.0
-#: The bound of ``freeze_step="auto"`` when no ``max_freeze_step`` is given (DeepSpeed's
-#: default ``freeze_step``).
-DEFAULT_MAX_FREEZE_STEP = 100000
 
 
-class OneBitOptimizer(CompressionStage):
+class OneBitOptimizer(ReadinessChecks, CompressionStage):
     """Base class of :class:`OneBitLamb`, :class:`OneBitAdam` and :class:`ZeroOneAdam`.
 
     Every step has a *kind* from the optimizer's schedule (:meth:`kind_of_step`;
@@ -74,8 +63,6 @@ class OneBitOptimizer(CompressionStage):
     DENSE_KINDS: frozenset[str] = frozenset({WARMUP})
 
     _SCALARS: dict[str, float] = {"scaling_coeff": 1.0}
-    #: The name of the argument ``freeze_step`` in the subclass's signature.
-    _FREEZE_ARGUMENT = "freeze_step"
 
     def __init__(
         self,
@@ -112,29 +99,9 @@ class OneBitOptimizer(CompressionStage):
                     "bucket_cap_mb and overlap_backward bucket the flat fused exchange: not "
                     f"with node_groups or compression={self.compression!r}"
                 )
-        name = self._FREEZE_ARGUMENT
-        self.auto_freeze = freeze_step == AUTO
-        if self.auto_freeze:
-            freeze_step = DEFAULT_MAX_FREEZE_STEP if max_freeze_step is None else max_freeze_step
-            _common.check_positive_int(
-                f"max_{name}", freeze_step, f"the last step {name}='auto' may freeze after"
-            )
-        elif max_freeze_step is not None:
-            raise ValueError(
-                f"max_{name}={max_freeze_step!r} bounds {name}='auto'; with {name}="
-                f"{freeze_step!r} the variance freezes there: give one of them"
-            )
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(
-                f"Invalid {name}={freeze_step!r}: it must be an int >= 1 (the last step that "
-                "updates the variance before it is frozen) or 'auto'"
-            )
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Invalid on_nonfinite={on_nonfinite!r}: use 'skip' or 'raise'")
-        #: The last step of the warm-up; with ``freeze_step="auto"`` the bound until the
-        #: variance is ready, then the step it froze at.
-        self.freeze_step = freeze_step
-        self._readiness = VarianceReadiness()
+        self._init_freeze(freeze_step, max_freeze_step)
         self.on_nonfinite = on_nonfinite
         self.max_grad_norm = max_grad_norm
         self._exchange_buffer: Tensor | None = None
@@ -275,77 +242,6 @@ class OneBitOptimizer(CompressionStage):
             return self._skip("warm-up gradients")
         self._check_readiness(flat, grads, present)
         return True
-
-    def variance_updates(self, step: int) -> int:
-        """How many steps up to ``step`` updated the variance (the warm-up's steps)."""
-        return min(step, self.freeze_step)
-
-    def variance_readiness(self) -> Tensor | None:
-        """The readiness statistic ``R_j`` of every parameter over the last dense steps
-        (ALGORITHM.md, "Variance readiness"; ready: every ``R_j <= 2``), or ``None`` before a
-        step that observed it (with a fixed ``freeze_step``, the last 10 dense steps before
-        the freeze are observed)."""
-        if self._flat is None or not self._readiness.observed:
-            return None
-        return self._readiness.ratios(self._flat, self.variance_updates(self.step_count))
-
-    def _readiness_checks(self) -> dict[int, tuple[str, str]]:
-        """The dense steps (counted as :meth:`variance_updates`) after which an unready
-        variance is warned about: what happens there and what to do."""
-        return {
-            self.variance_updates(self.freeze_step): (
-                f"freezes the variance (exp_avg_sq) after step {self.freeze_step}",
-                "Freeze later (a larger freeze_step) or pass freeze_step='auto', which freezes "
-                "once the variance has caught up",
-            )
-        }
-
-    def _check_readiness(
-        self, flat: FlatState, grads: Sequence[Tensor | None], present: Sequence[bool]
-    ) -> None:
-        """After a dense step: observe its gradients where the statistic needs them (every
-        step while a readiness decision is pending, else the two windows of
-        :data:`READINESS_WINDOW` dense steps before each of :meth:`_readiness_checks`); every
-        window, update the largest ``R_j``; at a check, warn if the variance is still falling
-        behind; once it has caught up, take the pending decision (ALGORITHM.md, "Variance
-        readiness")."""
-        step = self.step_count + 1
-        if step > self.freeze_step or not any(present):
-            return
-        dense = self.variance_updates(step)
-        checks = self._readiness_checks()
-        window = READINESS_WINDOW
-        pending = self._readiness_decision_pending(step)
-        if not pending and not any(0 <= c - dense < 2 * window for c in checks):
-            return
-        self._readiness.observe(grads, present)
-        at_check = dense in checks
-        due = at_check or any(c - dense == window for c in checks)
-        if not (due or (pending and dense % window == 0)):
-            return
-        ratios = self._readiness.ratios(flat, dense)
-        readiness = self._readiness.update(float(ratios.max()))
-        if at_check and readiness == FALLING_BEHIND:
-            warn_not_ready(type(self).__name__, *checks[dense], ratios, flat)
-        if pending and readiness == CAUGHT_UP:
-            self._variance_caught_up(step, ratios, flat)
-
-    def _readiness_decision_pending(self, step: int) -> bool:
-        """Whether the readiness of the variance after dense step ``step`` decides something:
-        with ``freeze_step="auto"``, whether to freeze after it."""
-        return self.auto_freeze and step < self.freeze_step
-
-    def _variance_caught_up(self, step: int, ratios: Tensor, flat: FlatState) -> None:
-        """The pending decision, taken after ``step``: the variance freezes."""
-        self.freeze_step = step
-        logger.info(
-            "%s: the variance has caught up and freezes after step %d (the largest R was %.3g; "
-            "now %s)",
-            type(self).__name__,
-            step,
-            self._readiness.peak,
-            describe_readiness(ratios, flat),
-        )
 
     def _exchanged_step(self, kind: str, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
         """A step of a kind that does not average densely; here ``"compression"``: the local

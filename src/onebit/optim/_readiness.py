@@ -18,6 +18,7 @@ warm-up, so every rank decides the same without communicating.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from onebit.optim import _common
 from onebit.optim._flat import FlatState
+
+logger = logging.getLogger("onebit")
 
 #: Dense steps the gradients' energy is averaged over, and steps between two checks of
 #: ``freeze_step="auto"``.
@@ -40,6 +44,9 @@ CAUGHT_UP = "caught up"
 CATCHING_UP = "catching up"
 #: ``freeze_step`` asking the optimizer to freeze once the variance has caught up.
 AUTO = "auto"
+#: The bound of ``freeze_step="auto"`` when no ``max_freeze_step`` is given (DeepSpeed's
+#: default ``freeze_step``).
+DEFAULT_MAX_FREEZE_STEP = 100000
 
 
 class VarianceReadiness:
@@ -94,6 +101,114 @@ class VarianceReadiness:
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self._energies = [e.to(device) for e in state["energies"]]
         self.peak, self.last = float(state["peak"]), float(state["last"])
+
+
+class ReadinessChecks:
+    """The variance-readiness side of :class:`onebit.optim._onebit.OneBitOptimizer`: its
+    ``freeze_step`` (a step or ``"auto"``), the statistic and the checks after each dense
+    step. Subclasses with another schedule of dense steps override :meth:`variance_updates`,
+    :meth:`_readiness_checks` and the decision hooks."""
+
+    #: The name of the argument ``freeze_step`` in the subclass's signature.
+    _FREEZE_ARGUMENT = "freeze_step"
+    step_count: int
+    _flat: FlatState | None
+
+    def _init_freeze(self, freeze_step: int | str, max_freeze_step: int | None) -> None:
+        """Check and set ``freeze_step`` (an int, or ``"auto"`` bounded by
+        ``max_freeze_step``, default :data:`DEFAULT_MAX_FREEZE_STEP`)."""
+        name = self._FREEZE_ARGUMENT
+        self.auto_freeze = freeze_step == AUTO
+        if self.auto_freeze:
+            freeze_step = DEFAULT_MAX_FREEZE_STEP if max_freeze_step is None else max_freeze_step
+            _common.check_positive_int(
+                f"max_{name}", freeze_step, f"the last step {name}='auto' may freeze after"
+            )
+        elif max_freeze_step is not None:
+            raise ValueError(
+                f"max_{name}={max_freeze_step!r} bounds {name}='auto'; with {name}="
+                f"{freeze_step!r} the variance freezes there: give one of them"
+            )
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(
+                f"Invalid {name}={freeze_step!r}: it must be an int >= 1 (the last step that "
+                "updates the variance before it is frozen) or 'auto'"
+            )
+        #: The last step of the warm-up; with ``"auto"`` the bound until the variance has
+        #: caught up, then the step it froze after.
+        self.freeze_step = freeze_step
+        self._readiness = VarianceReadiness()
+
+    def variance_updates(self, step: int) -> int:
+        """How many steps up to ``step`` updated the variance (the warm-up's steps)."""
+        return min(step, self.freeze_step)
+
+    def variance_readiness(self) -> Tensor | None:
+        """The readiness statistic ``R_j`` of every parameter over the last 10 observed dense
+        steps (ALGORITHM.md, "Variance readiness"), or ``None`` before a step that observed
+        them: every dense step with ``freeze_step="auto"``, the 20 before the freeze with a
+        fixed one."""
+        if self._flat is None or not self._readiness.observed:
+            return None
+        return self._readiness.ratios(self._flat, self.variance_updates(self.step_count))
+
+    def _readiness_checks(self) -> dict[int, tuple[str, str]]:
+        """The dense steps (counted as :meth:`variance_updates`) after which an unready
+        variance is warned about: what happens there and what to do."""
+        return {
+            self.variance_updates(self.freeze_step): (
+                f"freezes the variance (exp_avg_sq) after step {self.freeze_step}",
+                "Freeze later (a larger freeze_step) or pass freeze_step='auto', which freezes "
+                "once the variance has caught up",
+            )
+        }
+
+    def _check_readiness(
+        self, flat: FlatState, grads: Sequence[Tensor | None], present: Sequence[bool]
+    ) -> None:
+        """After a dense step: observe its gradients where the statistic needs them (every
+        step while a readiness decision is pending, else the two windows of
+        :data:`READINESS_WINDOW` dense steps before each of :meth:`_readiness_checks`); every
+        window, update the largest ``R_j``; at a check, warn if the variance is still falling
+        behind; once it has caught up, take the pending decision (ALGORITHM.md, "Variance
+        readiness")."""
+        step = self.step_count + 1
+        if step > self.freeze_step or not any(present):
+            return
+        dense = self.variance_updates(step)
+        checks = self._readiness_checks()
+        window = READINESS_WINDOW
+        pending = self._readiness_decision_pending(step)
+        if not pending and not any(0 <= c - dense < 2 * window for c in checks):
+            return
+        self._readiness.observe(grads, present)
+        at_check = dense in checks
+        due = at_check or any(c - dense == window for c in checks)
+        if not (due or (pending and dense % window == 0)):
+            return
+        ratios = self._readiness.ratios(flat, dense)
+        readiness = self._readiness.update(float(ratios.max()))
+        if at_check and readiness == FALLING_BEHIND:
+            warn_not_ready(type(self).__name__, *checks[dense], ratios, flat)
+        if pending and readiness == CAUGHT_UP:
+            self._variance_caught_up(step, ratios, flat)
+
+    def _readiness_decision_pending(self, step: int) -> bool:
+        """Whether the readiness of the variance after dense step ``step`` decides something:
+        with ``freeze_step="auto"``, whether to freeze after it."""
+        return self.auto_freeze and step < self.freeze_step
+
+    def _variance_caught_up(self, step: int, ratios: Tensor, flat: FlatState) -> None:
+        """The pending decision, taken after ``step``: the variance freezes."""
+        self.freeze_step = step
+        logger.info(
+            "%s: the variance has caught up and freezes after step %d (the largest R was %.3g; "
+            "now %s)",
+            type(self).__name__,
+            step,
+            self._readiness.peak,
+            describe(ratios, flat),
+        )
 
 
 def describe(ratios: Tensor, flat: FlatState) -> str:

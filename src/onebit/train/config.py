@@ -1,8 +1,6 @@
-"""The configuration of one training job (:class:`TrainConfig`: every option of
-``onebit train``), its defaults and its validation. The run folder it lives in:
-:mod:`onebit.train.run_dir`; the configurations of fine-tuning and probing:
-:mod:`onebit.train.downstream_config`.
-"""
+"""One training job's configuration (:class:`TrainConfig`: every option of ``onebit train``),
+its defaults and its validation; its run folder: :mod:`onebit.train.run_dir`; fine-tuning's
+and probing's: :mod:`onebit.train.downstream_config`."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from onebit.cli import option
+from onebit.cli import check_choice, check_positive_int_option, int_or_auto, option
 from onebit.optim import registry
 from onebit.optim._common import (
     check_betas,
@@ -23,7 +21,6 @@ from onebit.optim._common import (
 )
 from onebit.optim._readiness import AUTO
 from onebit.optim.onebit_adam import COMPRESSIONS as ONEBIT_ADAM_COMPRESSIONS
-from onebit.optim.registry import PAPER_BERT_SETTINGS
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
 
 #: The encoder architectures of :mod:`onebit.train.model` (kept here, where the options are
@@ -55,19 +52,6 @@ DEFAULT_LR_WARMUP_FRACTION = 0.1
 #: Number of validation points and checkpoints of a run when their interval is not given.
 DEFAULT_EVALS = 10
 DEFAULT_CHECKPOINTS = 4
-
-
-def _int_or_auto(text: str) -> int | str:
-    """An option's value: ``auto`` or a positive integer."""
-    if text == AUTO:
-        return AUTO
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"expected 'auto' or a positive integer, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"expected 'auto' or a positive integer, got {value}")
-    return value
 
 
 _JOB = "job"
@@ -108,10 +92,9 @@ class TrainConfig:
     freeze_step: int | str | None = option(
         None,
         group=_JOB,
-        parse=_int_or_auto,
-        help="warm-up (uncompressed) steps of the 1-bit optimizers; auto: until the variance "
-        "has caught up with the gradients (onebit-lamb and onebit-adam; at --steps at the "
-        "latest)",
+        parse=int_or_auto,
+        help="warm-up (uncompressed) steps of the 1-bit optimizers; onebit-lamb and onebit-adam: "
+        "auto, until the variance has caught up with the gradients (at most --steps)",
         default_help=f"{DEFAULT_FREEZE_FRACTION:.0%} of --steps",
     )
     lr_warmup_steps: int | None = option(
@@ -147,13 +130,13 @@ class TrainConfig:
     )
     eps: float = option(1e-8, group=_HYPER, help="Adam epsilon")
     weight_decay: float = option(
-        PAPER_BERT_SETTINGS["weight_decay"], group=_HYPER, help="decoupled weight decay"
+        registry.PAPER_BERT_SETTINGS["weight_decay"], group=_HYPER, help="decoupled weight decay"
     )
     max_coeff: float = option(
-        PAPER_BERT_SETTINGS["max_coeff"], group=_HYPER, help="LAMB trust-ratio upper bound"
+        registry.PAPER_BERT_SETTINGS["max_coeff"], group=_HYPER, help="LAMB trust-ratio upper bound"
     )
     min_coeff: float = option(
-        PAPER_BERT_SETTINGS["min_coeff"], group=_HYPER, help="LAMB trust-ratio lower bound"
+        registry.PAPER_BERT_SETTINGS["min_coeff"], group=_HYPER, help="LAMB trust-ratio lower bound"
     )
     coeff_beta: float = option(
         0.9, group=_HYPER, help="1-bit LAMB: EMA factor of the frozen trust ratio"
@@ -203,10 +186,9 @@ class TrainConfig:
     var_warmup_steps: int | str = option(
         AUTO,
         group=_HYPER,
-        parse=_int_or_auto,
+        parse=int_or_auto,
         help="0/1 Adam: the first steps, each a variance update, before the schedule spaces "
-        "them: auto (until the variance has caught up with the gradients) or a number "
-        "(DeepSpeed's: --var-update-scaler)",
+        "them: auto (until the variance has caught up) or a number (DeepSpeed's: 16)",
     )
     grad_clip: float = option(
         1.0,
@@ -278,8 +260,7 @@ class TrainConfig:
         if config.optimizer == ZERO_ONE_ADAM:
             if config.freeze_step == AUTO and config.var_freeze_step is None:
                 raise ValueError(
-                    "--freeze-step auto is offered for onebit-lamb and onebit-adam; 0/1 Adam "
-                    "freezes at --var-freeze-step (a number)"
+                    "0/1 Adam: give --var-freeze-step (a number) with --freeze-step auto"
                 )
             if config.var_freeze_step is None:
                 config.var_freeze_step = config.freeze_step
@@ -437,20 +418,3 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown training options in the config: {unknown}")
         return cls(**data).resolved()
-
-
-def flag_name(name: str) -> str:
-    """The option ``--name`` of a field ``name``."""
-    return name.replace("_", "-")
-
-
-def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` naming ``--name`` unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"--{flag_name(name)} must be one of {list(choices)}, got {value!r}")
-
-
-def check_positive_int_option(name: str, value: int) -> None:
-    """Raise ``ValueError`` naming ``--name`` unless ``value`` is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"--{flag_name(name)} must be a positive integer, got {value!r}")
