@@ -73,12 +73,12 @@ def outcome(out: Path, blow_up: float) -> dict[str, float | bool]:
     after = [loss for step, loss in train.items() if step > freeze]
     final = summary["final_validation_loss"]
     finite = all(math.isfinite(loss) for loss in train.values()) and math.isfinite(final)
-    highest = max(after)
+    highest = max(after, default=float("nan"))  # nan: the run never froze
     return {
         "final": final,
         "freeze": freeze,
         "highest_after_freeze": highest,
-        "diverged": not finite or highest > blow_up * train[freeze],
+        "diverged": not finite or highest > blow_up * train[min(freeze, max(train))],
     }
 
 
