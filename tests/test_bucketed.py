@@ -57,7 +57,7 @@ def _calls_on(rank: int, world: int, backend: str):
     return results, errors, exchange.buckets(), exchange.traffic.bytes_sent
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_bucket_equals_the_oracle_bit_for_bit(world):
     calls = spawn_workers(_bucketed_calls, world, timeout_s=120)
     for backend in CPU_BACKENDS:

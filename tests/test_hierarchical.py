@@ -168,6 +168,7 @@ def _two_data_parallel_groups(rank: int, world: int):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+@pytest.mark.slow
 def test_optimizers_run_inside_data_parallel_subgroups_at_the_same_time():
     results = spawn_workers(_two_data_parallel_groups, 4, timeout_s=120)
     assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])

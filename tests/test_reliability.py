@@ -70,6 +70,7 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(bad_step):
             assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_inf_on_one_rank_raises_on_every_rank_when_asked():
     results = spawn_workers(_inject_inf, 3, args=(6, "raise"), timeout_s=120)
     for result in results:

@@ -158,7 +158,7 @@ def _simulated_run(name: str, workers: int, local: int, clip: float, kernels: st
     return trajectory, optimizer, simulation
 
 
-@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("workers", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_simulation_equals_real_processes_bit_for_bit(workers: int) -> None:
     real = spawn_workers(_real_runs, workers, args=(CASES[workers],), timeout_s=180)
     for index, (name, local, clip, kernels) in enumerate(CASES[workers]):

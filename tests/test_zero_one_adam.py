@@ -275,7 +275,7 @@ def _resume_in_every_phase(rank, world_size, directory, save_at, exchange):
     return uninterrupted, resumed
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("exchange", [pytest.param("gradient", marks=pytest.mark.slow), "momentum"])
 def test_resume_from_every_phase_is_bit_identical(tmp_path, exchange):
     # After a 1-bit step before the freeze (followed by a variance update), at the freeze,
     # after a synchronisation, and inside local intervals (17: between the syncs of 16 and
