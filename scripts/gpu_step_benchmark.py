@@ -29,9 +29,10 @@ import torch
 
 import onebit
 from onebit.bert_shapes import bert_shapes
+from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 from onebit.timing import copy_fn
 
-# ZeroOneAdam schedules in which almost every step is of one kind (steps of other kinds are run
+# ZeroOneAdam schedules (DeepSpeed's) in which almost every step is of one kind (steps of other kinds are run
 # but not counted): variance updates at every step; 1-bit gradients between variance updates
 # at the powers of two; after a freeze at step 1, local intervals that double; after it,
 # a synchronisation at every step.
@@ -74,7 +75,10 @@ def _constructors(group: str) -> dict[str, tuple[Callable, str | None]]:
     return {
         **adamw,
         **{
-            f"ZeroOneAdam {kind}": (partial(onebit.ZeroOneAdam, **schedule), kind)
+            f"ZeroOneAdam {kind}": (
+                partial(onebit.ZeroOneAdam, **schedule, **DEEPSPEED_SCHEDULE),
+                kind,
+            )
             for kind, schedule in ZERO_ONE_ADAM_SCHEDULES.items()
         },
     }

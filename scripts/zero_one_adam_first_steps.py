@@ -41,6 +41,9 @@ def parse_args() -> argparse.Namespace:
 
 def load_config(run: Path, overrides: list[str]) -> TrainConfig:
     fields = json.loads((run / "config.json").read_text())["train"]
+    # runs from before var_warmup_steps: DeepSpeed's schedule, kappa steps in the first interval
+    fields.setdefault("var_warmup_steps", fields.get("var_update_scaler", 16))
+    fields.setdefault("pre_freeze_exchange", "gradient")
     for item in overrides:
         name, _, value = item.partition("=")
         if name not in fields:
