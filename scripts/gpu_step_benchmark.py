@@ -32,10 +32,10 @@ from onebit.bert_shapes import bert_shapes
 from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 from onebit.timing import copy_fn
 
-# ZeroOneAdam schedules (DeepSpeed's) in which almost every step is of one kind (steps of other kinds are run
-# but not counted): variance updates at every step; 1-bit gradients between variance updates
-# at the powers of two; after a freeze at step 1, local intervals that double; after it,
-# a synchronisation at every step.
+# ZeroOneAdam schedules (DeepSpeed's) in which almost every step is of one kind (steps of
+# other kinds are run but not counted): variance updates at every step; 1-bit gradients
+# between variance updates at the powers of two; after a freeze at step 1, local intervals
+# that double; after it, a synchronisation at every step.
 ZERO_ONE_ADAM_SCHEDULES = {
     "variance_update": dict(var_freeze_step=10**9, var_update_scaler=10**9),
     "gradient_1bit": dict(var_freeze_step=10**9, var_update_scaler=1),
