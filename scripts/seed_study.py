@@ -39,6 +39,13 @@ ARMS = {
     "zero-one-adam": ("zero-one-adam", [], "adam"),
     "onebit-lamb-auto": ("onebit-lamb", ["--freeze-step", "auto"], "lamb"),
     "onebit-adam-auto": ("onebit-adam", ["--freeze-step", "auto"], "adam"),
+    # DeepSpeed's exchange for 1-bit LAMB (its default until it diverged here)
+    "onebit-lamb-fused": ("onebit-lamb", ["--compression", "fused"], "lamb"),
+    "onebit-lamb-fused-auto": (
+        "onebit-lamb",
+        ["--compression", "fused", "--freeze-step", "auto"],
+        "lamb",
+    ),
 }
 DEFAULT_ARMS = ("lamb", "onebit-lamb", "adam", "onebit-adam", "zero-one-adam")
 FREEZE_STEP = 30

@@ -36,12 +36,12 @@ def oracle_run(
 
     groups[i] = (lr, weight_decay) of tensor i; hyper holds betas, eps and the LAMB bounds;
     masks[i] is tensor i's exp_avg_mask or None (the elements whose variance is 0 are masked
-    too); grad_fn(rank, i, p) is worker rank's
-    gradient of tensor i at parameter value p. compression="per_tensor" (1-bit Adam only)
-    exchanges each tensor alone, as DeepSpeed's OnebitAdam does; node_size > 1 exchanges the
-    fused buffer hierarchically over nodes of that many workers; bucket_elements cuts the
-    fused buffer into buckets of that many elements (rounded down to a multiple of 8n), each
-    exchanged alone with its own error buffers (ALGORITHM.md, "Bucketed exchange").
+    too); grad_fn(rank, i, p) is worker rank's gradient of tensor i at parameter value p.
+    compression="per_tensor" exchanges each tensor alone (s_p = 1), as DeepSpeed's OnebitAdam
+    does; node_size > 1 exchanges the fused buffer hierarchically over nodes of that many
+    workers; bucket_elements cuts the fused buffer into buckets of that many elements
+    (rounded down to a multiple of 8n), each exchanged alone with its own error buffers
+    (ALGORITHM.md, "Bucketed exchange").
     """
     b1, b2 = hyper["betas"]
     eps = hyper["eps"]
@@ -81,6 +81,44 @@ def oracle_run(
         kept = (v[i] > 0).double()
         return kept if masks is None or masks[i] is None else kept * masks[i].double()
 
+    def exchange():
+        """Every tensor's exchanged momentum (divided by its s_p), before the mask."""
+        nonlocal scaling, we, se
+        local = [
+            [b1 * m[i] + (1 - b1) * grad_fn(r, i, params[i]) for i in range(k)] for r in range(n)
+        ]
+        if compression == "per_tensor":
+            exchanged = []
+            for i in range(k):
+                buffers = torch.zeros(n, alone[i], dtype=torch.float64)
+                for r in range(n):
+                    buffers[r, : sizes[i]] = local[r][i].reshape(-1)
+                result, *tensor_errors[i] = oracle_compressed_allreduce(buffers, *tensor_errors[i])
+                exchanged.append(result[: sizes[i]].reshape(params[i].shape))
+            return exchanged
+        if scaling is None:
+            rms = [_rms(x) for x in m]
+            mean = sum(rms) / k
+            scaling = [mean / r if r > 0 else 1.0 for r in rms]
+        buffers = torch.zeros(n, padded, dtype=torch.float64)
+        for r in range(n):
+            buffers[r, :total] = torch.cat([scaling[i] * local[r][i].reshape(-1) for i in range(k)])
+        if node_size > 1:
+            result, we, se = oracle_hierarchical_compressed_allreduce(buffers, we, se, node_size)
+        elif len(buckets) > 1:
+            result = torch.empty(padded, dtype=torch.float64)
+            for b, (start, end) in enumerate(buckets):
+                result[start:end], *bucket_errors[b] = oracle_compressed_allreduce(
+                    buffers[:, start:end].contiguous(), *bucket_errors[b]
+                )
+        else:
+            result, we, se = oracle_compressed_allreduce(buffers, we, se)
+        offsets = [sum(sizes[:i]) for i in range(k + 1)]
+        return [
+            result[offsets[i] : offsets[i + 1]].reshape(params[i].shape) / scaling[i]
+            for i in range(k)
+        ]
+
     history = []
     for t in range(1, steps + 1):
         if t <= freeze:
@@ -101,50 +139,12 @@ def oracle_run(
                     params[i] = params[i] - lr * u
                 if t == freeze:
                     v_fresh[i] = v[i].clone()
-        elif compression == "per_tensor":
-            exchanged = []
-            for i in range(k):
-                buffers = torch.zeros(n, alone[i], dtype=torch.float64)
-                for r in range(n):
-                    local = b1 * m[i] + (1 - b1) * grad_fn(r, i, params[i])
-                    buffers[r, : sizes[i]] = local.reshape(-1)
-                result, *tensor_errors[i] = oracle_compressed_allreduce(buffers, *tensor_errors[i])
-                exchanged.append(result[: sizes[i]].reshape(params[i].shape))
-            for i in range(k):
-                lr, wd = groups[i]
-                m[i] = exchanged[i] * mask(i)
-                params[i] = params[i] - lr * (m[i] / (v[i].sqrt() + eps) + wd * params[i])
         else:
-            if scaling is None:
-                rms = [_rms(x) for x in m]
-                mean = sum(rms) / k
-                scaling = [mean / r if r > 0 else 1.0 for r in rms]
-            buffers = torch.zeros(n, padded, dtype=torch.float64)
-            for r in range(n):
-                pieces = [
-                    scaling[i] * (b1 * m[i] + (1 - b1) * grad_fn(r, i, params[i])).reshape(-1)
-                    for i in range(k)
-                ]
-                buffers[r, :total] = torch.cat(pieces)
-            if node_size > 1:
-                result, we, se = oracle_hierarchical_compressed_allreduce(
-                    buffers, we, se, node_size
-                )
-            elif len(buckets) > 1:
-                result = torch.empty(padded, dtype=torch.float64)
-                for b, (start, end) in enumerate(buckets):
-                    result[start:end], *bucket_errors[b] = oracle_compressed_allreduce(
-                        buffers[:, start:end].contiguous(), *bucket_errors[b]
-                    )
-            else:
-                result, we, se = oracle_compressed_allreduce(buffers, we, se)
-            offset = 0
+            decoded = exchange()
             for i in range(k):
                 lr, wd = groups[i]
                 m_prev = m[i]
-                m[i] = result[offset : offset + sizes[i]].reshape(params[i].shape) / scaling[i]
-                m[i] = m[i] * mask(i)
-                offset += sizes[i]
+                m[i] = decoded[i] * mask(i)
                 d = v[i].sqrt() + eps
                 u0 = m[i] / d
                 u = u0 + wd * params[i]

@@ -25,9 +25,10 @@ SHAPES = [(40, 30), (30,), (17, 5), (3,), (6, 2)]
 STEPS = 24
 KINDS = {
     "lamb": {"lamb"},
-    "onebit-lamb": {"warmup", "compression"},
+    "onebit-lamb": {"warmup", "compression"},  # each tensor compressed alone (the default)
+    "onebit-lamb-fused": {"warmup", "compression"},
     "onebit-adam": {"warmup", "compression"},
-    "onebit-adam-per-tensor": {"warmup", "compression"},
+    "onebit-adam-fused": {"warmup", "compression"},
     "zero-one-adam": {"variance_update", "gradient_1bit", "local", "sync"},
 }
 
@@ -47,10 +48,13 @@ def _build(kind: str, backend: str, dtype: torch.dtype, device: torch.device):
     if kind == "lamb":
         groups[1].pop("exp_avg_mask")
         return params, onebit.Lamb(groups, kernels=backend)
-    if kind == "onebit-lamb":
-        return params, onebit.OneBitLamb(groups, freeze_step=8, max_coeff=0.3, kernels=backend)
+    compression = "fused" if kind.endswith("-fused") else "per_tensor"
+    if kind.startswith("onebit-lamb"):
+        optimizer = onebit.OneBitLamb(
+            groups, freeze_step=8, max_coeff=0.3, compression=compression, kernels=backend
+        )
+        return params, optimizer
     if kind.startswith("onebit-adam"):
-        compression = "per_tensor" if kind.endswith("per-tensor") else "fused"
         optimizer = onebit.OneBitAdam(
             groups, freeze_step=8, compression=compression, kernels=backend
         )
@@ -111,8 +115,11 @@ def test_fused_updates_stay_within_the_references_float32_error(kind, backend):
             )
             where = f"{kind} step {step + 1} ({step_kind}) {name}"
             assert deviation <= 1.5e-6, f"{where}: {deviation:.2e} from the reference"
-    # Over the run, no further from the reference than the reference is from float64.
-    assert largest["deviation"] <= largest["own_error"], largest
+    # Over the run, within twice the reference's own distance from float64. (Not once: an
+    # exchange scale that the backends sum in another order differs by an ulp, and the
+    # reconstructed gradient (m_new - b1 m) / (1 - b1) cancels, so v_fresh moves by a few
+    # ulps; with per-tensor scales the reference's own error is that small too.)
+    assert largest["deviation"] <= 2 * largest["own_error"], largest
 
 
 def _assert_follows(got: list, want: list, bound: float, what: str) -> None:

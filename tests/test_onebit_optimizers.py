@@ -68,7 +68,9 @@ def build(kind, dtype, compression="fused", **options):
         },
     ]
     if kind == "lamb":
-        opt = onebit.OneBitLamb(groups, freeze_step=FREEZE, **HYPER, **options)
+        opt = onebit.OneBitLamb(
+            groups, freeze_step=FREEZE, **HYPER, compression=compression, **options
+        )
     else:
         opt = onebit.OneBitAdam(
             groups, freeze_step=FREEZE, betas=HYPER["betas"], compression=compression, **options

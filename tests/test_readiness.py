@@ -235,7 +235,7 @@ def test_from_deepspeed_config_builds_deepspeeds_schedule(caplog):
         optimizer = onebit.from_deepspeed_config(config, [torch.nn.Parameter(torch.zeros(2))])
     assert not optimizer.warmup_auto and optimizer.first_interval is None
     assert optimizer.pre_freeze_exchange == "gradient"
-    assert "DeepSpeed's schedule (var_warmup_steps=None, pre_freeze_exchange='gradient')" in (
+    assert "DeepSpeed's choice (var_warmup_steps=None, pre_freeze_exchange='gradient')" in (
         caplog.text
     )
 

@@ -65,14 +65,10 @@ def build_optimizer(
     clip = dict(kernels=kernels, max_grad_norm=max_grad_norm)
     if name == "lamb":
         return onebit.Lamb(params, lr=0.02, weight_decay=0.01, **clip)
+    clip["compression"] = "fused"  # the simulated exchange is the fused one
     if name == "onebit-adam":
-        return onebit.OneBitAdam(  # the simulated exchange is the fused one
-            params,
-            lr=0.01,
-            freeze_step=FREEZE,
-            node_groups=node_groups,
-            compression="fused",
-            **clip,
+        return onebit.OneBitAdam(
+            params, lr=0.01, freeze_step=FREEZE, node_groups=node_groups, **clip
         )
     return onebit.OneBitLamb(
         params,

@@ -176,10 +176,10 @@ def test_dense_optimizer_without_ddp(workspace: Path) -> None:
 def test_onebit_adam_per_tensor_compression(workspace: Path) -> None:
     """1-bit Adam with DeepSpeed's per-tensor compression: it trains, at 1 bit per element."""
     out = workspace / "onebit-adam-per-tensor"
-    options = ("--optimizer", "onebit-adam", "--onebit-adam-compression", "per_tensor")
+    options = ("--optimizer", "onebit-adam", "--compression", "per_tensor")
     assert train(*tiny(workspace, out, *options, "--lr", "0.01")) == 0
     config = json.loads((out / "config.json").read_text())["train"]
-    assert config["onebit_adam_compression"] == "per_tensor"
+    assert config["compression"] == "per_tensor"
     compression = json.loads((out / "summary.json").read_text())["bytes_sent"]["by_stage"][
         "compression"
     ]
@@ -265,9 +265,9 @@ def test_hierarchical_exchange_on_two_nodes_of_two(
         (["--workers", "4", "--node-size", "3"], "--node-size 3 does not divide --workers 4"),
         (["--node-size", "0"], "--node-size must be a positive integer"),
         (
-            ["--optimizer", "onebit-adam", "--onebit-adam-compression", "per_tensor"]
+            ["--optimizer", "onebit-adam", "--compression", "per_tensor"]
             + ["--workers", "4", "--node-size", "2"],
-            "not offered with --onebit-adam-compression per_tensor",
+            "not offered with --compression per_tensor",
         ),
         (["--no-launch"], "needs torchrun's environment variables; ['RANK'"),
         (

@@ -68,6 +68,22 @@ _ENGINE_SECTIONS = {
 }
 
 
+#: Where onebit's defaults differ from DeepSpeed's, what a DeepSpeed config builds instead: the
+#: arguments, and onebit's defaults with the reason for them.
+_DEEPSPEED_CHOICES: dict[type, tuple[dict[str, Any], str]] = {
+    ZeroOneAdam: (
+        DEEPSPEED_SCHEDULE,
+        "ZeroOneAdam's defaults (var_warmup_steps='auto', pre_freeze_exchange='momentum', "
+        "which keep learning where DeepSpeed's schedule stalled: docs/ZERO-ONE-ADAM.md)",
+    ),
+    OneBitLamb: (
+        {"compression": "fused"},
+        "OneBitLamb's default (compression='per_tensor', which did not diverge where "
+        "DeepSpeed's fused exchange did: docs/VARIANCE-READINESS.md)",
+    ),
+}
+
+
 def from_deepspeed_config(
     config: Mapping[str, Any] | str | os.PathLike[str],
     params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -156,9 +172,8 @@ def from_deepspeed_config(
         kwargs["max_grad_norm"] = float(config["gradient_clipping"])
     if "max_grad_norm" in options:
         kwargs.pop("max_grad_norm", None)
-    schedule = {}
-    if cls is ZeroOneAdam:
-        schedule = {k: v for k, v in DEEPSPEED_SCHEDULE.items() if k not in options}
+    deepspeeds, _ = _DEEPSPEED_CHOICES.get(cls, ({}, ""))
+    schedule = {k: v for k, v in deepspeeds.items() if k not in options}
     optimizer = cls(params, **kwargs, **schedule, **options)
     _report(name, cls, ignored, given, config, schedule)
     return optimizer
@@ -189,9 +204,8 @@ def _report(
     if schedule:
         built = ", ".join(f"{key}={value!r}" for key, value in schedule.items())
         lines.append(
-            f"  DeepSpeed's schedule ({built}), not ZeroOneAdam's defaults (var_warmup_steps="
-            "'auto', pre_freeze_exchange='momentum', which keep learning where DeepSpeed's "
-            "stalled: docs/ZERO-ONE-ADAM.md); pass them as options to choose onebit's"
+            f"  DeepSpeed's choice ({built}), not {_DEEPSPEED_CHOICES[cls][1]}; pass them as "
+            "options to choose onebit's"
         )
     for key in ignored:
         why = _IGNORED.get(key, "DeepSpeed's 1-bit optimizers store it but never read it")

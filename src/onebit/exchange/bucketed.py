@@ -34,6 +34,7 @@ class BucketedResult:
     :class:`~onebit.exchange.protocol.PackedResult` covers elements ``[start_k, end_k)``."""
 
     parts: list[tuple[int, PackedResult]]  # (start, result), in element order
+    in_flat_layout = True
 
     @property
     def flat_signs(self) -> Tensor:

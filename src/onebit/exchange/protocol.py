@@ -340,6 +340,12 @@ class PackedResult:
     # The flat layout that update kernels decode on the fly (one segment only): the signs of
     # every element in element order, and the scale of each chunk [bounds[c], bounds[c+1]).
     @property
+    def in_flat_layout(self) -> bool:
+        """Whether ``flat_signs``, ``chunk_bounds`` and ``chunk_scales`` describe the result
+        (one segment); otherwise it is decoded with :meth:`decode`."""
+        return self.layout.segments == 1
+
+    @property
     def flat_signs(self) -> Tensor:
         """The packed signs of all elements, element ``e`` at bit ``e`` (MSB first)."""
         self._require_flat()
@@ -358,7 +364,7 @@ class PackedResult:
         return self.scales[:, 0]
 
     def _require_flat(self) -> None:
-        if self.layout.segments != 1:
+        if not self.in_flat_layout:
             raise ValueError(
                 f"this result has {self.layout.segments} segments; only a one-segment "
                 "result is decoded on the fly (decode it with decode())"

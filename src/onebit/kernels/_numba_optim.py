@@ -142,19 +142,25 @@ def _max_bits(bits):
 
 @njit(error_model="numpy", cache=True)
 def _onebit_lamb_block_a(
-    signs, start, value, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
+    signs, start, value, decoded, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
 ):
-    """:func:`_onebit_lamb_chunk_a` chunk by chunk; returns the two sums and the maximum
-    ratio (non-negative, so its maximum is taken on its bit pattern)."""
+    """:func:`_onebit_lamb_chunk_a` chunk by chunk on the momentum decoded from ``signs``
+    (``+-value``, from element ``start``), or read from ``decoded`` where it is not empty;
+    returns the two sums and the maximum ratio (non-negative, so its maximum is taken on its
+    bit pattern)."""
     ratio = np.empty(min(CHUNK, m.size), m.dtype)
     bits = ratio.view(bits_like.dtype)
     wide = np.empty(CHUNK + 16, m.dtype)
     sum_base, sum_full, best = 0.0, 0.0, bits_like.dtype.type(0)
     for c in range(0, m.size, CHUNK):
         e = min(c + CHUNK, m.size)
-        offset = _decode_chunk(signs, start + c, e - c, value, wide)
+        if decoded.size:
+            new = decoded[c:e]
+        else:
+            offset = _decode_chunk(signs, start + c, e - c, value, wide)
+            new = wide[offset : offset + e - c]
         base, full = _onebit_lamb_chunk_a(
-            wide[offset : offset + e - c],
+            new,
             mask[c:e] if mask.size else mask,
             m[c:e],
             v[c:e],
@@ -281,10 +287,27 @@ def momentum(blocks, active, m, grads, offsets, b1, omb1, scale, out):
 
 
 def onebit_lamb_a(
-    blocks, active, signs, values, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
+    blocks,
+    active,
+    signs,
+    values,
+    decoded,
+    mask,
+    m,
+    v,
+    fresh,
+    p,
+    b1,
+    inv_omb1,
+    b2,
+    omb2,
+    eps,
+    wd,
+    bits_like,
 ):
     """Pass A over the exchange's blocks ``(segment, start, end, chunk)``; ``values[b]`` is
-    ``scales[chunk] / s[segment]`` of block ``b``."""
+    ``scales[chunk] / s[segment]`` of block ``b``; or, where ``decoded`` is not empty, over
+    the parameters' blocks with the momentum read from ``decoded``."""
     out = np.zeros((blocks.shape[0], 3), np.float64)
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
@@ -293,6 +316,7 @@ def onebit_lamb_a(
                 signs,
                 s,
                 values[b],
+                decoded[s:e] if decoded.size else decoded,
                 mask[s:e] if mask.size else mask,
                 m[s:e],
                 v[s:e],
@@ -600,17 +624,25 @@ class NumbaUpdates:
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
     ) -> Tensor:
-        """(``scratch`` is unused: the momentum is decoded on the fly.)"""
+        """The momentum is decoded on the fly from a one-segment result; a result of one
+        segment per tensor (where every ``s`` is 1) is decoded into ``scratch`` first."""
         hyper, on = _Hyper(flat), _active(active)
         b1, omb1, b2, omb2 = hyper.betas()
         eps, wd = hyper.key("eps"), hyper.key("weight_decay")
         m, v, p = _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights)
-        blocks, values = _block_values(flat, packed, scaling)
+        if packed.in_flat_layout:
+            blocks, values = _block_values(flat, packed, scaling)
+            signs, decoded = _np(packed.flat_signs), np.zeros(0, m.dtype)
+        else:
+            blocks = _blocks(flat)
+            values, signs = np.ones(len(blocks), m.dtype), np.zeros(0, np.uint8)
+            decoded = _np(packed.decode(scratch))
         partials = _KERNELS("onebit_lamb_a")(
             blocks,
             on,
-            _np(packed.flat_signs),
+            signs,
             values,
+            decoded,
             _mask_array(flat, mask),
             m,
             v,

@@ -256,14 +256,21 @@ def _onebit_lamb_a_kernel(
     hyper,
     partials,
     HAS_MASK: tl.constexpr,
+    DECODED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Decode the momentum, refresh ``v_fresh``, ``m = m_new``; per block ``sum u0^2``,
-    ``sum u^2`` and the largest ``d / (sqrt(v_fresh) + eps)``."""
+    """Decode the momentum (or, where ``DECODED``, read it from ``signs``, a buffer of
+    decoded values, times the mask), refresh ``v_fresh``, ``m = m_new``; per block
+    ``sum u0^2``, ``sum u^2`` and the largest ``d / (sqrt(v_fresh) + eps)``."""
     segment, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
-    new = _exchanged(
-        signs, chunk_elements, chunk_scales, inverse, mask, segment, offsets, in_range, HAS_MASK
-    )
+    if DECODED:
+        new = tl.load(signs + offsets, mask=in_range, other=0.0)
+        if HAS_MASK:
+            new = new * tl.load(mask + offsets, mask=in_range, other=0.0)
+    else:
+        new = _exchanged(
+            signs, chunk_elements, chunk_scales, inverse, mask, segment, offsets, in_range, HAS_MASK
+        )
     grad = (new - c[0] * tl.load(m + offsets, mask=in_range)) * c[7]
     f = c[2] * tl.load(fresh + offsets, mask=in_range) + c[3] * (grad * grad)
     tl.store(fresh + offsets, f, mask=in_range)
@@ -599,13 +606,20 @@ class TritonUpdates:
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
     ) -> Tensor:
-        """(``scratch`` is unused: the momentum is decoded on the fly.)"""
+        """The momentum is decoded on the fly from a one-segment result; a result of one
+        segment per tensor (where every ``s`` is 1) is decoded into ``scratch`` first."""
         table, constants = _table(flat, _active_segments(active)), _Constants(flat)
         partials = _partials(table, 3)
+        decoded = not packed.in_flat_layout
+        if decoded:
+            inputs = (packed.decode(scratch), 1, scratch, scratch)  # the last three unused
+        else:
+            inputs = _exchange_inputs(flat, packed, scaling)
         _launch(
             _onebit_lamb_a_kernel,
             table,
-            *_exchange_inputs(flat, packed, scaling),
+            *inputs,
+            DECODED=decoded,
             m=flat.exp_avg,
             v=flat.exp_avg_sq,
             fresh=flat.exp_avg_sq_fresh,

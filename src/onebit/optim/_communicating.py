@@ -31,7 +31,10 @@ from onebit.optim import _common
 from onebit.optim._base import FlatOptimizer
 from onebit.optim._flat import FlatState
 
-__all__ = ["CommunicatingOptimizer", "CommunicationError"]
+__all__ = ["COMPRESSIONS", "CommunicatingOptimizer", "CommunicationError"]
+
+#: How the momentum can be exchanged: one fused buffer scaled by ``s_p``, or each tensor alone.
+COMPRESSIONS = ("fused", "per_tensor")
 
 
 class CommunicationError(RuntimeError):
@@ -47,8 +50,34 @@ class CommunicatingOptimizer(FlatOptimizer):
     """
 
     # How the momentum is exchanged: "fused" (one buffer scaled by s_p) or "per_tensor"
-    # (each tensor compressed alone, DeepSpeed's 1-bit Adam; no s_p).
+    # (each tensor compressed alone; no s_p); whether it was left to the default.
     compression = "fused"
+    _compression_chosen = False
+
+    def _choose_compression(
+        self,
+        compression: str | None,
+        node_groups: NodeGroups | None,
+        bucket_cap_mb: float | None,
+        overlap_backward: bool,
+    ) -> None:
+        """Set :attr:`compression` (before ``__init__``): ``None`` is ``"per_tensor"``, or
+        ``"fused"`` where the exchange asked for (hierarchical, bucketed or overlapped) carries
+        only the fused buffer."""
+        fused_only = node_groups is not None or bucket_cap_mb is not None or overlap_backward
+        self._compression_chosen = compression is None
+        if compression is None:
+            compression = "fused" if fused_only else "per_tensor"
+        if compression not in COMPRESSIONS:
+            raise ValueError(
+                f"Invalid compression={compression!r}: use None or one of {COMPRESSIONS}"
+            )
+        if compression == "per_tensor" and node_groups is not None:
+            raise ValueError(
+                "compression='per_tensor' does not support node_groups (the hierarchical "
+                "exchange is fused only); use compression='fused' or node_groups=None"
+            )
+        self.compression = compression
 
     def __init__(
         self,
@@ -188,7 +217,18 @@ class CommunicatingOptimizer(FlatOptimizer):
     def use_exchange(self, exchange: Exchange) -> None:
         """Exchange through ``exchange`` instead of the one the arguments ask for (a
         :class:`onebit.exchange.SimulatedExchange` simulates many workers in one process).
-        Only before the first exchange, in one process, for the fused exchange."""
+        Only before the first exchange, in one process, for the fused exchange (which the
+        simulated optimizer uses where its compression was left to the default)."""
+        chosen = self.compression
+        if self._compression_chosen:
+            self.compression = "fused"
+        try:
+            self._use_exchange(exchange)
+        except ValueError:
+            self.compression = chosen  # nothing changed
+            raise
+
+    def _use_exchange(self, exchange: Exchange) -> None:
         if self._exchange_given:
             raise ValueError(
                 f"{type(self).__name__} is already simulated: it exchanges through "

@@ -15,8 +15,6 @@ from onebit.optim._onebit import OneBitOptimizer
 
 __all__ = ["OneBitAdam"]
 
-COMPRESSIONS = ("fused", "per_tensor")
-
 
 class OneBitAdam(OneBitOptimizer):
     r"""1-bit Adam: Adam warm-up, then 1-bit momentum with the variance frozen.
@@ -66,20 +64,7 @@ class OneBitAdam(OneBitOptimizer):
         max_freeze_step: int | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        self._compression_chosen = compression is None
-        if compression is None:
-            fused_only = node_groups is not None or bucket_cap_mb is not None or overlap_backward
-            compression = "fused" if fused_only else "per_tensor"
-        if compression not in COMPRESSIONS:
-            raise ValueError(
-                f"Invalid compression={compression!r}: use None or one of {COMPRESSIONS}"
-            )
-        if compression == "per_tensor" and node_groups is not None:
-            raise ValueError(
-                "compression='per_tensor' does not support node_groups (the hierarchical "
-                "exchange is fused only); use compression='fused' or node_groups=None"
-            )
-        self.compression = compression
+        self._choose_compression(compression, node_groups, bucket_cap_mb, overlap_backward)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,
@@ -95,18 +80,6 @@ class OneBitAdam(OneBitOptimizer):
             bucket_cap_mb=bucket_cap_mb,
             overlap_backward=overlap_backward,
         )
-
-    def use_exchange(self, exchange) -> None:
-        """As :meth:`OneBitOptimizer.use_exchange`; where the compression was left to the
-        default, the simulated optimizer compresses fused (the simulation's exchange)."""
-        chosen = self.compression
-        if self._compression_chosen:
-            self.compression = "fused"
-        try:
-            super().use_exchange(exchange)
-        except ValueError:
-            self.compression = chosen  # nothing changed
-            raise
 
     def _warmup_update(
         self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]

@@ -35,6 +35,10 @@ class OneBitLamb(OneBitOptimizer):
     weight-decay share of the update, clamped to ``[factor_min, factor_max]`` and to within
     ``factor_threshold`` of its previous value.
 
+    By default each tensor is compressed alone, with its own scales and error buffers and
+    ``s_p = 1`` (:func:`onebit.compressed_allreduce_per_tensor`, all tensors in the same four
+    collectives); ``compression="fused"`` exchanges DeepSpeed's one buffer scaled by ``s_p``.
+
     Argument names and defaults follow DeepSpeed's ``OnebitLamb``. Param groups may override
     every hyper-parameter except ``freeze_step``, and may carry ``exp_avg_mask`` (a tensor, or
     one per parameter, of the parameter's shape) that multiplies the exchanged momentum so
@@ -72,6 +76,14 @@ class OneBitLamb(OneBitOptimizer):
         node_groups: ``(intra_group, inter_group)`` from :func:`onebit.node_groups` to
             exchange hierarchically: dense within a node, 1 bit between nodes (about ``L``
             times fewer bytes between nodes of ``L`` ranks); ``None`` for the flat exchange.
+        compression: how the momentum is exchanged. ``"per_tensor"``: every tensor alone
+            (ALGORITHM.md, "Each tensor compressed alone"); ``"fused"``: DeepSpeed's one
+            buffer of all tensors, each scaled by ``s_p``, one scale per rank and chunk (it
+            diverged in 8 of 10 short runs where per-tensor compression did not:
+            docs/VARIANCE-READINESS.md). ``None`` (default): ``"per_tensor"``, or ``"fused"``
+            where ``node_groups``, ``bucket_cap_mb`` or ``overlap_backward`` is given (they
+            exchange the fused buffer) and where the optimizer is simulated. A checkpoint
+            loads only into an optimizer of the compression it was saved with.
         max_grad_norm: if positive, ``step()`` clips the gradients its update uses (as
             ``torch.nn.utils.clip_grad_norm_`` does): the averaged ones at ``max_grad_norm``
             in the warm-up (after its own average, or DDP's), each rank's own at
@@ -118,6 +130,7 @@ class OneBitLamb(OneBitOptimizer):
         verify_every: int = 0,
         kernels: str | None = None,
         node_groups: NodeGroups | None = None,
+        compression: str | None = None,
         max_grad_norm: float = 0.0,
         bucket_cap_mb: float | None = None,
         overlap_backward: bool = False,
@@ -128,6 +141,7 @@ class OneBitLamb(OneBitOptimizer):
         _common.check_unit_interval("coeff_beta", coeff_beta)
         _common.check_factor_bounds(factor_min, factor_max)
         _common.check_non_negative("factor_threshold", factor_threshold)
+        self._choose_compression(compression, node_groups, bucket_cap_mb, overlap_backward)
         defaults = dict(
             lr=lr,
             betas=betas,

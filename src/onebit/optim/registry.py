@@ -99,7 +99,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "factor_min",
                 "factor_threshold",
             ),
-            (*_FLAT_EXCHANGE, *_AUTO_FREEZE),
+            (*_FLAT_EXCHANGE, "compression", *_AUTO_FREEZE),
             deepspeed_type="onebitlamb",
             default_lr=0.016,
         ),

@@ -19,8 +19,8 @@ from onebit.optim._common import (
     check_positive,
     check_unit_interval,
 )
+from onebit.optim._communicating import COMPRESSIONS
 from onebit.optim._readiness import AUTO
-from onebit.optim.onebit_adam import COMPRESSIONS as ONEBIT_ADAM_COMPRESSIONS
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
 
 #: The encoder architectures of :mod:`onebit.train.model` (kept here, where the options are
@@ -150,14 +150,14 @@ class TrainConfig:
     factor_threshold: float = option(
         0.1, group=_HYPER, help="1-bit LAMB: largest relative change of the factor per step"
     )
-    onebit_adam_compression: str | None = option(
+    compression: str | None = option(
         None,
         group=_HYPER,
-        choices=ONEBIT_ADAM_COMPRESSIONS,
-        help="1-bit Adam: how the momentum is exchanged: per_tensor (each tensor compressed "
-        "alone, DeepSpeed's scheme) or fused (one buffer of all tensors, scaled per tensor as "
-        "1-bit LAMB does); default: per_tensor, or fused with --node-size > 1, --bucket-cap-mb "
-        "or --overlap-backward",
+        choices=COMPRESSIONS,
+        help="1-bit LAMB and 1-bit Adam: how the momentum is exchanged: per_tensor (each tensor "
+        "compressed alone) or fused (DeepSpeed's 1-bit LAMB: one buffer of all tensors, scaled "
+        "per tensor); default: per_tensor, or fused with --node-size > 1, --bucket-cap-mb or "
+        "--overlap-backward",
     )
     var_freeze_step: int | None = option(
         None,
@@ -282,20 +282,17 @@ class TrainConfig:
         check_choice("architecture", self.architecture, ARCHITECTURES)
         check_choice("backend", self.backend, BACKENDS)
         check_choice("device", self.device, DEVICES)
-        if self.onebit_adam_compression is not None:
-            check_choice(
-                "onebit_adam_compression", self.onebit_adam_compression, ONEBIT_ADAM_COMPRESSIONS
-            )
+        if self.compression is not None:
+            check_choice("compression", self.compression, COMPRESSIONS)
         check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
         for name in ("freeze_step", "var_warmup_steps"):
             if getattr(self, name) not in (None, AUTO):
                 check_positive_int_option(name, getattr(self, name))
-        if self.optimizer == "onebit-adam" and self.node_size > 1:
-            if self.onebit_adam_compression == "per_tensor":
-                raise ValueError(
-                    "--node-size > 1 (the hierarchical exchange) is not offered with "
-                    "--onebit-adam-compression per_tensor"
-                )
+        if self.node_size > 1 and self.compression == "per_tensor":
+            raise ValueError(
+                "--node-size > 1 (the hierarchical exchange) is not offered with "
+                "--compression per_tensor"
+            )
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
         for name in ("steps", "batch_size", "layers", "hidden", "heads", "keep_checkpoints"):
@@ -334,13 +331,13 @@ class TrainConfig:
             return
         flag = "--overlap-backward" if self.overlap_backward else "--bucket-cap-mb"
         check_bucket_cap_mb("--bucket-cap-mb", self.bucket_cap_mb)
-        fused = self.optimizer == "onebit-lamb" or (
-            self.optimizer == "onebit-adam" and self.onebit_adam_compression != "per_tensor"
+        fused = (
+            self.optimizer in ("onebit-lamb", "onebit-adam") and self.compression != "per_tensor"
         )
         if not fused or self.node_size > 1:
             raise ValueError(
                 f"{flag} buckets the flat fused exchange of onebit-lamb and onebit-adam "
-                "(--onebit-adam-compression fused, --node-size 1)"
+                "(not --compression per_tensor, --node-size 1)"
             )
         if self.overlap_backward and self.grad_clip > 0:
             raise ValueError(

@@ -30,7 +30,6 @@ def build_optimizer(
     (torch's AdamW does not clip)."""
     values = {
         **dataclasses.asdict(config),
-        "compression": config.onebit_adam_compression,
         "node_groups": node_groups,
         "max_grad_norm": max_grad_norm,
     }

@@ -38,9 +38,18 @@ def _read_run_file(run_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+#: What named 1-bit Adam's exchange before 1-bit LAMB had a choice too (runs whose 1-bit LAMB
+#: always compressed fused).
+_LEGACY_COMPRESSION = "onebit_adam_compression"
+
+
 def read_config(run_dir: Path) -> TrainConfig:
     """The configuration saved in ``run_dir``; a clear error if there is none."""
-    return TrainConfig.from_json(_read_run_file(run_dir)["train"])
+    train = dict(_read_run_file(run_dir)["train"])
+    if _LEGACY_COMPRESSION in train:
+        legacy = train.pop(_LEGACY_COMPRESSION)
+        train["compression"] = "fused" if train.get("optimizer") == "onebit-lamb" else legacy
+    return TrainConfig.from_json(train)
 
 
 def read_launch(run_dir: Path) -> dict[str, Any]:

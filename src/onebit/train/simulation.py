@@ -84,10 +84,10 @@ def check_simulated(config: TrainConfig) -> None:
             f"--optimizer {config.optimizer} cannot be simulated; choose one of "
             f"{list(SIMULATED_OPTIMIZERS)}"
         )
-    if config.optimizer == "onebit-adam" and config.onebit_adam_compression == "per_tensor":
+    if config.compression == "per_tensor":
         raise ValueError(
-            "--onebit-adam-compression per_tensor is not simulated (the simulation exchanges "
-            "the fused momentum buffer, which 1-bit Adam uses there by default)"
+            "--compression per_tensor is not simulated (the simulation exchanges the fused "
+            "momentum buffer, which 1-bit LAMB and 1-bit Adam use there by default)"
         )
     if config.bucket_cap_mb is not None or config.overlap_backward:
         raise ValueError(

@@ -1,5 +1,6 @@
-"""OneBitAdam(compression="per_tensor") (DeepSpeed's scheme) on real gloo processes against
-the float64 model of the spec: trajectories, bytes, resume, the DDP hook, checkpoints."""
+"""OneBitAdam and OneBitLamb with compression="per_tensor" (their default: every tensor
+compressed alone, DeepSpeed's 1-bit Adam scheme) on real gloo processes against the float64
+model of the spec: trajectories, bytes, resume, the DDP hook, checkpoints, the default."""
 
 from __future__ import annotations
 
@@ -30,30 +31,41 @@ from onebit.testing import spawn_workers
 NUMELS = [math.prod(p.shape) for p in initial_params()]
 
 
-def build(dtype, compression="per_tensor"):
-    return build_optimizer("adam", dtype, compression)
+KINDS = ("adam", "lamb")
+OPTIMIZERS = {"adam": onebit.OneBitAdam, "lamb": onebit.OneBitLamb}
+
+
+def build(dtype, compression="per_tensor", kind="adam"):
+    return build_optimizer(kind, dtype, compression)
 
 
 def _trajectories(rank, world_size):
     out = {}
-    for dtype in (torch.float64, torch.float32):
-        params, opt = build(dtype)
-        history = []
-        for _ in range(STEPS):
-            set_grads(params, rank)
-            opt.step()
-            history.append([p.detach().clone() for p in params])
-        out[dtype] = {"history": history, "bytes": opt.bytes_sent, "errors": opt.state_dict()}
+    for kind in KINDS:
+        for dtype in (torch.float64, torch.float32):
+            params, opt = build(dtype, kind=kind)
+            history = []
+            for _ in range(STEPS):
+                set_grads(params, rank)
+                opt.step()
+                history.append([p.detach().clone() for p in params])
+            errors = opt.state_dict()
+            out[kind, dtype] = {"history": history, "bytes": opt.bytes_sent, "errors": errors}
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
     results = spawn_workers(_trajectories, world_size, timeout_s=180)
+    for kind in KINDS:
+        _check_trajectories(kind, world_size, results)
+
+
+def _check_trajectories(kind, world_size, results):
     masks = [None, None, None, MASK]
     expected, fused = (
         oracle_run(
-            "adam",
+            kind,
             initial_params(),
             model_grad_fn,
             world_size,
@@ -68,12 +80,13 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
     )
     assert not torch.allclose(expected[-1][0], fused[-1][0], rtol=1e-3), "modes must differ"
     n = world_size
-    for dtype, run in results[0].items():
+    for dtype in (torch.float64, torch.float32):
+        run = results[0][kind, dtype]
         # As for the fused optimizers: float64 differs from the model by summation order
         # only (1e-9 is far below a formula error); float32 by rounding (2e-4).
         tol = 1e-9 if dtype == torch.float64 else 2e-4
-        histories = [results[rank][dtype]["history"] for rank in range(n)]
-        assert_follows_model_and_ranks_agree(histories, expected, tol, str(dtype))
+        histories = [results[rank][kind, dtype]["history"] for rank in range(n)]
+        assert_follows_model_and_ranks_agree(histories, expected, tol, f"{kind} {dtype}")
         # The masked column's momentum stays zero: those entries follow weight decay 0.
         assert torch.equal(run["history"][-1][3][:, 1], run["history"][FREEZE - 1][3][:, 1])
         elem = 8 if dtype == torch.float64 else 4
@@ -89,8 +102,9 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
         assert saved["compression"] == "per_tensor"
 
 
-def test_resume_mid_compression_is_bit_identical(tmp_path):
-    args = (str(tmp_path), FREEZE + 5, "adam", "per_tensor")
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_mid_compression_is_bit_identical(tmp_path, kind):
+    args = (str(tmp_path), FREEZE + 5, kind, "per_tensor")
     runs = spawn_workers(_uninterrupted_and_resumed, 2, args=args, timeout_s=120)
     for (a, step_a, bytes_a), (b, step_b, bytes_b) in runs:
         assert step_a == step_b == STEPS
@@ -98,10 +112,10 @@ def test_resume_mid_compression_is_bit_identical(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _trajectory(rank, use_ddp):
+def _trajectory(rank, use_ddp, kind):
     torch.manual_seed(0)  # identical initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt = onebit.OneBitAdam(
+    opt = OPTIMIZERS[kind](
         model.parameters(), lr=0.01, freeze_step=4, weight_decay=0.01, compression="per_tensor"
     )
     if use_ddp:
@@ -119,21 +133,23 @@ def _trajectory(rank, use_ddp):
 
 
 def _plain_and_ddp(rank, world_size):
-    return _trajectory(rank, use_ddp=False), _trajectory(rank, use_ddp=True)
+    return {kind: (_trajectory(rank, False, kind), _trajectory(rank, True, kind)) for kind in KINDS}
 
 
 def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
     runs = spawn_workers(_plain_and_ddp, 2, timeout_s=120)
-    for (plain, sent_plain), (ddp, sent_ddp) in runs:
-        assert torch.equal(plain, ddp)
-        assert torch.equal(plain, runs[0][0][0])  # ranks bit-identical
-        assert sent_plain["compression"] == sent_ddp["compression"] > 0
+    for kind in KINDS:
+        for (plain, sent_plain), (ddp, sent_ddp) in (run[kind] for run in runs):
+            assert torch.equal(plain, ddp)
+            assert torch.equal(plain, runs[0][kind][0][0])  # ranks bit-identical
+            assert sent_plain["compression"] == sent_ddp["compression"] > 0
 
 
-def test_world_size_one_matches_the_model():
-    params, opt = build(torch.float64)
+@pytest.mark.parametrize("kind", KINDS)
+def test_world_size_one_matches_the_model(kind):
+    params, opt = build(torch.float64, kind=kind)
     expected = oracle_run(
-        "adam",
+        kind,
         initial_params(),
         model_grad_fn,
         1,
@@ -175,13 +191,14 @@ def test_bf16_parameters_follow_their_fp32_masters_exactly():
         assert torch.equal(half.detach(), master.bfloat16())
 
 
-def test_checkpoint_of_one_mode_is_rejected_by_the_other():
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_of_one_mode_is_rejected_by_the_other(kind):
     for saved_mode, loading_mode in (("per_tensor", "fused"), ("fused", "per_tensor")):
-        params, opt = build(torch.float32, saved_mode)
+        params, opt = build(torch.float32, saved_mode, kind)
         for _ in range(FREEZE + 2):
             set_grads(params, 0)
             opt.step()
-        _, other = build(torch.float32, loading_mode)
+        _, other = build(torch.float32, loading_mode, kind)
         with pytest.raises(ValueError, match=f"saved with compression='{saved_mode}'"):
             other.load_state_dict(opt.state_dict())
 
@@ -198,12 +215,13 @@ def test_error_buffers_of_the_wrong_size_are_rejected_on_load():
         other.load_state_dict(state)
 
 
-def test_invalid_compression_and_node_groups_are_clear_errors():
+@pytest.mark.parametrize("kind", KINDS)
+def test_invalid_compression_and_node_groups_are_clear_errors(kind):
     param = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="Invalid compression='per-tensor'"):
-        onebit.OneBitAdam([param], compression="per-tensor")
+        OPTIMIZERS[kind]([param], compression="per-tensor")
     with pytest.raises(ValueError, match="does not support node_groups"):
-        onebit.OneBitAdam([param], compression="per_tensor", node_groups=(None, None))
+        OPTIMIZERS[kind]([param], compression="per_tensor", node_groups=(None, None))
 
 
 def test_a_simulated_exchange_is_refused():
@@ -226,9 +244,17 @@ def test_a_deepspeed_config_builds_deepspeeds_per_tensor_compression_by_default(
     assert onebit.from_deepspeed_config(config, [param], compression="fused").compression == "fused"
 
 
-def test_the_default_is_per_tensor_and_fused_where_only_the_fused_buffer_is_exchanged():
+def test_a_deepspeed_config_builds_deepspeeds_fused_one_bit_lamb():
+    config = {"optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 5}}}
+    param = torch.nn.Parameter(torch.zeros(3))
+    assert onebit.from_deepspeed_config(config, [param]).compression == "fused"
+    assert onebit.OneBitLamb([param]).compression == "per_tensor"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_default_is_per_tensor_and_fused_where_only_the_fused_buffer_is_exchanged(kind):
     def made(**options):
-        return onebit.OneBitAdam([torch.nn.Parameter(torch.zeros(3))], freeze_step=2, **options)
+        return OPTIMIZERS[kind]([torch.nn.Parameter(torch.zeros(3))], freeze_step=2, **options)
 
     assert made().compression == "per_tensor"
     assert made(bucket_cap_mb=1.0).compression == "fused"
