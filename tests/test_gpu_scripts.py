@@ -42,3 +42,11 @@ def test_the_step_benchmark_times_every_kind_of_step_on_cpu(tmp_path, capsys):
     assert steps["AdamW(fused=True)"]["vs_adamw_fused"] == 1.0
     printed = capsys.readouterr().out
     assert "BERT-base" in printed and "Lamb / AdamW(fused) <= 1.3" in printed
+
+
+def test_a_method_that_never_reaches_its_counted_kind_is_named_not_waited_for():
+    module = _benchmark()
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    never = module.Method("never counted", params, torch.optim.SGD(params, lr=0.1), lambda: False)
+    with pytest.raises(RuntimeError, match=r"\['never counted'\] took fewer than 2 steps"):
+        module.time_group([never], [torch.ones(8)], repeats=2, device="cpu")

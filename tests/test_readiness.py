@@ -264,10 +264,12 @@ def _plateau(rank, world_size):
 
 @pytest.mark.slow
 def test_on_the_plateau_task_auto_learns_where_an_early_freeze_stalls():
-    """2 gloo ranks, 500 steps: the early freeze warns and stays at chance; ``"auto"`` and 0/1
-    Adam's defaults end within 15% of Adam's loss (or below it); DeepSpeed's 0/1 Adam stalls."""
+    """2 gloo ranks, 500 steps: the early freeze warns (on rank 0) and stays at chance;
+    ``"auto"`` and 0/1 Adam's defaults end within 15% of Adam's loss (or below it);
+    DeepSpeed's 0/1 Adam stalls."""
     results = spawn_workers(_plateau, 2, timeout_s=900)
-    assert results[0] == results[1]
+    assert [loss for loss, _ in results[0].values()] == [loss for loss, _ in results[1].values()]
+    assert not any(warned for _, warned in results[1].values())  # rank 0 warns, alone
     loss = {name: value for name, (value, _) in results[0].items()}
     chance = math.log(PointerTask().values)
     assert loss["adam"] < 0.1

@@ -107,7 +107,8 @@ class ReadinessChecks:
     """The variance-readiness side of :class:`onebit.optim._onebit.OneBitOptimizer`: its
     ``freeze_step`` (a step or ``"auto"``), the statistic and the checks after each dense
     step. Subclasses with another schedule of dense steps override :meth:`variance_updates`,
-    :meth:`_readiness_checks` and the decision hooks."""
+    :meth:`_readiness_checks` and the decision hooks. (It uses the optimizer's ``step_count``,
+    ``_flat`` and ``_is_logging_rank``.)"""
 
     #: The name of the argument ``freeze_step`` in the subclass's signature.
     _FREEZE_ARGUMENT = "freeze_step"
@@ -138,6 +139,7 @@ class ReadinessChecks:
         #: caught up, then the step it froze after.
         self.freeze_step = freeze_step
         self._readiness = VarianceReadiness()
+        self._readiness_checks_of: tuple[tuple[int, ...], dict[int, tuple[str, str]]] | None = None
 
     def variance_updates(self, step: int) -> int:
         """How many steps up to ``step`` updated the variance (the warm-up's steps)."""
@@ -155,13 +157,24 @@ class ReadinessChecks:
     def _readiness_checks(self) -> dict[int, tuple[str, str]]:
         """The dense steps (counted as :meth:`variance_updates`) after which an unready
         variance is warned about: what happens there and what to do."""
+        name = self._FREEZE_ARGUMENT
         return {
             self.variance_updates(self.freeze_step): (
                 f"freezes the variance (exp_avg_sq) after step {self.freeze_step}",
-                "Freeze later (a larger freeze_step) or pass freeze_step='auto', which freezes "
-                "once the variance has caught up",
+                f"Freeze later (a larger {name}) or pass {name}='auto', which freezes once the "
+                "variance has caught up",
             )
         }
+
+    def _readiness_schedule(self) -> tuple[int, ...]:
+        """What :meth:`_readiness_checks` depends on (they are rebuilt when it changes)."""
+        return (self.freeze_step,)
+
+    def _cached_readiness_checks(self) -> dict[int, tuple[str, str]]:
+        schedule = self._readiness_schedule()
+        if self._readiness_checks_of is None or self._readiness_checks_of[0] != schedule:
+            self._readiness_checks_of = (schedule, self._readiness_checks())
+        return self._readiness_checks_of[1]
 
     def _check_readiness(
         self, flat: FlatState, grads: Sequence[Tensor | None], present: Sequence[bool]
@@ -176,7 +189,7 @@ class ReadinessChecks:
         if step > self.freeze_step or not any(present):
             return
         dense = self.variance_updates(step)
-        checks = self._readiness_checks()
+        checks = self._cached_readiness_checks()
         window = READINESS_WINDOW
         pending = self._readiness_decision_pending(step)
         if not pending and not any(0 <= c - dense < 2 * window for c in checks):
@@ -188,7 +201,7 @@ class ReadinessChecks:
             return
         ratios = self._readiness.ratios(flat, dense)
         readiness = self._readiness.update(float(ratios.max()))
-        if at_check and readiness == FALLING_BEHIND:
+        if at_check and readiness == FALLING_BEHIND and self._is_logging_rank():
             warn_not_ready(type(self).__name__, *checks[dense], ratios, flat)
         if pending and readiness == CAUGHT_UP:
             self._variance_caught_up(step, ratios, flat)
@@ -201,11 +214,14 @@ class ReadinessChecks:
     def _variance_caught_up(self, step: int, ratios: Tensor, flat: FlatState) -> None:
         """The pending decision, taken after ``step``: the variance freezes."""
         self.freeze_step = step
+        self._log_caught_up(step, "it freezes", ratios, flat)
+
+    def _log_caught_up(self, step: int, what: str, ratios: Tensor, flat: FlatState) -> None:
         logger.info(
-            "%s: the variance has caught up and freezes after step %d (the largest R was %.3g; "
-            "now %s)",
+            "%s: the variance has caught up after step %d: %s (the largest R was %.3g; now %s)",
             type(self).__name__,
             step,
+            what,
             self._readiness.peak,
             describe(ratios, flat),
         )

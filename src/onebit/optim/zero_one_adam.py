@@ -16,7 +16,6 @@ from onebit.optim import _common
 from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
 from onebit.optim._readiness import AUTO
-from onebit.optim._readiness import describe as describe_readiness
 from onebit.optim._zero_one_schedule import (
     DEEPSPEED_SCHEDULE,
     GRADIENT_1BIT,
@@ -227,13 +226,7 @@ class ZeroOneAdam(OneBitOptimizer):
 
     def _readiness_checks(self) -> dict[int, tuple[str, str]]:
         """As :meth:`OneBitOptimizer._readiness_checks`, and before the first 1-bit step."""
-        checks = {
-            self.variance_updates(self.freeze_step): (
-                f"freezes the variance (exp_avg_sq) after step {self.freeze_step}",
-                "Freeze later (a larger var_freeze_step) or pass var_freeze_step='auto', which "
-                "freezes once the variance has caught up",
-            )
-        }
+        checks = super()._readiness_checks()
         last_dense = self._first_local_exchange - 1
         if not self.warmup_auto and last_dense < self.freeze_step:
             checks.setdefault(
@@ -246,6 +239,9 @@ class ZeroOneAdam(OneBitOptimizer):
                 ),
             )
         return checks
+
+    def _readiness_schedule(self) -> tuple[int, ...]:
+        return (self.freeze_step, self._first_local_exchange)
 
     def _readiness_decision_pending(self, step: int) -> bool:
         """With ``var_freeze_step="auto"`` or ``var_warmup_steps="auto"``: whether to freeze
@@ -260,14 +256,7 @@ class ZeroOneAdam(OneBitOptimizer):
             super()._variance_caught_up(step, ratios, flat)
         else:
             self.first_interval = step
-            logger.info(
-                "%s: the variance has caught up after step %d: the 1-bit steps start (the "
-                "largest R was %.3g; now %s)",
-                type(self).__name__,
-                step,
-                self._readiness.peak,
-                describe_readiness(ratios, flat),
-            )
+            self._log_caught_up(step, "the 1-bit steps start", ratios, flat)
         self._first_local_exchange = self._first_local_exchange_step()
 
     def _build_exchange(self) -> Exchange:
