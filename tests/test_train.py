@@ -455,3 +455,26 @@ def test_compare_runs_each_optimizer_from_the_same_start(workspace: Path) -> Non
     assert first["lamb"] == first["onebit-adam"]  # same weights, data and masks at step 1
     assert "| onebit-adam |" in (out / "report.md").read_text()
     assert onebit_main(["compare", *options, *args]) == 0
+
+
+def test_training_on_the_cpu_flushes_subnormals_and_restores_them_after():
+    from onebit.train.trainer import _subnormals_flushed
+
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormal floats")
+    torch.set_flush_denormal(False)
+    tiny = torch.tensor([1e-30], dtype=torch.float32)
+    assert (tiny * 1e-10).item() > 0  # a subnormal result
+    with _subnormals_flushed(torch.device("cpu")):
+        assert (tiny * 1e-10).item() == 0
+    assert (tiny * 1e-10).item() > 0
+
+
+def test_legacy_compression_option_of_a_run_folder_reads_as_what_it_ran(tmp_path: Path):
+    from onebit.train.run_dir import read_config
+
+    for optimizer, saved, now in (("onebit-lamb", None, "fused"), ("onebit-adam", None, None)):
+        train = {**TrainConfig(optimizer=optimizer).to_json(), "onebit_adam_compression": saved}
+        del train["compression"]
+        write_json_atomic(tmp_path / "config.json", {"train": train, "launch": {}})
+        assert read_config(tmp_path).compression == now

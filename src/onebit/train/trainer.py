@@ -72,6 +72,20 @@ def _collective_ok(error: str | None, what: str) -> None:
         raise RuntimeError(f"{what} failed on rank {rank}: {message}")
 
 
+@contextlib.contextmanager
+def _subnormals_flushed(device: torch.device) -> Iterator[None]:
+    """On the CPU, floats below 2^-126 (subnormals) are taken as zero inside the block (where
+    the CPU can). A model whose attention saturates produces them in its backward pass, where
+    x86 CPUs handle them in microcode: the main job's 1-bit LAMB frozen after step 50 took
+    0.84 s for a forward and backward pass that takes 0.19 s with them flushed."""
+    flushed = device.type == "cpu" and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
+
+
 class Trainer:
     """The state of one rank's training run, and the loop."""
 
@@ -189,7 +203,11 @@ class Trainer:
         batches = data.global_batches(
             mlm.train.shape[0], config.batch_size, config.steps, config.seed, self.start_step
         )
-        with self._metrics_file() as metrics, self._progress() as bar:
+        with (
+            self._metrics_file() as metrics,
+            self._progress() as bar,
+            _subnormals_flushed(self.rank.device),
+        ):
             for step, indices in enumerate(batches, start=self.start_step + 1):
                 row = self._train_step(step, mlm, indices)
                 self._write(metrics, row)
