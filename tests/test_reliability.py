@@ -59,7 +59,10 @@ def _inject_inf(rank, world_size, bad_step, policy):
     }
 
 
-@pytest.mark.parametrize("bad_step", [2, 6], ids=["warmup", "compression"])
+@pytest.mark.parametrize(
+    "bad_step",
+    [pytest.param(2, marks=pytest.mark.slow, id="warmup"), pytest.param(6, id="compression")],
+)
 def test_inf_on_one_rank_skips_the_step_on_every_rank(bad_step):
     results = spawn_workers(_inject_inf, 3, args=(bad_step, "skip"), timeout_s=120)
     for result in results:

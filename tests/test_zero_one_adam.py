@@ -385,7 +385,7 @@ def test_plain_loop_and_ddp_hook_give_the_same_trajectory(exchange):
 # ------------------------------------------------------------------ one process
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("exchange", [pytest.param("gradient", marks=pytest.mark.slow), "momentum"])
 def test_world_size_one_matches_the_model(exchange):
     params, opt = build(torch.float64, pre_freeze_exchange=exchange)
     hyper = dict(HYPER, pre_freeze_exchange=exchange)

@@ -35,7 +35,7 @@ class OneBitAdam(OneBitOptimizer):
       tensors in the same four collectives). Not with ``node_groups``, ``bucket_cap_mb`` or
       ``overlap_backward``.
     * ``"fused"``: one :func:`onebit.compressed_allreduce` of all tensors, each scaled by
-      ``s_p`` as in :class:`OneBitLamb` (it blew up in 3 of 10 short runs where per-tensor
+      ``s_p`` as in DeepSpeed's 1-bit LAMB (it blew up in 3 of 10 short runs where per-tensor
       compression did not: docs/ONEBIT-ADAM.md).
     * ``None`` (default): ``"per_tensor"``, or ``"fused"`` where ``node_groups``,
       ``bucket_cap_mb`` or ``overlap_backward`` is given (they exchange the fused buffer) and
