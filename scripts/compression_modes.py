@@ -1,13 +1,14 @@
-"""1-bit Adam's two exchanges side by side on the main job's model: bytes and collectives per
-compression-stage step, and the time of that step (world size 1: the local work only).
+"""The two exchanges of 1-bit Adam (or of 1-bit LAMB, ``--optimizer lamb``) side by side on the
+main job's model: bytes and collectives per compression-stage step, and the time of that step
+(world size 1: the local work only).
 
-    .venv/bin/python scripts/onebit_adam_compression.py [--hidden 128 --layers 2 --repeats 20]
+    .venv/bin/python scripts/compression_modes.py [--optimizer adam --hidden 128 --repeats 20]
 
 Bytes are what :mod:`onebit.collectives` counts for n ranks (``compressed_allreduce_bytes``
 and ``compressed_allreduce_per_tensor_bytes``); both exchanges make the same four collectives
 per step (tests/test_per_tensor.py counts them). Step times: ``optimizer.step()`` of
-``OneBitAdam(compression=...)`` in the compression stage, one thread, both modes measured
-alternately in the same process, median of ``--repeats``.
+``OneBitAdam(compression=...)`` (or ``OneBitLamb``) in the compression stage, one thread, both
+modes measured alternately in the same process, median of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from onebit.collectives import compressed_allreduce_bytes, compressed_allreduce_
 from onebit.train.model import bert_config, build_mlm_model
 
 MODES = ("fused", "per_tensor")
+OPTIMIZERS = {"adam": onebit.OneBitAdam, "lamb": onebit.OneBitLamb}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=2)
@@ -61,17 +64,17 @@ def main() -> None:
         per_tensor = compressed_allreduce_per_tensor_bytes(numels, n, torch.float32)
         print(f"| {n} | {dense} | {fused} | {per_tensor} | {per_tensor / fused:.4f} |")
     if args.repeats > 0:
-        print_step_times(config, template, numels, args.repeats)
+        print_step_times(OPTIMIZERS[args.optimizer], config, template, numels, args.repeats)
 
 
-def print_step_times(config, template, numels: list[int], repeats: int) -> None:
+def print_step_times(optimizer, config, template, numels: list[int], repeats: int) -> None:
     """Median time of a compression-stage ``optimizer.step()`` in each mode."""
     optimizers, params = {}, {}
     for mode in MODES:
         model = build_mlm_model(config)
         model.load_state_dict(template.state_dict())
         params[mode] = [p for p in model.parameters() if p.requires_grad]
-        optimizers[mode] = onebit.OneBitAdam(params[mode], freeze_step=1, compression=mode)
+        optimizers[mode] = optimizer(params[mode], freeze_step=1, compression=mode)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(n, generator=gen) for n in numels]
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -84,7 +87,7 @@ def print_step_times(config, template, numels: list[int], repeats: int) -> None:
             if repeat >= 2:
                 times[mode].append(time.perf_counter() - start)
     medians = {mode: statistics.median(values) for mode, values in times.items()}
-    print("compression-stage optimizer.step(), world size 1, one thread, median:")
+    print(f"compression-stage {optimizer.__name__}.step(), world size 1, one thread, median:")
     for mode in MODES:
         ratio = medians[mode] / medians["fused"]
         print(f"  {mode:10s} {1000 * medians[mode]:8.2f} ms  ({ratio:.2f}x fused)")
