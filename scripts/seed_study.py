@@ -81,11 +81,13 @@ def outcome(out: Path, blow_up: float) -> dict[str, float | bool]:
     final = summary["final_validation_loss"]
     finite = all(math.isfinite(loss) for loss in train.values()) and math.isfinite(final)
     highest = max(after, default=float("nan"))  # nan: the run never froze
+    limit = blow_up * train[min(freeze, max(train))]
     return {
         "final": final,
         "freeze": freeze,
         "highest_after_freeze": highest,
-        "diverged": not finite or highest > blow_up * train[min(freeze, max(train))],
+        "diverged": not finite or highest > limit,
+        "steps_above": sum(loss > limit for loss in after),
     }
 
 
@@ -96,7 +98,8 @@ def report(root: Path, seeds: list[int], blow_up: float) -> None:
         results[arm] = {s: outcome(run_dir(root, arm, s), blow_up) for s in done}
     print(
         "\n| arm | seeds | mean final validation loss | std | vs baseline, mean of paired "
-        "differences ± std | diverged | highest training loss after the freeze | froze after |"
+        "differences ± std | diverged (seed: steps above the limit) | highest training loss "
+        "after the freeze | froze after |"
     )
     print("|---|---:|---:|---:|---:|---|---:|---|")
     for arm, by_seed in results.items():
@@ -112,7 +115,7 @@ def report(root: Path, seeds: list[int], blow_up: float) -> None:
             if len(paired) > 1
             else ""
         )
-        diverged = [s for s, r in by_seed.items() if r["diverged"]]
+        diverged = {s: r["steps_above"] for s, r in by_seed.items() if r["diverged"]}
         spread = statistics.stdev(finals) if len(finals) > 1 else float("nan")
         highest = max(r["highest_after_freeze"] for r in by_seed.values())
         freezes = sorted({r["freeze"] for r in by_seed.values()})
