@@ -79,7 +79,7 @@ class OneBitLamb(OneBitOptimizer):
         compression: how the momentum is exchanged. ``"per_tensor"``: every tensor alone
             (ALGORITHM.md, "Each tensor compressed alone"); ``"fused"``: DeepSpeed's one
             buffer of all tensors, each scaled by ``s_p``, one scale per rank and chunk (it
-            diverged in 8 of 10 short runs where per-tensor compression did not:
+            diverged in 5 of 10 short runs where per-tensor compression did not:
             docs/VARIANCE-READINESS.md). ``None`` (default): ``"per_tensor"``, or ``"fused"``
             where ``node_groups``, ``bucket_cap_mb`` or ``overlap_backward`` is given (they
             exchange the fused buffer) and where the optimizer is simulated. A checkpoint
