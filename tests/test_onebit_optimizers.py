@@ -182,14 +182,20 @@ def _uninterrupted_and_resumed(rank, world_size, directory, save_at, *mode):
     )
 
 
-def test_resume_from_compression_stage_checkpoint_is_bit_identical(tmp_path):
-    runs = spawn_workers(
-        _uninterrupted_and_resumed, 2, args=(str(tmp_path), FREEZE + 7), timeout_s=120
-    )
+def assert_resumed_runs_are_exact(runs) -> None:
+    """Every rank's resumed run (from :func:`_uninterrupted_and_resumed`) equals its
+    uninterrupted one: steps, bytes and parameters bit for bit."""
     for (a, step_a, bytes_a), (b, step_b, bytes_b) in runs:
         assert step_a == step_b == STEPS
         assert bytes_a == bytes_b
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_resume_from_compression_stage_checkpoint_is_bit_identical(tmp_path):
+    runs = spawn_workers(
+        _uninterrupted_and_resumed, 2, args=(str(tmp_path), FREEZE + 7), timeout_s=120
+    )
+    assert_resumed_runs_are_exact(runs)
 
 
 def _plain_or_ddp(rank, world_size, use_ddp):

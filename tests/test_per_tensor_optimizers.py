@@ -17,6 +17,7 @@ from test_onebit_optimizers import (
     STEPS,
     _uninterrupted_and_resumed,
     assert_follows_model_and_ranks_agree,
+    assert_resumed_runs_are_exact,
     initial_params,
     set_grads,
 )
@@ -105,11 +106,9 @@ def _check_trajectories(kind, world_size, results):
 @pytest.mark.parametrize("kind", [pytest.param("adam", marks=pytest.mark.slow), "lamb"])
 def test_resume_mid_compression_is_bit_identical(tmp_path, kind):
     args = (str(tmp_path), FREEZE + 5, kind, "per_tensor")
-    runs = spawn_workers(_uninterrupted_and_resumed, 2, args=args, timeout_s=120)
-    for (a, step_a, bytes_a), (b, step_b, bytes_b) in runs:
-        assert step_a == step_b == STEPS
-        assert bytes_a == bytes_b
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert_resumed_runs_are_exact(
+        spawn_workers(_uninterrupted_and_resumed, 2, args=args, timeout_s=120)
+    )
 
 
 def _trajectory(rank, use_ddp, kind):
