@@ -270,25 +270,27 @@ def test_ranks_that_start_differently_get_a_clear_error_on_every_rank(mismatch, 
 # ------------------------------------------------------------------ single-process edges
 
 
-def test_world_size_one_matches_the_model():
-    for kind in ("lamb", "adam"):
-        params, opt = build(kind, torch.float64)
-        expected = oracle_run(
-            kind,
-            initial_params(),
-            grad_fn,
-            1,
-            STEPS,
-            FREEZE,
-            GROUP_HYPER,
-            HYPER,
-            [None, None, None, MASK],
-        )
-        for step in range(STEPS):
-            set_grads(params, 0)
-            opt.step()
-            for got, ref in zip(params, expected[step], strict=True):
-                torch.testing.assert_close(got.detach(), ref, rtol=1e-9, atol=1e-9)
+@pytest.mark.parametrize("compression", ["fused", "per_tensor"])
+@pytest.mark.parametrize("kind", ["lamb", "adam"])
+def test_world_size_one_matches_the_model(kind, compression):
+    params, opt = build(kind, torch.float64, compression)
+    expected = oracle_run(
+        kind,
+        initial_params(),
+        grad_fn,
+        1,
+        STEPS,
+        FREEZE,
+        GROUP_HYPER,
+        HYPER,
+        [None, None, None, MASK],
+        compression=compression,
+    )
+    for step in range(STEPS):
+        set_grads(params, 0)
+        opt.step()
+        for got, ref in zip(params, expected[step], strict=True):
+            torch.testing.assert_close(got.detach(), ref, rtol=1e-9, atol=1e-9)
 
 
 def test_parameters_without_gradients_are_left_alone():

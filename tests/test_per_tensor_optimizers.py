@@ -144,28 +144,6 @@ def test_plain_loop_and_ddp_hook_give_the_same_trajectory():
             assert sent_plain["compression"] == sent_ddp["compression"] > 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_world_size_one_matches_the_model(kind):
-    params, opt = build(torch.float64, kind=kind)
-    expected = oracle_run(
-        kind,
-        initial_params(),
-        model_grad_fn,
-        1,
-        STEPS,
-        FREEZE,
-        GROUP_HYPER,
-        HYPER,
-        [None, None, None, MASK],
-        compression="per_tensor",
-    )
-    for step in range(STEPS):
-        set_grads(params, 0)
-        opt.step()
-        for got, ref in zip(params, expected[step], strict=True):
-            torch.testing.assert_close(got.detach(), ref, rtol=1e-9, atol=1e-9)
-
-
 def test_bf16_parameters_follow_their_fp32_masters_exactly():
     # Gradients that do not depend on the parameters and are bf16 values: a bf16 run's fp32
     # master weights then follow an fp32 run bit for bit, and the parameters are the masters
