@@ -274,7 +274,8 @@ def test_cli_simulation_equals_onebit_train_and_resumes(
     the same run-folder files, and an interrupted simulation that resumes to the same end."""
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
     corpus = str(write_corpus(tmp_path / "corpus.txt"))
-    options = [*TINY, "--corpus", corpus]  # --workers 2
+    # --workers 2; the fused exchange, which the simulation runs
+    options = [*TINY, "--corpus", corpus, "--compression", "fused"]
     assert onebit_main(["train", *options, "--out", str(tmp_path / "real")]) == 0
     # Each worker's pass on the threads a real worker has (bit-identical results need that).
     threads = ["--threads", str(max(1, len(os.sched_getaffinity(0)) // 2))]
