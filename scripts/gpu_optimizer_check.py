@@ -48,11 +48,10 @@ def trajectory(kind: str, device: str, rank: int = 0) -> list[torch.Tensor]:
             **clip,
             lr=0.01,
             weight_decay=0.01,
-            var_freeze_step=FREEZE,
             var_update_scaler=2,
             local_step_scaler=3,
             local_step_clipper=2,
-            **DEEPSPEED_SCHEDULE,
+            **(DEEPSPEED_SCHEDULE | {"var_freeze_step": FREEZE}),
         ),
     }
     optimizer = build[kind]()

@@ -82,7 +82,7 @@ def _constructors(group: str) -> dict[str, tuple[Callable, str | None]]:
         **adamw,
         **{
             f"ZeroOneAdam {kind}": (
-                partial(onebit.ZeroOneAdam, **schedule, **DEEPSPEED_SCHEDULE),
+                partial(onebit.ZeroOneAdam, **(DEEPSPEED_SCHEDULE | schedule)),
                 kind,
             )
             for kind, schedule in ZERO_ONE_ADAM_SCHEDULES.items()

@@ -37,7 +37,7 @@ def arms(early: int, steps: int) -> dict[str, tuple[str, dict]]:
             table[f"{name} {label}"] = (optimizer, {argument: value})
     table["zero-one-adam deepspeed-never"] = (
         "ZeroOneAdam",
-        {"var_freeze_step": steps, **DEEPSPEED_SCHEDULE},
+        DEEPSPEED_SCHEDULE | {"var_freeze_step": steps},
     )
     return table
 

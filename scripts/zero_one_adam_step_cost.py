@@ -44,8 +44,8 @@ def main() -> None:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes]
         optimizer = onebit.ZeroOneAdam(
-            params, lr=1e-4, weight_decay=0.01, var_freeze_step=1, local_step_scaler=1,
-            kernels=backend, **DEEPSPEED_SCHEDULE,
+            params, lr=1e-4, weight_decay=0.01, local_step_scaler=1, kernels=backend,
+            **(DEEPSPEED_SCHEDULE | {"var_freeze_step": 1}),
         )  # fmt: skip
         runs[backend] = (params, optimizer, {kind: [] for kind in KINDS})
     numel = sum(p.numel() for p in runs[cpu_backends()[0]][0])

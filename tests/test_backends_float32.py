@@ -61,7 +61,7 @@ def _build(kind: str, backend: str, dtype: torch.dtype, device: torch.device):
         return params, optimizer
     schedule = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=4)
     return params, onebit.ZeroOneAdam(
-        groups, **schedule, **DEEPSPEED_SCHEDULE, local_step_clipper=4, kernels=backend
+        groups, **(DEEPSPEED_SCHEDULE | schedule), local_step_clipper=4, kernels=backend
     )
 
 

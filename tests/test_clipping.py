@@ -125,7 +125,7 @@ def _clipped_run(rank, kind, use_ddp, drop_on_rank_1, max_grad_norm):
     else:
         schedule = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2)
         optimizer = onebit.ZeroOneAdam(
-            model.parameters(), **schedule, **DEEPSPEED_SCHEDULE, **options
+            model.parameters(), **(DEEPSPEED_SCHEDULE | schedule), **options
         )
     forward = model
     if use_ddp:

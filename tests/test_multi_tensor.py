@@ -90,10 +90,9 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
         # after the freeze at 6, synchronisations 7, 8, 10, 12 and local steps 9, 11
         "zero-one-adam": lambda: onebit.ZeroOneAdam(
             groups,
-            var_freeze_step=6,
             var_update_scaler=2,
             local_step_scaler=2,
-            **DEEPSPEED_SCHEDULE,
+            **(DEEPSPEED_SCHEDULE | {"var_freeze_step": 6}),
         ),
     }[kind]()
     history = []

@@ -216,6 +216,29 @@ def test_zero_one_adam_first_interval_lasts_until_the_variance_has_caught_up():
     assert resumed.first_interval == decided and resumed.stage == optimizer.stage
 
 
+def test_zero_one_adam_by_default_freezes_once_the_variance_has_caught_up():
+    """Both "auto" (the defaults): every step dense until the variance has caught up, then
+    frozen there; the synchronisation schedule counts from that step."""
+    params, optimizer = zero_one()
+    assert optimizer.auto_freeze and optimizer.freeze_step == DEEPSPEED_SCHEDULE["var_freeze_step"]
+    kinds = []
+    for step in range(1, 101):
+        kinds.append(optimizer.stage)
+        for index, p in enumerate(params):
+            p.grad = gradient(step, index, "ends").float()
+        optimizer.step()
+    frozen = optimizer.freeze_step
+    assert 40 < frozen < 100 and frozen % READINESS_WINDOW == 0
+    expected = [
+        step_kind(t, frozen, 3, 4, 4, "momentum", first_interval=frozen) for t in range(1, 101)
+    ]
+    assert kinds == expected
+    assert set(kinds[:frozen]) == {VARIANCE_UPDATE} and {"sync", "local"} <= set(kinds[frozen:])
+    _, resumed = zero_one()
+    resumed.load_state_dict(optimizer.state_dict())
+    assert resumed.freeze_step == frozen and resumed.stage == optimizer.stage
+
+
 def test_zero_one_adam_with_deepspeeds_schedule_warns_before_its_first_one_bit_step():
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
     optimizer = onebit.ZeroOneAdam(params, var_update_scaler=23, **DEEPSPEED_SCHEDULE)
@@ -238,6 +261,16 @@ def test_from_deepspeed_config_builds_deepspeeds_schedule(caplog):
     assert "DeepSpeed's choice (var_warmup_steps=None, pre_freeze_exchange='gradient')" in (
         caplog.text
     )
+    caplog.clear()
+    config["optimizer"]["params"].pop("var_freeze_step")  # DeepSpeed's default T, not "auto"
+    with caplog.at_level("INFO", logger="onebit"):
+        optimizer = onebit.from_deepspeed_config(config, [torch.nn.Parameter(torch.zeros(2))])
+    assert not optimizer.auto_freeze and optimizer.var_freeze_step == 100000
+    assert "DeepSpeed's choice (var_freeze_step=100000, var_warmup_steps=None" in caplog.text
+    optimizer = onebit.from_deepspeed_config(
+        config, [torch.nn.Parameter(torch.zeros(2))], var_freeze_step="auto"
+    )
+    assert optimizer.auto_freeze and not optimizer.warmup_auto  # an option chooses onebit's
 
 
 # ------------------------------------------------------------------ the plateau task
@@ -294,9 +327,16 @@ def test_the_job_freezes_by_readiness_with_freeze_step_auto():
     rows = [{"step": t, "stage": "warmup" if t <= 40 else "compression"} for t in range(1, 91)]
     assert frozen_after(config, rows) == 40
     assert frozen_after(TrainConfig(freeze_step=7).resolved(), rows) == 7
+    zero_one = TrainConfig(optimizer="zero-one-adam", steps=90, freeze_step="auto").resolved()
+    assert (zero_one.var_freeze_step, zero_one.local_step_scaler) == ("auto", 90 // 8)
+    optimizer = build_optimizer(zero_one, [torch.nn.Parameter(torch.zeros(3))])
+    assert optimizer.auto_freeze and optimizer.freeze_step == 90
+    kinds = [{"step": t, "stage": VARIANCE_UPDATE if t <= 30 else "sync"} for t in range(1, 91)]
+    assert frozen_after(zero_one, kinds) == 30
     for bad, match in (
         ({"freeze_step": 0}, "--freeze-step must be a positive integer"),
-        ({"optimizer": "zero-one-adam", "freeze_step": "auto"}, "give --var-freeze-step"),
+        ({"optimizer": "zero-one-adam", "var_freeze_step": "soon"}, "--var-freeze-step"),
+        ({"optimizer": "zero-one-adam", "var_freeze_step": 300}, "--var-freeze-step must be in"),
         ({"optimizer": "zero-one-adam", "var_warmup_steps": 0}, "--var-warmup-steps"),
     ):
         with pytest.raises(ValueError, match=match):

@@ -80,8 +80,8 @@ def build(dtype, **options):
         {"params": params[:2], "lr": BASE_LR[0], "weight_decay": DECAY[0]},
         {"params": params[2:], "lr": BASE_LR[2], "exp_avg_mask": [torch.ones(4), MASK]},
     ]
-    options = {**DEEPSPEED_SCHEDULE, **options}
-    return params, onebit.ZeroOneAdam(groups, betas=HYPER["betas"], **SCHEDULE, **options)
+    options = DEEPSPEED_SCHEDULE | SCHEDULE | options
+    return params, onebit.ZeroOneAdam(groups, betas=HYPER["betas"], **options)
 
 
 def train_step(params, opt, rank, t):
@@ -443,7 +443,7 @@ def test_bf16_parameters_track_fp32_parameters():
     runs = {}
     for dtype in (torch.float32, torch.bfloat16):
         p = torch.nn.Parameter(init.clone().to(dtype))
-        opt = onebit.ZeroOneAdam([p], lr=0.01, **SCHEDULE, **DEEPSPEED_SCHEDULE)
+        opt = onebit.ZeroOneAdam([p], lr=0.01, **(DEEPSPEED_SCHEDULE | SCHEDULE))
         for _ in range(STEPS):
             p.grad = (p.detach().float() - targets).to(dtype)
             opt.step()

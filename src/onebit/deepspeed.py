@@ -73,8 +73,9 @@ _ENGINE_SECTIONS = {
 _DEEPSPEED_CHOICES: dict[type, tuple[dict[str, Any], str]] = {
     ZeroOneAdam: (
         DEEPSPEED_SCHEDULE,
-        "ZeroOneAdam's defaults (var_warmup_steps='auto', pre_freeze_exchange='momentum', "
-        "which keep learning where DeepSpeed's schedule stalled: docs/ZERO-ONE-ADAM.md)",
+        "ZeroOneAdam's defaults (var_freeze_step='auto', var_warmup_steps='auto', "
+        "pre_freeze_exchange='momentum', which keep learning where DeepSpeed's schedule "
+        "stalled and freeze once the variance has caught up: docs/ZERO-ONE-ADAM.md)",
     ),
     OneBitLamb: (
         {"compression": "fused"},
@@ -173,7 +174,7 @@ def from_deepspeed_config(
     if "max_grad_norm" in options:
         kwargs.pop("max_grad_norm", None)
     deepspeeds, _ = _DEEPSPEED_CHOICES.get(cls, ({}, ""))
-    schedule = {k: v for k, v in deepspeeds.items() if k not in options}
+    schedule = {k: v for k, v in deepspeeds.items() if k not in options and k not in kwargs}
     optimizer = cls(params, **kwargs, **schedule, **options)
     _report(name, cls, ignored, given, config, schedule)
     return optimizer

@@ -102,7 +102,7 @@ class _Method:
         if name == ZERO_ONE_ADAM_METHOD:
             self.freeze_step, self.step_kinds = zero_one_adam_arm(cfg["skip_steps"] + cfg["steps"])
             values.update(
-                var_freeze_step=self.freeze_step, **ZERO_ONE_ADAM_SCHEDULE, **DEEPSPEED_SCHEDULE
+                DEEPSPEED_SCHEDULE | ZERO_ONE_ADAM_SCHEDULE | {"var_freeze_step": self.freeze_step}
             )
         elif spec.compresses:
             self.freeze_step = values["freeze_step"] = cfg["skip_steps"] + cfg["warm_steps"]

@@ -3,6 +3,8 @@ synchronise, and the kind of every step, as functions of the step alone."""
 
 from __future__ import annotations
 
+from onebit.optim._readiness import DEFAULT_MAX_FREEZE_STEP
+
 #: The kinds of step, the keys of ``ZeroOneAdam.bytes_sent`` (ALGORITHM.md, "0/1 Adam").
 VARIANCE_UPDATE = "variance_update"  # dense fp32 mean of the gradients, variance updated
 GRADIENT_1BIT = "gradient_1bit"  # the gradients exchanged at 1 bit, variance unchanged
@@ -11,8 +13,13 @@ SYNC = "sync"  # after the freeze: the accumulated update exchanged at 1 bit
 STEP_KINDS = (VARIANCE_UPDATE, GRADIENT_1BIT, LOCAL, SYNC)
 
 #: The arguments that differ from DeepSpeed's ``ZeroOneAdam`` by default, at DeepSpeed's values:
-#: its first 16 steps dense, then 1-bit gradients between the variance updates.
-DEEPSPEED_SCHEDULE = {"var_warmup_steps": None, "pre_freeze_exchange": "gradient"}
+#: the variance frozen after step 100000, its first 16 steps dense, then 1-bit gradients between
+#: the variance updates. (Merge an explicit ``var_freeze_step`` in: ``DEEPSPEED_SCHEDULE | {...}``.)
+DEEPSPEED_SCHEDULE = {
+    "var_freeze_step": DEFAULT_MAX_FREEZE_STEP,
+    "var_warmup_steps": None,
+    "pre_freeze_exchange": "gradient",
+}
 
 #: What the 1-bit steps before the variance freeze exchange: ``"gradient"`` (DeepSpeed's
 #: ``ZeroOneAdam``: the gradients, a ``gradient_1bit`` step) or ``"momentum"`` (the paper's

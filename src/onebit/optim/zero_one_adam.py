@@ -88,11 +88,13 @@ class ZeroOneAdam(OneBitOptimizer):
             and accumulated updates).
         lr, betas, eps, weight_decay: as in :class:`onebit.OneBitAdam`; weight decay is part
             of the update, and so of the accumulated update (as in DeepSpeed).
-        var_freeze_step: the last step that may update the variance (T); DeepSpeed suggests
-            the end of the learning-rate warm-up. ``"auto"``: once the variance has caught up, as
-            ``freeze_step="auto"`` of :class:`onebit.OneBitLamb` (checked every 10 variance
-            updates), at ``max_var_freeze_step`` (default 100000) at the latest. A warning
-            says when the variance has not settled at T or at the first 1-bit step.
+        var_freeze_step: the last step that may update the variance (T). ``"auto"``
+            (default): once the variance has caught up, as ``freeze_step="auto"`` of
+            :class:`onebit.OneBitLamb` (checked every 10 variance updates), at
+            ``max_var_freeze_step`` (default 100000, DeepSpeed's T) at the latest; with
+            ``var_warmup_steps="auto"`` too, the variance freezes at the end of the first
+            interval. A number (DeepSpeed suggests the end of the learning-rate warm-up): a
+            warning says when the variance has not settled at T or at the first 1-bit step.
         var_update_scaler: variance updates at each interval before it doubles (kappa).
         local_step_scaler: steps after the freeze at each local interval before it doubles.
         local_step_clipper: the longest local interval (H).
@@ -111,10 +113,11 @@ class ZeroOneAdam(OneBitOptimizer):
             A non-finite local gradient in a local or synchronisation step is ignored on that
             rank alone (with a warning, or an error with ``on_nonfinite="raise"``).
 
-    Argument names follow DeepSpeed's ``ZeroOneAdam``, and so do the defaults except two
-    (``pre_freeze_exchange`` and ``var_warmup_steps`` are onebit's): with DeepSpeed's schedule
-    the first 1-bit steps come after 16 dense steps, before the variance has caught up, and
-    training stalled on the convergence study's model and on a task with a plateau
+    Argument names follow DeepSpeed's ``ZeroOneAdam``, and so do the defaults except three
+    (``var_freeze_step``, ``pre_freeze_exchange`` and ``var_warmup_steps`` are onebit's): with
+    DeepSpeed's schedule the first 1-bit steps come after 16 dense steps, before the variance
+    has caught up, and training stalled on the convergence study's model and on a task with a
+    plateau; with its T = 100000 never reached, a short run sent more bytes than 1-bit Adam
     (docs/ZERO-ONE-ADAM.md). ``**DEEPSPEED_SCHEDULE`` restores DeepSpeed's.
     """
 
@@ -129,7 +132,7 @@ class ZeroOneAdam(OneBitOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        var_freeze_step: int | str = 100000,
+        var_freeze_step: int | str = AUTO,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,

@@ -159,10 +159,12 @@ class TrainConfig:
         "per tensor); default: per_tensor, or fused with --node-size > 1, --bucket-cap-mb or "
         "--overlap-backward",
     )
-    var_freeze_step: int | None = option(
+    var_freeze_step: int | str | None = option(
         None,
         group=_HYPER,
-        help="0/1 Adam: the last step that may update the variance",
+        parse=int_or_auto,
+        help="0/1 Adam: the last step that may update the variance, or auto (once the variance "
+        "has caught up with the gradients, at most --steps)",
         default_help="--freeze-step",
     )
     var_update_scaler: int = option(
@@ -172,7 +174,8 @@ class TrainConfig:
         None,
         group=_HYPER,
         help="0/1 Adam: steps after the variance freeze at each local interval before it doubles",
-        default_help=f"the steps after --var-freeze-step / {DEFAULT_LOCAL_INTERVAL_DOUBLINGS}",
+        default_help=f"the steps after --var-freeze-step / {DEFAULT_LOCAL_INTERVAL_DOUBLINGS} "
+        "(--steps / 8 with --var-freeze-step auto)",
     )
     local_step_clipper: int = option(16, group=_HYPER, help="0/1 Adam: the longest local interval")
     pre_freeze_exchange: str = option(
@@ -258,14 +261,11 @@ class TrainConfig:
         if config.freeze_step is None:
             config.freeze_step = max(1, round(DEFAULT_FREEZE_FRACTION * config.steps))
         if config.optimizer == ZERO_ONE_ADAM:
-            if config.freeze_step == AUTO and config.var_freeze_step is None:
-                raise ValueError(
-                    "0/1 Adam: give --var-freeze-step (a number) with --freeze-step auto"
-                )
             if config.var_freeze_step is None:
                 config.var_freeze_step = config.freeze_step
             if config.local_step_scaler is None:
-                local_steps = config.steps - config.var_freeze_step
+                frozen = 0 if config.var_freeze_step == AUTO else config.var_freeze_step
+                local_steps = config.steps - frozen
                 config.local_step_scaler = max(1, local_steps // DEFAULT_LOCAL_INTERVAL_DOUBLINGS)
         if config.lr_warmup_steps is None:
             config.lr_warmup_steps = round(DEFAULT_LR_WARMUP_FRACTION * config.steps)
@@ -285,7 +285,7 @@ class TrainConfig:
         if self.compression is not None:
             check_choice("compression", self.compression, COMPRESSIONS)
         check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
-        for name in ("freeze_step", "var_warmup_steps"):
+        for name in ("freeze_step", "var_freeze_step", "var_warmup_steps"):
             if getattr(self, name) not in (None, AUTO):
                 check_positive_int_option(name, getattr(self, name))
         if self.node_size > 1 and self.compression == "per_tensor":
@@ -305,7 +305,6 @@ class TrainConfig:
         for name in (
             "var_update_scaler",
             "local_step_clipper",
-            "var_freeze_step",
             "local_step_scaler",
         ):
             if getattr(self, name) is not None:
@@ -369,7 +368,11 @@ class TrainConfig:
             raise ValueError(
                 f"--freeze-step must be in [1, --steps={self.steps}], got {self.freeze_step}"
             )
-        if self.optimizer == ZERO_ONE_ADAM and self.var_freeze_step > self.steps:
+        if (
+            self.optimizer == ZERO_ONE_ADAM
+            and self.var_freeze_step != AUTO
+            and self.var_freeze_step > self.steps
+        ):
             raise ValueError(
                 f"--var-freeze-step must be in [1, --steps={self.steps}], got "
                 f"{self.var_freeze_step}"

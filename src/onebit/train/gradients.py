@@ -35,6 +35,8 @@ def build_optimizer(
     }
     if config.freeze_step == AUTO:
         values["max_freeze_step"] = config.steps
+    if config.var_freeze_step == AUTO:
+        values["max_var_freeze_step"] = config.steps
     return optimizer_spec(config.optimizer).build(params, values)
 
 

@@ -18,7 +18,8 @@ from typing import Any
 from onebit.atomic import write_json_atomic
 from onebit.optim._onebit import WARMUP
 from onebit.optim._readiness import AUTO
-from onebit.train.config import TrainConfig
+from onebit.optim._zero_one_schedule import VARIANCE_UPDATE
+from onebit.train.config import ZERO_ONE_ADAM, TrainConfig
 from onebit.train.run_dir import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE
 
 #: The per-step byte counts of the hierarchical exchange, by link (see the module docstring).
@@ -60,11 +61,15 @@ def read_metrics(run_dir: Path) -> Metrics:
 
 
 def frozen_after(config: TrainConfig, train: list[dict[str, Any]]) -> int:
-    """The last warm-up step: ``--freeze-step``, or with ``auto`` the last step the run's
-    metrics record in the warm-up."""
-    if config.freeze_step != AUTO:
-        return config.freeze_step
-    return max((row["step"] for row in train if row["stage"] == WARMUP), default=0)
+    """The last step that updates the variance: ``--freeze-step`` (0/1 Adam:
+    ``--var-freeze-step``), or with ``auto`` the last step the run's metrics record in the
+    warm-up (0/1 Adam: as a variance update)."""
+    zero_one = config.optimizer == ZERO_ONE_ADAM
+    fixed = config.var_freeze_step if zero_one else config.freeze_step
+    if fixed != AUTO:
+        return fixed
+    dense = VARIANCE_UPDATE if zero_one else WARMUP
+    return max((row["step"] for row in train if row["stage"] == dense), default=0)
 
 
 def summarize(run_dir: Path, config: TrainConfig, *, world_size: int, numel: int) -> dict[str, Any]:
