@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,6 +187,40 @@ def test_onebit_adam_per_tensor_compression(workspace: Path) -> None:
     assert 0 < compression["bytes"] * 16 < compression["lamb_bytes"]
     metrics = report.read_metrics(out)
     assert metrics.validation[-1]["loss"] < metrics.validation[0]["loss"]
+
+
+def powersgd_floats(shapes: list[torch.Size], rank: int) -> int:
+    """Floats PowerSGD allreduces per step: ``r·(n + m)`` for each tensor viewed as an
+    ``n x m`` matrix whose compressed size is under half of ``n·m``, ``n·m`` otherwise."""
+    total = 0
+    for shape in shapes:
+        n = shape[0]
+        m = math.prod(shape[1:])
+        r = min(n, m, rank)
+        total += r * (n + m) if 2 * r * (n + m) < n * m else n * m
+    return total
+
+
+@pytest.mark.slow
+def test_lamb_with_powersgd_counts_its_bytes_and_resumes_exactly(workspace: Path) -> None:
+    """LAMB under DDP with PowerSGD rank 2: dense allreduces for 2 steps, then the floats of
+    its low-rank factors; killed after step 6 and restarted from step 4 (its error and
+    warm-start matrices in the checkpoint): the same trajectory bit for bit."""
+    out = workspace / "powersgd"
+    options = ("--optimizer", "lamb", "--powersgd-rank", "2")
+    assert train(*tiny(workspace, out, *options)) == 0
+    saved = torch.load(checkpoint.step_dir(out / "checkpoints", STEPS) / checkpoint.rank_file(0))
+    shapes = [state["exp_avg"].shape for state in saved["optimizer"]["state"].values()]
+    rows = report.read_metrics(out).train
+    dense = report.dense_allreduce_bytes(sum(math.prod(s) for s in shapes), 2, 1)
+    assert dense * STEPS == json.loads((out / "summary.json").read_text())["lamb_bytes"]
+    low_rank = report.dense_allreduce_bytes(powersgd_floats(shapes, 2), 2, 1)
+    assert [r["bytes"] for r in rows] == [dense, dense] + [low_rank] * (STEPS - 2)
+    assert 4 * low_rank < dense
+    killed = workspace / "powersgd-killed"
+    extra = ("--max-restarts", "1", "--kill-at-step", "6")
+    assert train(*tiny(workspace, killed, *options, *extra)) == 0
+    assert_same_trajectory(killed, out)
 
 
 ZERO_ONE = [

@@ -75,7 +75,12 @@ def allreduce_mean_(
 def allreduce_bytes(tensor: Tensor, n: int) -> int:
     """Bytes one rank sends in a ring allreduce of ``tensor`` over ``n`` ranks:
     ``2 (n-1)/n`` of its size."""
-    return 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+    return ring_allreduce_bytes(tensor.numel() * tensor.element_size(), n)
+
+
+def ring_allreduce_bytes(nbytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``nbytes`` over ``n`` ranks."""
+    return 2 * (n - 1) * nbytes // n
 
 
 def compressed_allreduce_bytes(numel: int, n: int, dtype: torch.dtype) -> int:

@@ -48,14 +48,12 @@ from onebit.bench.settings import (
     ZERO_ONE_ADAM_SCHEDULE,
     zero_one_adam_arm,
 )
-from onebit.exchange.transport import all_gather_into
+from onebit.exchange.transport import TrafficCounter, all_gather_into
 from onebit.optim.registry import PAPER_BERT_SETTINGS, optimizer_spec
 from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
+from onebit.train.powersgd import POWERSGD_START_ITER, CountedPowerSGD
 
 logger = logging.getLogger("onebit.bench.worker")
-
-POWERSGD_START_ITER = 2
-"""PowerSGD's ``start_powerSGD_iter``: the smallest value its error feedback accepts."""
 
 
 def _emit(kind: str, record: dict[str, Any]) -> None:
@@ -83,7 +81,7 @@ class _Method:
     """A model copy, its optimizer and the way one training step runs for one method."""
 
     def __init__(self, name: str, template: torch.nn.Module, cfg: dict[str, Any]) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
         import onebit
@@ -135,15 +133,7 @@ class _Method:
             elif name == "fp16":
                 model.register_comm_hook(None, default_hooks.fp16_compress_hook)
             elif name.startswith("powersgd-"):
-                state = powerSGD_hook.PowerSGDState(
-                    process_group=None,
-                    matrix_approximation_rank=int(name.split("-")[1]),
-                    start_powerSGD_iter=POWERSGD_START_ITER,
-                    use_error_feedback=True,
-                    warm_start=True,
-                    random_seed=0,
-                )
-                model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+                CountedPowerSGD(int(name.split("-")[1]), TrafficCounter()).register(model)
                 self.untimed_before_steady = POWERSGD_START_ITER + cfg["skip_steps"]
         self.model = model
         self.optimizer = optimizer

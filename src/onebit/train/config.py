@@ -12,7 +12,6 @@ from onebit.cli import check_choice, check_positive_int_option, int_or_auto, opt
 from onebit.optim import registry
 from onebit.optim._common import (
     check_betas,
-    check_bucket_cap_mb,
     check_coeff_bounds,
     check_factor_bounds,
     check_non_negative,
@@ -22,6 +21,7 @@ from onebit.optim._common import (
 from onebit.optim._communicating import COMPRESSIONS
 from onebit.optim._readiness import AUTO
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
+from onebit.train.exchange_options import check_exchange_options
 
 #: The encoder architectures of :mod:`onebit.train.model` (kept here, where the options are
 #: declared, so that ``onebit --help`` imports no ``transformers``).
@@ -35,7 +35,7 @@ BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 
 #: Options that choose how worker processes communicate (``onebit simulate`` has none).
-REAL_WORKER_OPTIONS = ("ddp", "backend", "timeout")
+REAL_WORKER_OPTIONS = ("ddp", "backend", "timeout", "powersgd_rank")
 
 #: Peak learning rates when ``lr`` is not given (each optimizer's ``default_lr``).
 DEFAULT_LAMB_LR = registry.OPTIMIZERS["lamb"].default_lr
@@ -226,6 +226,13 @@ class TrainConfig:
         help="1-bit LAMB / 1-bit Adam (fused, flat exchange): start each bucket's exchange "
         "during backward, as soon as its gradients are in (needs --grad-clip 0)",
     )
+    powersgd_rank: int = option(
+        0,
+        group=_SYSTEM,
+        help="lamb and adam under DDP: average the gradients with torch's PowerSGD comm hook "
+        "of this rank (error feedback, warm start, dense for the first 2 steps; one bucket) "
+        "instead of the dense allreduce; 0 = off",
+    )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
     eval_every: int | None = option(
@@ -321,28 +328,8 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         check_positive("--timeout", self.timeout)
         check_non_negative("--grad-clip", self.grad_clip)
-        self._validate_buckets()
+        check_exchange_options(self)
         self._validate_hyperparameters()
-
-    def _validate_buckets(self) -> None:
-        """``--bucket-cap-mb`` and ``--overlap-backward``: the flat fused exchange only."""
-        if self.bucket_cap_mb is None and not self.overlap_backward:
-            return
-        flag = "--overlap-backward" if self.overlap_backward else "--bucket-cap-mb"
-        check_bucket_cap_mb("--bucket-cap-mb", self.bucket_cap_mb)
-        fused = (
-            self.optimizer in ("onebit-lamb", "onebit-adam") and self.compression != "per_tensor"
-        )
-        if not fused or self.node_size > 1:
-            raise ValueError(
-                f"{flag} buckets the flat fused exchange of onebit-lamb and onebit-adam "
-                "(not --compression per_tensor, --node-size 1)"
-            )
-        if self.overlap_backward and self.grad_clip > 0:
-            raise ValueError(
-                "--overlap-backward sends each bucket during backward, before the gradient "
-                "norm that --grad-clip clips by is known: add --grad-clip 0"
-            )
 
     def _validate_hyperparameters(self) -> None:
         """The optimizers' own checks (:mod:`onebit.optim._common`), made before any worker

@@ -1,6 +1,7 @@
 """The main job's optimizer and how its gradients are averaged: the optimizer built from the
-registry, DDP's allreduce with its bytes counted, and the plain loop's own dense allreduce for
-the dense baselines (onebit's optimizers average in ``step()``)."""
+registry, DDP's allreduce with its bytes counted (PowerSGD's: :mod:`onebit.train.powersgd`),
+and the plain loop's own dense allreduce for the dense baselines (onebit's optimizers average
+in ``step()``)."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from onebit.train.gradients import (
     counted_allreduce_hook,
 )
 from onebit.train.job_data import load_data, lr_factor, masked_batch, model_config, step_seed
+from onebit.train.powersgd import CountedPowerSGD
 from onebit.train.run_dir import (
     CHECKPOINT_DIR,
     METRICS_FILE,
@@ -154,6 +155,8 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.traffic = dict(state["traffic"])
+            if self.powersgd is not None:
+                self.powersgd.load_state_dict(state["powersgd"])
             self.start_step = resumed.step
             if resumed.model is not None:
                 self.metrics_bytes = int(resumed.model["metrics_bytes"])
@@ -166,14 +169,24 @@ class Trainer:
         groups = onebit.node_groups(config.node_size) if config.hierarchical else None
         self.optimizer = build_optimizer(config, self.params, groups, config.grad_clip)
         self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
+        self.powersgd = None
         self.forward: nn.Module = self.model
         if config.ddp:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.rank.local_rank] if self.rank.device.type == "cuda" else None
-            self.forward = DistributedDataParallel(self.model, device_ids=device_ids)
+            # PowerSGD: one bucket (with gloo, its chained collectives of several buckets can
+            # run in different orders on different ranks).
+            one_bucket = sum(p.numel() * p.element_size() for p in self.params) / 2**20 + 1
+            buckets = {"bucket_cap_mb": one_bucket} if config.powersgd_rank else {}
+            self.forward = DistributedDataParallel(self.model, device_ids=device_ids, **buckets)
             if config.uses_onebit:
                 onebit.ddp.register_comm_hook(self.forward, self.optimizer)
+            elif config.powersgd_rank:
+                self.powersgd = CountedPowerSGD(
+                    config.powersgd_rank, self.params, self.dense_traffic
+                )
+                self.powersgd.register(self.forward)
             else:
                 self.forward.register_comm_hook(self.dense_traffic, counted_allreduce_hook)
 
@@ -359,6 +372,8 @@ class Trainer:
             "traffic": dict(self.traffic),
             "step": step,
         }
+        if self.powersgd is not None:
+            rank_state["powersgd"] = self.powersgd.state_dict()
         checkpoint.save(
             self.checkpoints, step, model_state, rank_state, self.config.keep_checkpoints
         )

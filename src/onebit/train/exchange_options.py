@@ -1,0 +1,55 @@
+"""Checks of the job's options that choose how gradients and momenta travel: the bucketed and
+overlapped 1-bit exchange, and PowerSGD for the dense baselines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onebit.cli import check_positive_int_option
+from onebit.optim._common import check_bucket_cap_mb
+
+#: A :class:`onebit.train.config.TrainConfig` (which calls these checks).
+TrainConfig = Any
+
+#: The dense optimizers PowerSGD's comm hook may average the gradients of.
+POWERSGD_OPTIMIZERS = ("lamb", "adam")
+
+
+def check_exchange_options(config: TrainConfig) -> None:
+    """Raise ``ValueError`` naming the option that does not fit the others."""
+    _check_buckets(config)
+    _check_powersgd(config)
+
+
+def _check_buckets(config: TrainConfig) -> None:
+    """``--bucket-cap-mb`` and ``--overlap-backward``: the flat fused exchange only."""
+    if config.bucket_cap_mb is None and not config.overlap_backward:
+        return
+    flag = "--overlap-backward" if config.overlap_backward else "--bucket-cap-mb"
+    check_bucket_cap_mb("--bucket-cap-mb", config.bucket_cap_mb)
+    fused = (
+        config.optimizer in ("onebit-lamb", "onebit-adam") and config.compression != "per_tensor"
+    )
+    if not fused or config.node_size > 1:
+        raise ValueError(
+            f"{flag} buckets the flat fused exchange of onebit-lamb and onebit-adam "
+            "(not --compression per_tensor, --node-size 1)"
+        )
+    if config.overlap_backward and config.grad_clip > 0:
+        raise ValueError(
+            "--overlap-backward sends each bucket during backward, before the gradient "
+            "norm that --grad-clip clips by is known: add --grad-clip 0"
+        )
+
+
+def _check_powersgd(config: TrainConfig) -> None:
+    """``--powersgd-rank``: a DDP comm hook, for the dense optimizers."""
+    if config.powersgd_rank == 0:
+        return
+    check_positive_int_option("powersgd_rank", config.powersgd_rank)
+    if config.optimizer not in POWERSGD_OPTIMIZERS or not config.ddp:
+        raise ValueError(
+            f"--powersgd-rank averages the gradients of {' and '.join(POWERSGD_OPTIMIZERS)} "
+            f"under DDP (it is a DDP comm hook), not of {config.optimizer}"
+            + ("" if config.ddp else " with --no-ddp")
+        )
