@@ -12,6 +12,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,6 +97,8 @@ def test_run_folder_loss_and_traffic(
         "config.json", "metrics.jsonl", "loss.png", "summary.json", "tokenizer.json", "checkpoints"
     } <= names  # fmt: skip
     assert (reference_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    versions = json.loads((reference_run / "config.json").read_text())["environment"]
+    assert versions["torch"] == torch.__version__ and versions["numpy"] == np.__version__
     metrics = report.read_metrics(reference_run)
     assert [r["stage"] for r in metrics.train] == ["warmup"] * FREEZE + ["compression"] * (
         STEPS - FREEZE

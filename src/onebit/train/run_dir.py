@@ -1,17 +1,20 @@
 """The run folder of a training job.
 
-A run folder holds ``config.json`` (the job's :class:`~onebit.train.config.TrainConfig` and how
-it was launched), ``metrics.jsonl``, ``checkpoints/``, ``tokenizer.json`` and, when finished,
-``summary.json`` and ``loss.png``. Starting a job in a folder that already holds the same
-configuration continues it from its latest checkpoint (that is how restarts under
-``torchrun --max-restarts`` resume); a different configuration there is an error.
+A run folder holds ``config.json`` (the job's :class:`~onebit.train.config.TrainConfig`, how
+it was launched and the versions of the packages that decide its numbers), ``metrics.jsonl``,
+``checkpoints/``, ``tokenizer.json`` and, when finished, ``summary.json`` and ``loss.png``.
+Starting a job in a folder that already holds the same configuration continues it from its
+latest checkpoint (that is how restarts under ``torchrun --max-restarts`` resume); a
+different configuration there is an error.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,21 @@ SUMMARY_FILE = "summary.json"
 TOKENIZER_FILE = "tokenizer.json"
 LOSS_PLOT_FILE = "loss.png"
 CHECKPOINT_DIR = "checkpoints"
+
+
+#: The packages whose versions decide a run's numbers (its data, initial weights and maths).
+VERSIONED_PACKAGES = ("torch", "numpy", "numba", "transformers", "tokenizers")
+
+
+def environment() -> dict[str, str]:
+    """The versions of Python and of :data:`VERSIONED_PACKAGES` (those installed)."""
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
 
 
 def default_run_dir(optimizer: str, root: str | os.PathLike[str] = "runs") -> Path:
@@ -98,5 +116,7 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, launch: dict[str, Any]) 
     if run_dir.exists() and any(p for p in run_dir.iterdir() if not p.name.startswith(".")):
         raise ValueError(f"--out {run_dir} exists and is not a run folder; choose a new --out")
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"train": config.to_json(), "launch": launch})
+    write_json_atomic(
+        path, {"train": config.to_json(), "launch": launch, "environment": environment()}
+    )
     return False
