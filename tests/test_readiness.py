@@ -283,7 +283,6 @@ def _plateau(rank, world_size):
         "onebit-adam early": lambda p: onebit.OneBitAdam(p, lr=1e-3, freeze_step=70),
         "onebit-adam auto": lambda p: onebit.OneBitAdam(p, lr=1e-3, freeze_step="auto"),
         "zero-one-adam defaults": lambda p: onebit.ZeroOneAdam(p, lr=1e-3),
-        "zero-one-adam deepspeed": lambda p: onebit.ZeroOneAdam(p, lr=1e-3, **DEEPSPEED_SCHEDULE),
     }
     out = {}
     for name, make in arms.items():
@@ -298,8 +297,7 @@ def _plateau(rank, world_size):
 @pytest.mark.slow
 def test_on_the_plateau_task_auto_learns_where_an_early_freeze_stalls():
     """2 gloo ranks, 500 steps: the early freeze warns (on rank 0) and stays at chance;
-    ``"auto"`` and 0/1 Adam's defaults end within 15% of Adam's loss (or below it);
-    DeepSpeed's 0/1 Adam stalls."""
+    ``"auto"`` and 0/1 Adam's defaults end within 15% of Adam's loss (or below it)."""
     results = spawn_workers(_plateau, 2, timeout_s=900)
     assert [loss for loss, _ in results[0].values()] == [loss for loss, _ in results[1].values()]
     assert not any(warned for _, warned in results[1].values())  # rank 0 warns, alone
@@ -310,7 +308,6 @@ def test_on_the_plateau_task_auto_learns_where_an_early_freeze_stalls():
     assert loss["onebit-adam auto"] <= 1.15 * loss["adam"]
     assert not results[0]["onebit-adam auto"][1]
     assert loss["zero-one-adam defaults"] <= 1.15 * loss["adam"]
-    assert loss["zero-one-adam deepspeed"] > 0.9 * chance
 
 
 # ------------------------------------------------------------------ the job
