@@ -65,6 +65,8 @@ def worker(rank: int, world: int, table: dict, steps: int) -> dict:
         warned = any("has settled" in str(w.message) for w in caught)
         frozen = getattr(built[0], "freeze_step", None)
         first = getattr(built[0], "first_interval", None)
+        if first is not None:
+            first = min(first, frozen)  # frozen inside the first interval: it ended there
         out[name] = (sum(losses[-25:]) / 25, frozen, warned, first)
     return out
 
