@@ -194,15 +194,21 @@ def zero_one(**options):
     return params, onebit.ZeroOneAdam(params, lr=1e-4, **schedule, **options)
 
 
-def test_zero_one_adam_first_interval_lasts_until_the_variance_has_caught_up():
-    params, optimizer = zero_one(var_freeze_step=150)
-    assert optimizer.warmup_auto and optimizer.pre_freeze_exchange == "momentum"
+def stages_of_a_growth_that_ends(optimizer, params, steps: int = 100) -> list[str]:
+    """The stage of each of ``steps`` steps on gradients whose growth ends at step 40."""
     kinds = []
-    for step in range(1, 101):
+    for step in range(1, steps + 1):
         kinds.append(optimizer.stage)
         for index, p in enumerate(params):
             p.grad = gradient(step, index, "ends").float()
         optimizer.step()
+    return kinds
+
+
+def test_zero_one_adam_first_interval_lasts_until_the_variance_has_caught_up():
+    params, optimizer = zero_one(var_freeze_step=150)
+    assert optimizer.warmup_auto and optimizer.pre_freeze_exchange == "momentum"
+    kinds = stages_of_a_growth_that_ends(optimizer, params)
     decided = optimizer.first_interval
     assert 40 < decided < 100 and decided % READINESS_WINDOW == 0
     assert set(kinds[:decided]) == {VARIANCE_UPDATE} and kinds[decided] == "sync"
@@ -221,12 +227,7 @@ def test_zero_one_adam_by_default_freezes_once_the_variance_has_caught_up():
     frozen there; the synchronisation schedule counts from that step."""
     params, optimizer = zero_one()
     assert optimizer.auto_freeze and optimizer.freeze_step == DEEPSPEED_SCHEDULE["var_freeze_step"]
-    kinds = []
-    for step in range(1, 101):
-        kinds.append(optimizer.stage)
-        for index, p in enumerate(params):
-            p.grad = gradient(step, index, "ends").float()
-        optimizer.step()
+    kinds = stages_of_a_growth_that_ends(optimizer, params)
     frozen = optimizer.freeze_step
     assert 40 < frozen < 100 and frozen % READINESS_WINDOW == 0
     expected = [
