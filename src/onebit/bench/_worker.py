@@ -133,7 +133,7 @@ class _Method:
             elif name == "fp16":
                 model.register_comm_hook(None, default_hooks.fp16_compress_hook)
             elif name.startswith("powersgd-"):
-                CountedPowerSGD(int(name.split("-")[1]), TrafficCounter()).register(model)
+                CountedPowerSGD(int(name.split("-")[1]), params, TrafficCounter()).register(model)
                 self.untimed_before_steady = POWERSGD_START_ITER + cfg["skip_steps"]
         self.model = model
         self.optimizer = optimizer
