@@ -90,6 +90,9 @@ def _subnormals_flushed(device: torch.device) -> Iterator[None]:
 class Trainer:
     """The state of one rank's training run, and the loop."""
 
+    #: The PowerSGD hook whose state the checkpoints keep (``--powersgd-rank``), if any.
+    powersgd: CountedPowerSGD | None = None
+
     def __init__(
         self, config: TrainConfig, run_dir: Path, rank: Rank, kill_at_step: int | None
     ) -> None:
@@ -169,14 +172,12 @@ class Trainer:
         groups = onebit.node_groups(config.node_size) if config.hierarchical else None
         self.optimizer = build_optimizer(config, self.params, groups, config.grad_clip)
         self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
-        self.powersgd = None
         self.forward: nn.Module = self.model
         if config.ddp:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.rank.local_rank] if self.rank.device.type == "cuda" else None
-            # PowerSGD: one bucket (with gloo, its chained collectives of several buckets can
-            # run in different orders on different ranks).
+            # PowerSGD: one bucket (gloo may run the chained collectives of several unordered).
             one_bucket = sum(p.numel() * p.element_size() for p in self.params) / 2**20 + 1
             buckets = {"bucket_cap_mb": one_bucket} if config.powersgd_rank else {}
             self.forward = DistributedDataParallel(self.model, device_ids=device_ids, **buckets)
