@@ -51,7 +51,7 @@ from onebit.bench.settings import (
 from onebit.exchange.transport import TrafficCounter, all_gather_into
 from onebit.optim.registry import PAPER_BERT_SETTINGS, optimizer_spec
 from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
-from onebit.train.powersgd import POWERSGD_START_ITER, CountedPowerSGD
+from onebit.train.powersgd import POWERSGD_START_ITER, CountedPowerSGD, one_bucket
 
 logger = logging.getLogger("onebit.bench.worker")
 
@@ -111,12 +111,7 @@ class _Method:
         if name not in PLAIN_METHODS:
             ddp_kwargs: dict[str, Any] = {}
             if name.startswith("powersgd-"):
-                # One bucket. PowerSGD issues its second and third collectives from the
-                # completion callback of the previous one; with gloo those callbacks run when
-                # the data has arrived, so with several buckets the ranks issue collectives in
-                # different orders, and gloo fails ("Received data size doesn't match").
-                total_bytes = sum(p.numel() * p.element_size() for p in params)
-                ddp_kwargs["bucket_cap_mb"] = total_bytes / 2**20 + 1
+                ddp_kwargs.update(one_bucket(params))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers' rename
                 model = DistributedDataParallel(

@@ -21,6 +21,15 @@ _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compre
 _MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
 
 
+def one_bucket(params: Sequence[Tensor]) -> dict[str, float]:
+    """DDP's options that put every gradient of ``params`` in one bucket. PowerSGD issues its
+    second and third collectives from the completion callback of the previous one; with gloo
+    those callbacks run when the data has arrived, so with several buckets the ranks issue
+    collectives in different orders, and gloo fails ("Received data size doesn't match")."""
+    total_bytes = sum(p.numel() * p.element_size() for p in params)
+    return {"bucket_cap_mb": total_bytes / 2**20 + 1}
+
+
 class CountedPowerSGD:
     """torch's PowerSGD comm hook (``powerSGD_hook``: rank ``rank``, error feedback, warm
     start, the first :data:`POWERSGD_START_ITER` steps a dense allreduce) for ``params``,

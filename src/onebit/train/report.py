@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from onebit.atomic import write_json_atomic
+from onebit.collectives import ring_allreduce_bytes
 from onebit.optim._onebit import WARMUP
 from onebit.optim._readiness import AUTO
 from onebit.optim._zero_one_schedule import VARIANCE_UPDATE
@@ -42,7 +43,7 @@ def human_bytes(n: float) -> str:
 
 def dense_allreduce_bytes(numel: int, world_size: int, steps: int) -> int:
     """Bytes one worker sends for ``steps`` ring allreduces of ``numel`` fp32 values."""
-    return steps * (2 * (world_size - 1) * 4 * numel // world_size)
+    return steps * ring_allreduce_bytes(4 * numel, world_size)
 
 
 @dataclass

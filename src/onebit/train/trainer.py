@@ -32,7 +32,7 @@ from onebit.train.gradients import (
     counted_allreduce_hook,
 )
 from onebit.train.job_data import load_data, lr_factor, masked_batch, model_config, step_seed
-from onebit.train.powersgd import CountedPowerSGD
+from onebit.train.powersgd import CountedPowerSGD, one_bucket
 from onebit.train.run_dir import (
     CHECKPOINT_DIR,
     METRICS_FILE,
@@ -177,9 +177,7 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.rank.local_rank] if self.rank.device.type == "cuda" else None
-            # PowerSGD: one bucket (gloo may run the chained collectives of several unordered).
-            one_bucket = sum(p.numel() * p.element_size() for p in self.params) / 2**20 + 1
-            buckets = {"bucket_cap_mb": one_bucket} if config.powersgd_rank else {}
+            buckets = one_bucket(self.params) if config.powersgd_rank else {}
             self.forward = DistributedDataParallel(self.model, device_ids=device_ids, **buckets)
             if config.uses_onebit:
                 onebit.ddp.register_comm_hook(self.forward, self.optimizer)
