@@ -6,11 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
 from onebit.kernels import BACKENDS, Backend, UpdateKernels, select
 from onebit.optim import functional
 from onebit.optim._flat import FlatState
+from onebit.optim._sharding import ShardGroup, local_tensor
 
 
 class FlatOptimizer(Optimizer):
@@ -33,6 +35,8 @@ class FlatOptimizer(Optimizer):
         self._has_state: list[bool] = []
         self._backend: Backend | None = None
         super().__init__(params, defaults)
+        #: The FSDP2 shard group of the parameters, or ``None`` when they are not sharded.
+        self.shards = ShardGroup.of(self._trainable())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_flat", None) is not None:
@@ -41,6 +45,8 @@ class FlatOptimizer(Optimizer):
                 "optimizer's fused momentum buffer and error-feedback state) is laid out then"
             )
         super().add_param_group(param_group)
+        if hasattr(self, "shards"):  # a group added after construction
+            self.shards = ShardGroup.of(self._trainable())
 
     @staticmethod
     def _evaluate(closure) -> Any:
@@ -60,7 +66,7 @@ class FlatOptimizer(Optimizer):
                 for param in group["params"]
                 if param.requires_grad
             ]
-            self._flat = FlatState(pairs, self._SCALARS)
+            self._flat = FlatState(pairs, self._SCALARS, self.shards)
             self._has_state = self._flat.adopt([self.state[p] for _, p in pairs])
             self._backend = select(self._flat.exp_avg, self.kernels)
         return self._flat
@@ -72,8 +78,18 @@ class FlatOptimizer(Optimizer):
 
     @property
     def updates(self) -> UpdateKernels:
-        """The update kernels: the backend's, or the torch reference where it has none."""
+        """The update kernels: the backend's, or the torch reference where it has none or
+        the parameters are sharded (the fused kernels update a flat weights buffer)."""
+        if self.shards is not None:
+            return functional.REFERENCE
         return self._backend.updates or functional.REFERENCE
+
+    def _trainable(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def _local_numels(self) -> list[int]:
+        """Elements of each trainable parameter on this rank (its slice when sharded)."""
+        return [local_tensor(p).numel() for p in self._trainable()]
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the optimizer holds now: ``"state"`` (moments, fp32 master weights of

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from onebit.optim._sharding import ShardGroup, local_tensor
+
 
 def check_max_grad_norm(max_grad_norm: float) -> None:
     if not (max_grad_norm >= 0.0 and math.isfinite(max_grad_norm)):
@@ -19,15 +21,21 @@ def check_max_grad_norm(max_grad_norm: float) -> None:
         )
 
 
-def clip_by_total_norm_(grads: list[Tensor], max_norm: float) -> Tensor:
+def clip_by_total_norm_(
+    grads: list[Tensor], max_norm: float, shards: ShardGroup | None = None
+) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_``'s rule on these tensors, in place: all scaled by
     ``min(1, max_norm / (||g|| + 1e-6))``, ``||g||`` the 2-norm of all of them together
     (summed as torch sums it: each tensor's norm, then the norm of the norms, so the result
-    is torch's to the bit). Returns ``||g||``; no host synchronisation."""
-    if not grads:
+    is torch's to the bit). With ``shards`` the tensors are local slices and ``||g||`` is
+    that of the whole tensors (the slices' squared norms summed over the shard group).
+    Returns ``||g||``; no host synchronisation without ``shards``."""
+    if not grads and shards is None:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(g) for g in grads]
+    norms = [torch.linalg.vector_norm(g) for g in grads] or [torch.zeros(())]
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    if shards is not None:
+        total = shards.sum_(total.square().reshape(1)).sqrt().reshape(())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
         grad.mul_(coef.to(grad.device))
@@ -116,6 +124,7 @@ def dense_grad(param: Tensor, dtype: torch.dtype) -> Tensor | None:
     grad = param.grad
     if grad is None:
         return None
+    grad = local_tensor(grad)
     if grad.is_sparse:
         raise RuntimeError(
             f"parameter of shape {tuple(param.shape)} has a sparse gradient; onebit optimizers "
@@ -158,10 +167,11 @@ def validate_checkpoint(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> 
             )
         for param, key in zip(group["params"], saved["params"], strict=True):
             for name, value in saved_state.get(key, {}).items():
-                if name in PER_ELEMENT_STATE and tuple(value.shape) != tuple(param.shape):
+                shape = tuple(local_tensor(param).shape)
+                if name in PER_ELEMENT_STATE and tuple(value.shape) != shape:
                     raise ValueError(
                         f"parameter {key} (group {group_index}): checkpoint's {name} has shape "
-                        f"{tuple(value.shape)}, the parameter has shape {tuple(param.shape)}"
+                        f"{tuple(value.shape)}, the parameter (on this rank) has shape {shape}"
                     )
 
 

@@ -109,6 +109,8 @@ class CommunicatingOptimizer(FlatOptimizer):
         self._check_node_groups()
         self._traffic = TrafficCounter()
         super().__init__(params, defaults, kernels)
+        if self.shards is not None:
+            self._check_sharded_replicas()
         self.bucket_cap_mb = bucket_cap_mb
         self._bucket_elements = None
         if bucket_cap_mb is not None:
@@ -277,6 +279,26 @@ class CommunicatingOptimizer(FlatOptimizer):
                 f"but the data-parallel group has {self.world_size}"
             )
 
+    def _check_sharded_replicas(self) -> None:
+        """With FSDP-sharded parameters the data-parallel group is the replicate group: the
+        ranks holding the same slices. Left to the default it is this rank alone when FSDP
+        shards over the whole world, and must be given otherwise."""
+        if self.node_groups is not None:
+            raise ValueError(
+                "node_groups with FSDP-sharded parameters: FSDP's shard group takes the "
+                "place of the node; give process_group=the replicate group instead"
+            )
+        if self._process_group is not None:
+            return
+        if self.shards.size != world_size():
+            raise ValueError(
+                f"the parameters are sharded over {self.shards.size} of {world_size()} ranks: "
+                "give process_group=the ranks that hold the same slices (with "
+                "init_device_mesh(..., mesh_dim_names=('replicate', 'shard')): "
+                "mesh['replicate'].get_group())"
+            )
+        self._process_group, _ = dist.new_subgroups(group_size=1)
+
     def _verify_replicas_if_due(self, flat: FlatState) -> None:
         """The replica check, at the first step and every ``verify_every``, once the
         replicas agree by design (one small all-gather)."""
@@ -296,7 +318,7 @@ class CommunicatingOptimizer(FlatOptimizer):
 
     def _replica_tensors(self, flat: FlatState) -> list[Tensor]:
         """What must agree across ranks: the parameters and any fp32 master copies."""
-        return flat.params + [master for _, master in flat.half_params]
+        return flat.tensors + [master for _, master in flat.half_params]
 
     @contextlib.contextmanager
     def _collective(self) -> Iterator[None]:
@@ -319,7 +341,7 @@ class CommunicatingOptimizer(FlatOptimizer):
         """:attr:`exchange`, bound to the flat state's tensors, backend and traffic counter."""
         exchange = self.exchange
         exchange.bind(
-            [p.numel() for p in flat.params], flat.dtype, flat.device, self.backend, self._traffic
+            [t.numel() for t in flat.tensors], flat.dtype, flat.device, self.backend, self._traffic
         )
         return exchange
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from onebit.optim import _common
@@ -83,7 +84,7 @@ class CompressionStage(CommunicatingOptimizer):
         (W workers of the exchange; ALGORITHM.md, "Gradient clipping")."""
         if self.max_grad_norm:
             threshold = self.max_grad_norm * math.sqrt(self.exchange.world_size)
-            _common.clip_by_total_norm_([g for g in grads if g is not None], threshold)
+            _common.clip_by_total_norm_([g for g in grads if g is not None], threshold, self.shards)
 
     def _begin_overlap(self):
         """The step's bucketed exchange, for :class:`~onebit.optim._overlap.BackwardOverlap`:
@@ -113,10 +114,10 @@ class CompressionStage(CommunicatingOptimizer):
         ``only``, just those tensors' ranges (the padding untouched)."""
         selected = set(range(len(grads)) if only is None else only)
         local = [  # a parameter without a gradient on this rank contributes zeros
-            torch.zeros(p.shape, dtype=flat.dtype, device=flat.device)
+            torch.zeros(t.shape, dtype=flat.dtype, device=flat.device)
             if g is None and index in selected
             else g
-            for index, (p, g) in enumerate(zip(flat.params, grads, strict=True))
+            for index, (t, g) in enumerate(zip(flat.tensors, grads, strict=True))
         ]
         self.updates.scaled_momentum(
             flat, local, flat.scalars["scaling_coeff"], buffer, self._has_state, only
@@ -166,7 +167,7 @@ class CompressionStage(CommunicatingOptimizer):
                 skipped,
             )
         exchange = self._bind_exchange(flat)
-        size = exchange.buffer_size([p.numel() for p in flat.params])
+        size = exchange.buffer_size([t.numel() for t in flat.tensors])
         self._mask = self._flat_mask(flat)
         if self.step_count == self.freeze_step:  # not when resuming later in the stage
             self._start_compression(flat)
@@ -187,18 +188,30 @@ class CompressionStage(CommunicatingOptimizer):
                 group_masks = self._masks_of(group["params"], group["exp_avg_mask"])
                 for param, param_mask in zip(group["params"], group_masks, strict=True):
                     if id(param) in index_of:
-                        flat.view(mask, index_of[id(param)]).mul_(param_mask)
+                        index = index_of[id(param)]
+                        flat.view(mask, index).mul_(self._local_mask(param_mask, index))
         least, most = torch.aminmax(mask)  # one pass, where (mask == 1).all() took five
         return None if bool(least == 1) and bool(most == 1) else mask
 
+    def _local_mask(self, mask: Tensor, index: int) -> Tensor:
+        """Parameter ``index``'s ``exp_avg_mask`` on this rank: its slice (FSDP's chunks of
+        dim 0) when the parameters are sharded."""
+        if self.shards is None:
+            return mask
+        rank = dist.get_rank(self.shards.group)
+        chunks = torch.chunk(mask, self.shards.size, dim=0)
+        return chunks[rank] if rank < len(chunks) else mask[:0]
+
     def _start_compression(self, flat: FlatState) -> None:
         """At the first compression step: ``s_p = mean_q rms(m_q) / rms(m_p)`` (1 if 0; stays 1
-        with per-tensor compression); subclasses add their compression-stage state."""
+        with per-tensor compression; of the whole tensors when sharded); subclasses add their
+        compression-stage state."""
         indices = [i for i, has in enumerate(self._has_state) if has]
         momenta = [flat.view(flat.exp_avg, i) for i in indices]
         if self.compression == "fused":
-            sizes = torch.tensor([m.numel() for m in momenta], dtype=flat.dtype, device=flat.device)
-            rms = torch.stack(torch._foreach_norm(momenta)) / sizes.sqrt()
+            sizes = [flat.params[i].numel() for i in indices]
+            sizes = torch.tensor(sizes, dtype=flat.dtype, device=flat.device)
+            rms = flat.norms(momenta) / sizes.sqrt()
             scaling = torch.where(rms > 0, rms.mean() / torch.where(rms > 0, rms, 1), 1)
             flat.scalars["scaling_coeff"][indices] = scaling
         if self._is_logging_rank():

@@ -8,6 +8,12 @@ parameter whose dtype is the state dtype is re-pointed at its view of that buffe
 does), and a half-precision parameter gets an fp32 master copy there and is refreshed from it
 after each step. The optimizer's per-parameter ``state`` holds views of these buffers, so
 ``state_dict()`` stays per parameter while the maths runs in a few whole-buffer passes.
+
+Parameters sharded by FSDP2 (DTensors, :mod:`onebit.optim._sharding`) are laid out by their
+local slices: the state holds only this rank's slices, the update writes into FSDP's storage
+of them in place (:meth:`FlatState.weight_views`; there is no flat weights buffer), and the
+whole-tensor quantities (:meth:`FlatState.norms`, :meth:`FlatState.segment_max`,
+:meth:`FlatState.all_finite`) are reduced over the shard group.
 """
 
 from __future__ import annotations
@@ -19,18 +25,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from onebit.optim._common import state_dtype
+from onebit.optim._common import all_finite, state_dtype
+from onebit.optim._sharding import ShardGroup, local_tensor
 
 FLAT_BUFFERS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "synced_param")
 
 
 class FlatState:
-    """Flat moments and weights of ``params`` (``(group, param)`` pairs, in group order)."""
+    """Flat moments and weights of ``params`` (``(group, param)`` pairs, in group order);
+    with ``shards``, of their local slices."""
 
     def __init__(
         self,
         params: Sequence[tuple[dict[str, Any], Tensor]],
         scalar_defaults: dict[str, float] | None = None,
+        shards: ShardGroup | None = None,
     ) -> None:
         if not params:
             raise ValueError("no trainable parameters")
@@ -49,8 +58,17 @@ class FlatState:
             )
         self.groups = [group for group, _ in params]
         self.params = [param for _, param in params]
+        #: What the state mirrors: the parameters, or their local slices when sharded.
+        self.tensors = [local_tensor(param) for param in self.params]
+        self.shards = shards
         self.dtype, self.device = dtypes.pop(), devices.pop()
-        sizes = [p.numel() for p in self.params]
+        if shards is not None and any(p.dtype != self.dtype for p in self.params):
+            raise ValueError(
+                "FSDP-sharded parameters must be float32 or float64 (keep FSDP's sharded "
+                "parameters in full precision; MixedPrecisionPolicy(param_dtype=...) casts "
+                "only the unsharded ones)"
+            )
+        sizes = [t.numel() for t in self.tensors]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.numel = int(self.offsets[-1])
         self.counts = torch.tensor(sizes, dtype=torch.int64, device=self.device)
@@ -68,23 +86,55 @@ class FlatState:
             name: torch.full((len(self.params),), value, **zeros)
             for name, value in (scalar_defaults or {}).items()
         }
-        self.weights = torch.empty(self.numel, **zeros)
         self.half_params: list[tuple[Tensor, Tensor]] = []  # (param, its fp32 master view)
-        for param, view in zip(self.params, self.views(self.weights), strict=True):
-            view.copy_(param.detach())
-            if param.dtype == self.dtype:
-                param.data = view
-            else:
-                self.half_params.append((param, view))
+        self.weights: Tensor | None = None  # None when sharded: FSDP's storage is updated
+        if shards is None:
+            self.weights = torch.empty(self.numel, **zeros)
+            for param, view in zip(self.params, self.views(self.weights), strict=True):
+                view.copy_(param.detach())
+                if param.dtype == self.dtype:
+                    param.data = view
+                else:
+                    self.half_params.append((param, view))
         self._scratch: dict[int, Tensor] = {}
 
     # ----------------------------------------------------------------- views
     def views(self, flat: Tensor) -> list[Tensor]:
         """Each parameter's view of a flat buffer of ``numel`` (or more) elements."""
         return [
-            flat[int(start) : int(start) + p.numel()].view_as(p)
-            for start, p in zip(self.offsets, self.params, strict=False)
+            flat[int(start) : int(start) + t.numel()].view_as(t)
+            for start, t in zip(self.offsets, self.tensors, strict=False)
         ]
+
+    def weight_views(self) -> list[Tensor]:
+        """The weights the update is applied to: views of :attr:`weights`, or the local
+        slices in FSDP's storage when sharded."""
+        return self.tensors if self.weights is None else self.views(self.weights)
+
+    def copy_weights_into(self, flat: Tensor) -> None:
+        """Copy every parameter's weights into its view of ``flat``."""
+        torch._foreach_copy_(self.views(flat), self.weight_views())
+
+    # ----------------------------------------------------------------- whole tensors
+    def norms(self, tensors: Sequence[Tensor], ord: int = 2) -> Tensor:
+        """Each tensor's norm as one device vector (one call, no host sync); when sharded,
+        of the whole tensors whose local slices ``tensors`` are."""
+        if not tensors:
+            return self.exp_avg.new_zeros(0)
+        local = torch.stack(torch._foreach_norm(list(tensors), ord=ord))
+        return local if self.shards is None else self.shards.norms(local, ord)
+
+    def segment_max(self, flat: Tensor) -> Tensor:
+        """Each parameter's maximum of ``flat`` (of ``numel`` elements; an empty slice counts
+        as ``-inf``), over the whole tensor when sharded."""
+        local = torch.segment_reduce(flat, "max", lengths=self.counts)
+        local = torch.where(self.counts > 0, local, -torch.inf)
+        return local if self.shards is None else self.shards.max_(local)
+
+    def all_finite(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether every element of ``tensors`` is finite, on every rank of the shard group."""
+        finite = all_finite(tensors)
+        return finite if self.shards is None else not self.shards.any_(not finite, self.device)
 
     def scratch(self, slot: int) -> Tensor:
         """A reused flat scratch buffer (contents undefined), allocated on first use."""
@@ -100,7 +150,8 @@ class FlatState:
     def enable_synced_param(self) -> None:
         """Create ``synced_param`` as a copy of the weights (0/1 Adam's freeze)."""
         if self.synced_param is None:
-            self.synced_param = self.weights.clone()
+            self.synced_param = torch.empty_like(self.exp_avg)
+            self.copy_weights_into(self.synced_param)
 
     def nbytes(self) -> tuple[int, int]:
         """Bytes of optimizer state (moments, masters, scalars) and of reused scratch
@@ -115,8 +166,8 @@ class FlatState:
     # ----------------------------------------------------------------- optimizer state
     def view(self, flat: Tensor, index: int) -> Tensor:
         """Parameter ``index``'s view of a flat buffer."""
-        start, param = int(self.offsets[index]), self.params[index]
-        return flat[start : start + param.numel()].view_as(param)
+        start, tensor = int(self.offsets[index]), self.tensors[index]
+        return flat[start : start + tensor.numel()].view_as(tensor)
 
     def expose(self, state: dict[str, Any], index: int) -> None:
         """Point a parameter's optimizer state at its views of the flat buffers."""

@@ -92,6 +92,7 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
                 )
             if bucket_cap_mb is None:
                 bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+
         _common.check_bucket_cap_mb("bucket_cap_mb", bucket_cap_mb)
         if bucket_cap_mb is not None:
             if node_groups is not None or self.compression != "fused":
@@ -117,6 +118,12 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
         )
         self._counters["bytes_sent"] = {WARMUP: 0, COMPRESSION: 0}
         self._overlap = None
+        if overlap_backward and self.shards is not None:
+            raise ValueError(
+                "overlap_backward=True with FSDP-sharded parameters: FSDP reduce-scatters "
+                "their gradients during backward itself; construct the optimizer with "
+                "overlap_backward=False"
+            )
         if overlap_backward:
             self._overlap = BackwardOverlap(
                 _common.trainable_params(self), self._overlaps_this_step, self._begin_overlap
@@ -236,7 +243,7 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
             present = [grad is not None for grad in grads]
         if self.max_grad_norm:
             present_grads = [g for g, has in zip(grads, present, strict=True) if has]
-            _common.clip_by_total_norm_(present_grads, self.max_grad_norm)
+            _common.clip_by_total_norm_(present_grads, self.max_grad_norm, self.shards)
         self._expose_new_state(flat, present)
         if not self._warmup_update(flat, grads, present):
             return self._skip("warm-up gradients")
@@ -262,7 +269,12 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
                         self._check_gradients_are_local(buffer)
                 with self._collective():
                     packed = self.exchange.exchange(buffer)
+            nonfinite = False
         except NonFiniteError:
+            nonfinite = True
+        if self.shards is not None:  # the other slices' replicas skip the step too
+            nonfinite = self.shards.any_(nonfinite, flat.device)
+        if nonfinite:
             return self._skip("a rank's local momentum")
         self._compressed_update(flat, packed, buffer, self._mask, self._has_state)
         return True
@@ -290,7 +302,7 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
             "compression": self.compression,
             "freeze_step": self.freeze_step,
             "readiness": self._readiness.state_dict(),
-            **self.exchange.state_dict([p.numel() for p in _common.trainable_params(self)]),
+            **self.exchange.state_dict(self._local_numels()),
         }
         return state
 
@@ -314,7 +326,7 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
         _common.validate_checkpoint(self, state_dict)
         if self._overlap is not None:
             self._overlap.cancel()
-        numels = [p.numel() for p in _common.trainable_params(self)]
+        numels = self._local_numels()
         errors_fit = self.exchange.check_state(extra, numels)
         restart = self.exchange.restart_reason(extra, numels)
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})

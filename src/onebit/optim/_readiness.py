@@ -59,14 +59,13 @@ class VarianceReadiness:
         self.peak = 0.0
         self.last = 0.0
 
-    def observe(self, grads: Sequence[Tensor | None], present: Sequence[bool]) -> None:
+    def observe(
+        self, flat: FlatState, grads: Sequence[Tensor | None], present: Sequence[bool]
+    ) -> None:
         """Record ``||g_j||²`` of this dense step's averaged gradients (0 where absent)."""
-        reference = next(g for g, has in zip(grads, present, strict=True) if has)
-        zero = reference.new_zeros(1)
-        norms = torch._foreach_norm(
-            [g if has else zero for g, has in zip(grads, present, strict=True)]
-        )
-        self._energies = [*self._energies[1 - READINESS_WINDOW :], torch.stack(norms).double() ** 2]
+        zero = flat.exp_avg.new_zeros(1)
+        norms = flat.norms([g if has else zero for g, has in zip(grads, present, strict=True)])
+        self._energies = [*self._energies[1 - READINESS_WINDOW :], norms.double() ** 2]
 
     @property
     def observed(self) -> int:
@@ -75,7 +74,7 @@ class VarianceReadiness:
 
     def ratios(self, flat: FlatState, variance_updates: int) -> Tensor:
         """``R_j`` for every tensor (float64, on the device); 0 where the variance is 0."""
-        held = torch.stack(torch._foreach_norm(flat.views(flat.exp_avg_sq), ord=1)).double()
+        held = flat.norms(flat.views(flat.exp_avg_sq), ord=1).double()
         beta2 = torch.tensor(
             [group["betas"][1] for group in flat.groups], dtype=torch.float64, device=held.device
         )
@@ -194,7 +193,7 @@ class ReadinessChecks:
         pending = self._readiness_decision_pending(step)
         if not pending and not any(0 <= c - dense < 2 * window for c in checks):
             return
-        self._readiness.observe(grads, present)
+        self._readiness.observe(flat, grads, present)
         at_check = dense in checks
         due = at_check or any(c - dense == window for c in checks)
         if not (due or (pending and dense % window == 0)):

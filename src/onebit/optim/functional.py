@@ -23,7 +23,6 @@ from torch import Tensor
 
 from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
 from onebit.exchange import PackedResult
-from onebit.optim._common import all_finite
 from onebit.optim._flat import FlatState
 
 __all__ = [
@@ -41,13 +40,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- small maths
-def _norms(tensors: Sequence[Tensor], like: Tensor) -> Tensor:
-    """Each tensor's Euclidean norm, as one device vector (one call, no host sync)."""
-    if not tensors:
-        return like.new_zeros(0)
-    return torch.stack(torch._foreach_norm(list(tensors)))
-
-
 def _by_group(flat: FlatState, indices: Sequence[int]):
     """``(group, indices)`` of the given parameters, group by group."""
     by_group: dict[int, tuple[dict, list[int]]] = {}
@@ -66,12 +58,12 @@ def _active_indices(active: Sequence[bool]) -> list[int]:
 
 
 def _active_if_finite(
-    grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
+    flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool
 ) -> list[int] | None:
     """The indices of the active parameters; ``None`` when ``check_finite`` and one of their
     gradients is not finite."""
     indices = _active_indices(active)
-    if check_finite and not all_finite(_pick(grads, indices)):
+    if check_finite and not flat.all_finite(_pick(grads, indices)):
         return None
     return indices
 
@@ -114,7 +106,7 @@ def _moments_and_directions(
 ) -> list[Tensor]:
     """For the listed parameters: ``m, v <- moments(g)``; returns every parameter's view of
     a scratch buffer holding ``u = m / (sqrt(v) + eps) + wd p`` for the listed ones."""
-    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.weight_views()
     update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
     for group, idx in _by_group(flat, indices):
         _moments_(_pick(m, idx), _pick(v, idx), _pick(grads, idx), group)
@@ -131,7 +123,7 @@ def _moments_and_directions(
 
 def _step_(flat: FlatState, indices: list[int], update: list[Tensor], steps: Tensor) -> None:
     """``p += steps[i] * update`` for each listed parameter (``steps`` on the device)."""
-    weights = flat.views(flat.weights)
+    weights = flat.weight_views()
     _scale_each(_pick(update, indices), steps)
     torch._foreach_add_(_pick(weights, indices), _pick(update, indices))
 
@@ -151,14 +143,14 @@ def lamb_step_(
     inactive parameters), or ``None``, with nothing changed, when ``check_finite`` and a
     gradient holds NaN/Inf.
     """
-    indices = _active_if_finite(grads, active, check_finite)
+    indices = _active_if_finite(flat, grads, active, check_finite)
     if indices is None:
         return None
     update = _moments_and_directions(flat, grads, indices)
-    p = flat.views(flat.weights)
+    p = flat.weight_views()
     coeff, defined = trust_ratio(
-        _norms(_pick(p, indices), flat.weights),
-        _norms(_pick(update, indices), flat.weights),
+        flat.norms(_pick(p, indices)),
+        flat.norms(_pick(update, indices)),
         flat.segment_values(lambda g: g["min_coeff"])[indices],
         flat.segment_values(lambda g: g["max_coeff"])[indices],
     )
@@ -179,7 +171,7 @@ def adam_step_(
     ``grads``: ``m, v <- moments(g)``; ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
     Returns False, with nothing changed, when ``check_finite`` and a gradient is not finite.
     """
-    indices = _active_if_finite(grads, active, check_finite)
+    indices = _active_if_finite(flat, grads, active, check_finite)
     if indices is None:
         return False
     update = _moments_and_directions(flat, grads, indices)
@@ -248,7 +240,7 @@ def onebit_lamb_compressed_step_(
     """
     indices = _active_indices(active)
     new = _decode_momentum(flat, packed, scaling, mask, scratch)
-    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.weight_views()
     fresh = flat.views(flat.exp_avg_sq_fresh)
     update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
     groups = _by_group(flat, indices)
@@ -268,15 +260,15 @@ def onebit_lamb_compressed_step_(
         torch._foreach_sqrt_(ratio)
         torch._foreach_add_(ratio, group["eps"])
         torch._foreach_div_(_pick(denom, idx), ratio)
-    base_norm = _norms(_pick(update, indices), flat.weights)  # ||u0||
+    base_norm = flat.norms(_pick(update, indices))  # ||u0||
     for group, idx in groups:
         if group["weight_decay"]:
             torch._foreach_add_(_pick(update, idx), _pick(p, idx), alpha=group["weight_decay"])
-    max_ratio = torch.segment_reduce(flat.scratch(1)[: flat.numel], "max", lengths=flat.counts)
+    max_ratio = flat.segment_max(flat.scratch(1)[: flat.numel])
     factor = compression_factor(
         max_ratio[indices],
         base_norm,
-        _norms(_pick(update, indices), flat.weights),
+        flat.norms(_pick(update, indices)),
         last_factor[indices],
         flat.segment_values(lambda g: g["factor_min"])[indices],
         flat.segment_values(lambda g: g["factor_max"])[indices],
@@ -307,7 +299,7 @@ def adam_momentum_step_(flat: FlatState, grads: Sequence[Tensor], active: Sequen
     """For every active parameter: ``m = b1 m + (1 - b1) g``;
     ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``; ``v`` unchanged (0/1 Adam's steps that do
     not update the variance)."""
-    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.weight_views()
     update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
     for group, idx in _by_group(flat, _active_indices(active)):
         beta1 = group["betas"][0]
@@ -338,7 +330,7 @@ def onebit_adam_per_tensor_step_(
 def _frozen_adam_update_(flat: FlatState, new: list[Tensor], indices: list[int]) -> None:
     """``m = new``; ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` for the listed parameters
     (``new``, each parameter's view of a spent buffer, is overwritten)."""
-    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.views(flat.weights)
+    m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.weight_views()
     denom = flat.views(flat.scratch(1))
     for group, idx in _by_group(flat, indices):
         torch._foreach_copy_(_pick(m, idx), _pick(new, idx))
@@ -362,7 +354,7 @@ def accumulated_update(flat: FlatState, active: Sequence[bool], out: Tensor) -> 
     """``out_p = (p - p_synced) (sqrt(v) + eps)`` for every active parameter (zeros for the
     others): 0/1 Adam's update since the last synchronisation, in units of momentum."""
     indices = _active_indices(active)
-    p, synced, target = (flat.views(t) for t in (flat.weights, flat.synced_param, out))
+    p, (synced, target) = flat.weight_views(), (flat.views(t) for t in (flat.synced_param, out))
     out.zero_()
     for group, idx in _by_group(flat, indices):
         delta = _pick(target, idx)
@@ -380,7 +372,7 @@ def synchronised_update_(
     ``lr_sum = 0``); ``p_synced <- p_synced + exchanged / d``; ``p = p_synced``;
     ``lr_sum = 0``."""
     indices = _active_indices(active)
-    m, synced, p = (flat.views(t) for t in (flat.exp_avg, flat.synced_param, flat.weights))
+    m, synced, p = flat.views(flat.exp_avg), flat.views(flat.synced_param), flat.weight_views()
     delta = flat.views(exchanged)
     rebuild = momentum_rebuild(lr_sum)
     for group, idx in _by_group(flat, indices):

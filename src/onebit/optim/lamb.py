@@ -96,7 +96,8 @@ class Lamb(FlatOptimizer):
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
         present = [grad is not None for grad in grads]
         if self.max_grad_norm:
-            _common.clip_by_total_norm_([g for g in grads if g is not None], self.max_grad_norm)
+            present_grads = [g for g in grads if g is not None]
+            _common.clip_by_total_norm_(present_grads, self.max_grad_norm, self.shards)
         if any(present):
             self._expose_new_state(flat, present)
             coeff, _ = self.updates.lamb_step_(flat, grads, present, False)

@@ -179,6 +179,12 @@ class ZeroOneAdam(OneBitOptimizer):
             kernels=kernels,
             max_grad_norm=max_grad_norm,
         )
+        if self.shards is not None:
+            raise ValueError(
+                "ZeroOneAdam does not take FSDP-sharded parameters: its local steps, where "
+                "the replicas move apart between synchronisations, are implemented for "
+                "replicated parameters only; use OneBitAdam or OneBitLamb with fully_shard"
+            )
         self._counters["bytes_sent"] = dict.fromkeys(STEP_KINDS, 0)
         self.warmup_auto = var_warmup_steps == AUTO
         #: The variance updates at interval 1 (steps 1..first_interval): ``var_warmup_steps``,
@@ -299,8 +305,8 @@ class ZeroOneAdam(OneBitOptimizer):
         if self.step_count <= self.freeze_step:
             self._start_interval(flat)
         local = [
-            torch.zeros(p.shape, dtype=flat.dtype, device=flat.device) if g is None else g
-            for p, g in zip(flat.params, grads, strict=True)
+            torch.zeros(t.shape, dtype=flat.dtype, device=flat.device) if g is None else g
+            for t, g in zip(flat.tensors, grads, strict=True)
         ]
         if _common.all_finite(_pick(local, _active_indices(self._has_state))):
             self.updates.adam_momentum_step_(flat, local, self._has_state)
@@ -347,7 +353,7 @@ class ZeroOneAdam(OneBitOptimizer):
             for index, has_state in enumerate(self._has_state):
                 if has_state:
                     flat.expose(self.state[flat.params[index]], index)
-        flat.synced_param.copy_(flat.weights)
+        flat.copy_weights_into(flat.synced_param)
         flat.scalars["lr_sum"].zero_()
         if self.step_count == self.freeze_step and self.pre_freeze_exchange == "gradient":
             self.exchange.reset_errors()
@@ -378,7 +384,7 @@ class ZeroOneAdam(OneBitOptimizer):
             return state
         params = _common.trainable_params(self)
         if self._flat is not None:
-            weights = self._flat.views(self._flat.weights)
+            weights = self._flat.weight_views()
         else:  # loaded, not stepped since: the parameters (or their fp32 masters) hold them
             weights = [self.state[p].get("master_param", p.detach()) for p in params]
         index_of = {id(p): i for i, p in enumerate(_common.params_in_order(self.param_groups))}
