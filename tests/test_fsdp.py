@@ -126,10 +126,23 @@ def _slices(rank: int, world: int, steps: int):
             assert torch.equal(plain, param.to_local()), f"step {step + 1}: a slice differs"
     for ours, theirs in zip(sharded_opt.error_feedback, plain_opt.error_feedback, strict=True):
         assert torch.equal(ours, theirs)
+    # Exact resume from this rank's state_dict (its slices' state and error buffers).
+    saved = copy.deepcopy((model.state_dict(), sharded_opt.state_dict()))
+    resumed = _shard(_model(), mesh)
+    resumed.load_state_dict(saved[0])
+    resumed_opt = onebit.OneBitAdam(resumed.parameters(), **kwargs)
+    resumed_opt.load_state_dict(saved[1])
+    for step in range(steps, steps + 2):
+        for m, opt in ((model, sharded_opt), (resumed, resumed_opt)):
+            _loss(m, *_batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+    for ours, theirs in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(ours.to_local(), theirs.to_local()), "the resumed run differs"
     return sharded_opt.bytes_sent
 
 
-def test_sharded_onebit_adam_is_the_optimizer_of_its_slices_bit_for_bit():
+def test_sharded_onebit_adam_is_the_optimizer_of_its_slices_bit_for_bit_and_resumes_exactly():
     spawn_workers(_slices, 2, args=(6,), timeout_s=180)
 
 
