@@ -61,11 +61,20 @@ OPTIMIZERS = {
 }
 
 
-def _one_dimensional(rank: int, world: int, name: str, steps: int):
-    """FSDP over both ranks against the replicated optimizer of this rank given the
-    gradient of the whole batch; returns the largest difference after each step."""
+def _one_dimensional(rank: int, world: int, names: list[str]):
+    """FSDP over both ranks against the replicated optimizer given the gradient of the whole
+    batch, for each optimizer named: the largest difference after each step, and the state
+    bytes of both."""
     mesh = init_device_mesh("cpu", (world,))
     single, _ = dist.new_subgroups(group_size=1)
+    steps = {name: 6 if name.startswith("lamb") else 4 for name in names}  # 1-bit: the warm-up
+    return {
+        name: _compare_one_dimensional(rank, world, name, steps[name], mesh, single)
+        for name in names
+    }
+
+
+def _compare_one_dimensional(rank, world, name, steps, mesh, single):
     reference = _model()
     model = _shard(copy.deepcopy(reference), mesh)
     kwargs = {} if name.startswith("lamb") else {"process_group": single}
@@ -94,13 +103,12 @@ def _one_dimensional(rank: int, world: int, name: str, steps: int):
     return differences, memory
 
 
-@pytest.mark.parametrize("name", ["lamb", "lamb-clipped", "onebit-lamb", "onebit-adam"])
-def test_one_dimensional_mesh_equals_the_replicated_optimizer(name):
-    steps = 6 if name.startswith("lamb") else 4  # the 1-bit optimizers: their warm-up
-    outputs = spawn_workers(_one_dimensional, 2, args=(name, steps), timeout_s=180)
-    for rank, (differences, (sharded, replicated)) in enumerate(outputs):
-        assert max(differences) < 2e-6, f"rank {rank}: {differences}"
-        assert sharded < replicated, f"rank {rank}: state {sharded} vs {replicated} bytes"
+def test_one_dimensional_mesh_equals_the_replicated_optimizer():
+    outputs = spawn_workers(_one_dimensional, 2, args=(list(OPTIMIZERS),), timeout_s=240)
+    for rank, by_name in enumerate(outputs):
+        for name, (differences, (sharded, replicated)) in by_name.items():
+            assert max(differences) < 2e-6, f"{name}, rank {rank}: {differences}"
+            assert sharded < replicated, f"{name}, rank {rank}: state {sharded} vs {replicated}"
 
 
 def _slices(rank: int, world: int, steps: int):
@@ -183,7 +191,7 @@ def _hsdp(rank: int, world: int, warmup: int, steps: int, hidden: int, out: int)
     return differences, sent, torch.equal(*replicas), slice_numel, memory
 
 
-@pytest.mark.parametrize(("hidden", "out"), [(7, 5), (64, 8)])
+@pytest.mark.parametrize(("hidden", "out"), [(7, 5), pytest.param(64, 8, marks=pytest.mark.slow)])
 def test_hsdp_two_by_two_follows_the_hierarchical_optimizer(hidden, out):
     warmup, steps = 3, 8
     outputs = spawn_workers(_hsdp, 4, args=(warmup, steps, hidden, out), timeout_s=240)
