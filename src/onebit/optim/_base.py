@@ -6,11 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.optim import Optimizer
 
 from onebit.kernels import BACKENDS, Backend, UpdateKernels, select
-from onebit.optim import functional
+from onebit.optim import _common, functional
 from onebit.optim._flat import FlatState
 from onebit.optim._sharding import ShardGroup, local_tensor
 
@@ -36,7 +35,7 @@ class FlatOptimizer(Optimizer):
         self._backend: Backend | None = None
         super().__init__(params, defaults)
         #: The FSDP2 shard group of the parameters, or ``None`` when they are not sharded.
-        self.shards = ShardGroup.of(self._trainable())
+        self.shards = ShardGroup.of(_common.trainable_params(self))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_flat", None) is not None:
@@ -46,7 +45,7 @@ class FlatOptimizer(Optimizer):
             )
         super().add_param_group(param_group)
         if hasattr(self, "shards"):  # a group added after construction
-            self.shards = ShardGroup.of(self._trainable())
+            self.shards = ShardGroup.of(_common.trainable_params(self))
 
     @staticmethod
     def _evaluate(closure) -> Any:
@@ -84,12 +83,9 @@ class FlatOptimizer(Optimizer):
             return functional.REFERENCE
         return self._backend.updates or functional.REFERENCE
 
-    def _trainable(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-
     def _local_numels(self) -> list[int]:
         """Elements of each trainable parameter on this rank (its slice when sharded)."""
-        return [local_tensor(p).numel() for p in self._trainable()]
+        return [local_tensor(p).numel() for p in _common.trainable_params(self)]
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the optimizer holds now: ``"state"`` (moments, fp32 master weights of
