@@ -191,7 +191,8 @@ def _hsdp(rank: int, world: int, warmup: int, steps: int, hidden: int, out: int)
     return differences, sent, torch.equal(*replicas), slice_numel, memory
 
 
-@pytest.mark.parametrize(("hidden", "out"), [(7, 5), pytest.param(64, 8, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize(("hidden", "out"), [(7, 5), (64, 8)])
 def test_hsdp_two_by_two_follows_the_hierarchical_optimizer(hidden, out):
     warmup, steps = 3, 8
     outputs = spawn_workers(_hsdp, 4, args=(warmup, steps, hidden, out), timeout_s=240)
