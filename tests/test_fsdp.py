@@ -68,10 +68,14 @@ def _one_dimensional(rank: int, world: int, names: list[str]):
     mesh = init_device_mesh("cpu", (world,))
     single, _ = dist.new_subgroups(group_size=1)
     steps = {name: 6 if name.startswith("lamb") else 4 for name in names}  # 1-bit: the warm-up
-    return {
+    results = {
         name: _compare_one_dimensional(rank, world, name, steps[name], mesh, single)
         for name in names
     }
+    # FSDP's own HSDP (a 2-D mesh: Replicate(), Shard(0)), which Lamb takes: one replica here.
+    hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    results["lamb-fsdp-hsdp"] = _compare_one_dimensional(rank, world, "lamb", 6, hsdp, single)
+    return results
 
 
 def _compare_one_dimensional(rank, world, name, steps, mesh, single):

@@ -285,9 +285,37 @@ def test_hierarchical_exchange_on_two_nodes_of_two(
     assert 0 < compression - links["intra_node"] - links["inter_node"] < 0.001 * compression
 
 
+@pytest.mark.slow
+def test_fsdp_on_two_nodes_of_two_trains_and_resumes_exactly(workspace: Path) -> None:
+    """``--fsdp``: FSDP2 within nodes of 2, 1-bit LAMB between them. Killed after step 6 and
+    restarted, it resumes from its DCP checkpoint at step 4 and ends bit-identical."""
+    fsdp = ("--workers", "4", "--node-size", "2", "--fsdp")
+    out, killed = workspace / "fsdp", workspace / "fsdp-killed"
+    assert train(*tiny(workspace, out, *fsdp)) == 0
+    assert train(*tiny(workspace, killed, *fsdp, "--max-restarts", "1", "--kill-at-step", "6")) == 0
+    ours, theirs = report.read_metrics(killed), report.read_metrics(out)
+    assert [r["loss"] for r in ours.train] == [r["loss"] for r in theirs.train]
+    assert [r["loss"] for r in ours.validation] == [r["loss"] for r in theirs.validation]
+    assert theirs.validation[-1]["loss"] < theirs.validation[0]["loss"]
+    manifest = json.loads(
+        (checkpoint.step_dir(out / "checkpoints", STEPS) / "manifest.json").read_text()
+    )
+    assert any(name.startswith("dcp/") and name.endswith(".distcp") for name in manifest["files"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lamb_baseline"].startswith("HSDP") and summary["fsdp"]["nodes"] == 2
+    stages = summary["bytes_sent"]["by_stage"]
+    assert 0 < stages["compression"]["bytes"] * 20 < stages["compression"]["lamb_bytes"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--fsdp"], "--fsdp shards over the workers of a node: give --node-size L > 1"),
+        (["--fsdp", "--optimizer", "adam"], "--fsdp trains lamb, onebit-lamb, onebit-adam"),
+        (
+            ["--fsdp", "--node-size", "2", "--overlap-backward", "--grad-clip", "0"],
+            "--overlap-backward is not offered with --fsdp",
+        ),
         (["--steps", "0"], "--steps must be a positive integer"),
         (["--steps", "10", "--freeze-step", "11"], "--freeze-step must be in [1, --steps=10]"),
         (["--hidden", "30", "--heads", "4"], "--hidden 30 must be divisible by --heads 4"),

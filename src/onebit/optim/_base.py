@@ -25,6 +25,9 @@ class FlatOptimizer(Optimizer):
     """
 
     _SCALARS: dict[str, float] = {}
+    #: Whether parameters FSDP2 shards on a 2-D mesh (its own HSDP, which all-reduces every
+    #: gradient across replicas) are taken: by optimizers that use the averaged gradient.
+    _TAKES_FSDP_HSDP = False
 
     def __init__(self, params, defaults: dict[str, Any], kernels: str | None) -> None:
         if kernels not in (None, "auto", *BACKENDS):
@@ -35,7 +38,10 @@ class FlatOptimizer(Optimizer):
         self._backend: Backend | None = None
         super().__init__(params, defaults)
         #: The FSDP2 shard group of the parameters, or ``None`` when they are not sharded.
-        self.shards = ShardGroup.of(_common.trainable_params(self))
+        self.shards = self._shard_group()
+
+    def _shard_group(self) -> ShardGroup | None:
+        return ShardGroup.of(_common.trainable_params(self), self._TAKES_FSDP_HSDP)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_flat", None) is not None:
@@ -45,7 +51,7 @@ class FlatOptimizer(Optimizer):
             )
         super().add_param_group(param_group)
         if hasattr(self, "shards"):  # a group added after construction
-            self.shards = ShardGroup.of(_common.trainable_params(self))
+            self.shards = self._shard_group()
 
     @staticmethod
     def _evaluate(closure) -> Any:

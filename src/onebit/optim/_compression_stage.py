@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from onebit.optim import _common
@@ -189,18 +188,13 @@ class CompressionStage(CommunicatingOptimizer):
                 for param, param_mask in zip(group["params"], group_masks, strict=True):
                     if id(param) in index_of:
                         index = index_of[id(param)]
-                        flat.view(mask, index).mul_(self._local_mask(param_mask, index))
+                        flat.view(mask, index).mul_(self._local_mask(param_mask))
         least, most = torch.aminmax(mask)  # one pass, where (mask == 1).all() took five
         return None if bool(least == 1) and bool(most == 1) else mask
 
-    def _local_mask(self, mask: Tensor, index: int) -> Tensor:
-        """Parameter ``index``'s ``exp_avg_mask`` on this rank: its slice (FSDP's chunks of
-        dim 0) when the parameters are sharded."""
-        if self.shards is None:
-            return mask
-        rank = dist.get_rank(self.shards.group)
-        chunks = torch.chunk(mask, self.shards.size, dim=0)
-        return chunks[rank] if rank < len(chunks) else mask[:0]
+    def _local_mask(self, mask: Tensor) -> Tensor:
+        """A parameter's ``exp_avg_mask`` on this rank: its slice when sharded."""
+        return mask if self.shards is None else self.shards.local_slice(mask)
 
     def _start_compression(self, flat: FlatState) -> None:
         """At the first compression step: ``s_p = mean_q rms(m_q) / rms(m_p)`` (1 if 0; stays 1

@@ -128,8 +128,9 @@ class FlatState:
         """Each parameter's maximum of ``flat`` (of ``numel`` elements; an empty slice counts
         as ``-inf``), over the whole tensor when sharded."""
         local = torch.segment_reduce(flat, "max", lengths=self.counts)
-        local = torch.where(self.counts > 0, local, -torch.inf)
-        return local if self.shards is None else self.shards.max_(local)
+        if self.shards is None:
+            return local
+        return self.shards.max_(torch.where(self.counts > 0, local, -torch.inf))
 
     def all_finite(self, tensors: Sequence[Tensor]) -> bool:
         """Whether every element of ``tensors`` is finite, on every rank of the shard group."""

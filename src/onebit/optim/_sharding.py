@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["ShardGroup", "local_tensor"]
 
@@ -37,9 +37,11 @@ class ShardGroup:
         self.size = dist.get_world_size(group)
 
     @classmethod
-    def of(cls, params: Sequence[Tensor]) -> ShardGroup | None:
-        """The shard group of ``params`` (all DTensors on one 1-D mesh, placed ``Shard(0)``),
-        or ``None`` when none is a DTensor. Raises ``ValueError`` naming what does not fit."""
+    def of(cls, params: Sequence[Tensor], replicated_mesh_dim: bool = False) -> ShardGroup | None:
+        """The shard group of ``params`` (all DTensors on one 1-D mesh, placed ``Shard(0)``;
+        with ``replicated_mesh_dim``, also FSDP's own HSDP: a 2-D mesh, placed
+        ``(Replicate(), Shard(0))``, whose second dimension is the shard group), or ``None``
+        when none is a DTensor. Raises ``ValueError`` naming what does not fit."""
         sharded = [p for p in params if isinstance(p, DTensor)]
         if not sharded:
             return None
@@ -53,19 +55,28 @@ class ShardGroup:
         if len(meshes) > 1:
             raise ValueError("the parameters are sharded over different device meshes")
         mesh = meshes.pop()
-        if mesh.ndim != 1:
+        hsdp = replicated_mesh_dim and mesh.ndim == 2
+        if mesh.ndim != 1 and not hsdp:
             raise ValueError(
                 f"the parameters are sharded over a {mesh.ndim}-D mesh (HSDP inside FSDP), "
                 "where FSDP all-reduces every gradient across replicas densely at every step: "
                 + _HSDP_FORM
             )
+        placement = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
         for param in sharded:
-            if tuple(param.placements) != (Shard(0),):
+            if tuple(param.placements) != placement:
                 raise ValueError(
                     f"a parameter of shape {tuple(param.shape)} is placed {param.placements}; "
-                    "onebit optimizers take FSDP2's placement, (Shard(dim=0),)"
+                    f"onebit optimizers take FSDP2's placement, {placement}"
                 )
-        return cls(mesh.get_group())
+        return cls(mesh.get_group(mesh.ndim - 1))
+
+    def local_slice(self, tensor: Tensor) -> Tensor:
+        """This rank's slice of a whole ``tensor`` of a parameter's shape: FSDP2's chunk of
+        dim 0 (``torch.chunk``; empty where the chunks run out)."""
+        rank = dist.get_rank(self.group)
+        chunks = torch.chunk(tensor, self.size, dim=0)
+        return chunks[rank] if rank < len(chunks) else tensor[:0]
 
     def sum_(self, values: Tensor) -> Tensor:
         """``values`` summed over the shard group, in place."""

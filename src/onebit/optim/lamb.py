@@ -44,10 +44,11 @@ class Lamb(FlatOptimizer):
         p &\leftarrow p - \gamma\, c\, u
 
     (``c = 1`` where ``||p||`` or ``||u||`` is 0; no bias correction.) It does no
-    communication: use it in one process, or under ``DistributedDataParallel``, which hands
-    it averaged gradients. Half-precision parameters get fp32 state and an fp32 master copy.
-    State is flat (see :mod:`onebit.optim._flat`): the step is a few whole-buffer passes
-    with no host synchronisation per tensor.
+    communication: use it in one process, or under ``DistributedDataParallel`` or FSDP2
+    (``fully_shard``, on a 1-D mesh or FSDP's own HSDP on a 2-D one), which hand it averaged
+    gradients; sharded, its norms are those of the whole tensors. Half-precision parameters
+    get fp32 state and an fp32 master copy. State is flat (see :mod:`onebit.optim._flat`):
+    the step is a few whole-buffer passes with no host synchronisation per tensor.
 
     Args:
         params: parameters or parameter groups; groups may override every hyper-parameter.
@@ -60,6 +61,8 @@ class Lamb(FlatOptimizer):
         max_grad_norm: if positive, the gradients are clipped at it first (as
             ``torch.nn.utils.clip_grad_norm_`` clips them); 0 (default): no clipping.
     """
+
+    _TAKES_FSDP_HSDP = True
 
     def __init__(
         self,

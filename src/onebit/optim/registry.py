@@ -81,7 +81,7 @@ class OptimizerSpec:
 
 
 _CLIPPING = ("max_grad_norm", "kernels")
-_FLAT_EXCHANGE = ("node_groups", "bucket_cap_mb", "overlap_backward", *_CLIPPING)
+_FLAT_EXCHANGE = ("process_group", "node_groups", "bucket_cap_mb", "overlap_backward", *_CLIPPING)
 _AUTO_FREEZE = ("max_freeze_step",)
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {

@@ -6,6 +6,9 @@ A checkpoint is a folder ``checkpoints/step-<K>/`` holding
   of ``metrics.jsonl`` at that step;
 * ``rank-<R>.pt`` (one per rank): that rank's optimizer state (for the 1-bit optimizers, its
   own error-feedback buffers), its LR-scheduler state and the bytes it has sent so far;
+* with ``--fsdp``, ``dcp/``: the sharded model and optimizer state, written by every rank
+  through ``torch.distributed.checkpoint`` (:mod:`onebit.dcp`); ``model.pt`` and
+  ``rank-<R>.pt`` then hold the rest;
 * ``manifest.json`` (rank 0, written last): the step, the world size and the SHA-256 digest of
   every file. A checkpoint without a manifest is incomplete and never loaded.
 
@@ -24,6 +27,7 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.pt"
 MANIFEST_FILE = "manifest.json"
+#: The folder of the state every rank writes a part of (``torch.distributed.checkpoint``).
+SHARED_DIR = "dcp"
 _STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -103,9 +109,12 @@ def save(
     model_state: dict[str, Any] | None,
     rank_state: dict[str, Any],
     keep: int,
+    write_shared: Callable[[Path], None] | None = None,
 ) -> None:
-    """Collective: every rank writes its part; rank 0 (which passes ``model_state``) writes
-    the manifest once all parts are on disk, then old checkpoints beyond ``keep`` are removed."""
+    """Collective: every rank writes its part (and, with ``write_shared``, its part of the
+    shared folder, which that call writes collectively); rank 0 (which passes
+    ``model_state``) writes the manifest once all parts are on disk, then old checkpoints
+    beyond ``keep`` are removed."""
     rank = dist.get_rank()
     world = dist.get_world_size()
     folder = step_dir(checkpoint_root, step)
@@ -115,10 +124,15 @@ def save(
         if model_state is None:
             raise ValueError("rank 0 must pass the model state")
         digests[MODEL_FILE] = _save(folder / MODEL_FILE, model_state)
+    if write_shared is not None:
+        write_shared(folder / SHARED_DIR)
     gathered: list[dict[str, str] | None] = [None] * world
     dist.all_gather_object(gathered, digests)
     if rank == 0:
         files = {name: digest for part in gathered for name, digest in part.items()}
+        if write_shared is not None:
+            for path in sorted((folder / SHARED_DIR).iterdir()):
+                files[f"{SHARED_DIR}/{path.name}"] = _file_digest(path)
         manifest = {"step": step, "world_size": world, "files": files}
         _write(folder / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
     dist.barrier()
@@ -132,6 +146,15 @@ def save(
 
 
 def _load_verified(folder: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    path = _verify(folder, name, manifest)
+    try:  # mapped, not read into memory: a simulation's error buffers can be gigabytes
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    except Exception as exc:  # torch.load raises many types on a damaged archive
+        raise CheckpointError(f"cannot load {path}: {exc}") from exc
+
+
+def _verify(folder: Path, name: str, manifest: dict[str, Any]) -> Path:
+    """The path of file ``name`` once its digest is the manifest's."""
     path = folder / name
     expected = manifest["files"].get(name)
     if expected is None:
@@ -145,10 +168,7 @@ def _load_verified(folder: Path, name: str, manifest: dict[str, Any]) -> dict[st
             f"{path} is truncated or corrupt: {size} bytes with SHA-256 {actual[:12]}..., "
             f"the manifest recorded {expected[:12]}..."
         )
-    try:  # mapped, not read into memory: a simulation's error buffers can be gigabytes
-        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-    except Exception as exc:  # torch.load raises many types on a damaged archive
-        raise CheckpointError(f"cannot load {path}: {exc}") from exc
+    return path
 
 
 def _try_load(folder: Path, rank: int, world: int) -> Checkpoint:
@@ -165,6 +185,9 @@ def _try_load(folder: Path, rank: int, world: int) -> Checkpoint:
         )
     model = _load_verified(folder, MODEL_FILE, manifest) if rank == 0 else None
     rank_state = _load_verified(folder, rank_file(rank), manifest)
+    shared = sorted(name for name in manifest["files"] if name.startswith(f"{SHARED_DIR}/"))
+    for name in shared[rank::world]:  # each rank checks its share of the shared files
+        _verify(folder, name, manifest)
     return Checkpoint(step=step, path=folder, model=model, rank_state=rank_state)
 
 

@@ -35,7 +35,7 @@ BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 
 #: Options that choose how worker processes communicate (``onebit simulate`` has none).
-REAL_WORKER_OPTIONS = ("ddp", "backend", "timeout", "powersgd_rank")
+REAL_WORKER_OPTIONS = ("ddp", "backend", "timeout", "powersgd_rank", "fsdp")
 
 #: Peak learning rates when ``lr`` is not given (each optimizer's ``default_lr``).
 DEFAULT_LAMB_LR = registry.OPTIMIZERS["lamb"].default_lr
@@ -213,6 +213,15 @@ class TrainConfig:
         "dense averaging inside a node, 1-bit only between nodes; must divide the number of "
         "workers; 1 = the flat exchange (the dense optimizers ignore it)",
     )
+    fsdp: bool = option(
+        False,
+        group=_SYSTEM,
+        help="shard parameters, gradients and optimizer state with FSDP2 (fully_shard) over "
+        "the --node-size workers of each node, replicated across nodes (HSDP), in place of "
+        "DDP: onebit-lamb and onebit-adam exchange each slice's momentum between nodes at 1 "
+        "bit; lamb runs FSDP's own HSDP (a dense allreduce between nodes); checkpoints "
+        "through torch.distributed.checkpoint",
+    )
     bucket_cap_mb: float | None = option(
         None,
         group=_SYSTEM,
@@ -295,7 +304,7 @@ class TrainConfig:
         for name in ("freeze_step", "var_freeze_step", "var_warmup_steps"):
             if getattr(self, name) not in (None, AUTO):
                 check_positive_int_option(name, getattr(self, name))
-        if self.node_size > 1 and self.compression == "per_tensor":
+        if self.node_size > 1 and self.compression == "per_tensor" and not self.fsdp:
             raise ValueError(
                 "--node-size > 1 (the hierarchical exchange) is not offered with "
                 "--compression per_tensor"
@@ -378,8 +387,9 @@ class TrainConfig:
 
     @property
     def hierarchical(self) -> bool:
-        """Whether the 1-bit exchange runs between nodes of ``node_size`` workers."""
-        return self.uses_onebit and self.node_size > 1
+        """Whether the hierarchical 1-bit exchange runs between nodes of ``node_size``
+        workers (with ``fsdp``, FSDP takes the node's part)."""
+        return self.uses_onebit and self.node_size > 1 and not self.fsdp
 
     def check_world_size(self, workers: int) -> None:
         """Raise ``ValueError`` if ``workers`` does not suit the batch and the node size."""

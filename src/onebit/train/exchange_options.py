@@ -17,8 +17,33 @@ POWERSGD_OPTIMIZERS = ("lamb", "adam")
 
 def check_exchange_options(config: TrainConfig) -> None:
     """Raise ``ValueError`` naming the option that does not fit the others."""
+    _check_fsdp(config)
     _check_buckets(config)
     _check_powersgd(config)
+
+
+#: The optimizers of the job that take FSDP2-sharded parameters.
+FSDP_OPTIMIZERS = ("lamb", "onebit-lamb", "onebit-adam")
+
+
+def _check_fsdp(config: TrainConfig) -> None:
+    """``--fsdp``: sharded within a node of more than one worker, without DDP's options."""
+    if not config.fsdp:
+        return
+    if config.optimizer not in FSDP_OPTIMIZERS:
+        raise ValueError(f"--fsdp trains {', '.join(FSDP_OPTIMIZERS)}, not {config.optimizer}")
+    if config.node_size < 2:
+        raise ValueError(
+            "--fsdp shards over the workers of a node: give --node-size L > 1 (L = --workers: "
+            "one node, no replicas)"
+        )
+    for flag, value in (
+        ("--bucket-cap-mb", config.bucket_cap_mb is not None),
+        ("--overlap-backward", config.overlap_backward),
+        ("--powersgd-rank", config.powersgd_rank > 0),
+    ):
+        if value:
+            raise ValueError(f"{flag} is not offered with --fsdp")
 
 
 def _check_buckets(config: TrainConfig) -> None:

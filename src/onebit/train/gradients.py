@@ -24,15 +24,18 @@ def build_optimizer(
     params: list[nn.Parameter],
     node_groups: NodeGroups | None = None,
     max_grad_norm: float = 0.0,
+    process_group: dist.ProcessGroup | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer named by ``config.optimizer`` (:data:`onebit.optim.registry.OPTIMIZERS`)
     with the config's hyper-parameters; the 1-bit optimizers exchange hierarchically over
-    ``node_groups`` when given; onebit's optimizers clip at ``max_grad_norm`` in ``step()``
-    (torch's AdamW does not clip)."""
+    ``node_groups`` when given, over ``process_group`` (default: the world) otherwise;
+    onebit's optimizers clip at ``max_grad_norm`` in ``step()`` (torch's AdamW does not
+    clip)."""
     values = {
         **dataclasses.asdict(config),
         "node_groups": node_groups,
         "max_grad_norm": max_grad_norm,
+        "process_group": process_group,
     }
     if config.freeze_step == AUTO:
         values["max_freeze_step"] = config.steps

@@ -10,6 +10,7 @@ exchange sent inside the node and between nodes) and a ``{"kind": "validation", 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,17 @@ def human_bytes(n: float) -> str:
 def dense_allreduce_bytes(numel: int, world_size: int, steps: int) -> int:
     """Bytes one worker sends for ``steps`` ring allreduces of ``numel`` fp32 values."""
     return steps * ring_allreduce_bytes(4 * numel, world_size)
+
+
+def dense_baseline(config: TrainConfig, numel: int, world_size: int) -> tuple[str, int]:
+    """What the run is measured against, and the bytes one worker sends for it per step:
+    LAMB's fp32 allreduce of the gradients over all workers, or with ``--fsdp`` HSDP's fp32
+    allreduce of a worker's slices (``numel / node_size``) between the nodes."""
+    if config.fsdp:
+        nodes = world_size // config.node_size
+        sliced = math.ceil(numel / config.node_size)
+        return "HSDP, fp32 allreduce between nodes", dense_allreduce_bytes(sliced, nodes, 1)
+    return "LAMB, fp32 allreduce", dense_allreduce_bytes(numel, world_size, 1)
 
 
 @dataclass
@@ -85,15 +97,16 @@ def summarize(run_dir: Path, config: TrainConfig, *, world_size: int, numel: int
         entry = stages.setdefault(row["stage"], {"steps": 0, "bytes": 0})
         entry["steps"] += 1
         entry["bytes"] += row["bytes"]
+    baseline, dense_step = dense_baseline(config, numel, world_size)
     for entry in stages.values():
-        entry["lamb_bytes"] = dense_allreduce_bytes(numel, world_size, entry["steps"])
+        entry["lamb_bytes"] = entry["steps"] * dense_step
     sent = sum(entry["bytes"] for entry in stages.values())
     bytes_sent: dict[str, Any] = {"total": sent, "by_stage": stages}
     if "bytes_inter_node" in train[-1]:
         bytes_sent["by_link"] = {
             link: sum(row.get(f"bytes_{link}", 0) for row in train) for link in LINKS
         }
-    lamb = dense_allreduce_bytes(numel, world_size, len(train))
+    lamb = len(train) * dense_step
     train_time = sum(row["step_time"] for row in train)
     return {
         "run_dir": str(run_dir),
@@ -112,6 +125,7 @@ def summarize(run_dir: Path, config: TrainConfig, *, world_size: int, numel: int
         "samples_per_s": train[-1]["samples"] / train_time if train_time > 0 else None,
         "bytes_sent": bytes_sent,
         "lamb_bytes": lamb,
+        "lamb_baseline": baseline,
         "reduction_vs_lamb": lamb / sent if sent else None,
     }
 
@@ -125,13 +139,14 @@ def plot_loss(
     unigram_entropy: float | None = None,
 ) -> Path:
     """``loss.png``: train loss per step, validation loss, the unigram level and the switch to
-    compression; beside it, the bytes one worker has sent against what LAMB's dense fp32
-    allreduce of ``numel`` parameters over ``world_size`` workers would have sent."""
+    compression; beside it, the bytes one worker has sent against what the dense baseline
+    (:func:`dense_baseline`) would have sent."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    baseline, dense_step = dense_baseline(config, numel, world_size)
     metrics = read_metrics(run_dir)
     steps = [r["step"] for r in metrics.train]
     fig, (ax, traffic) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(3, 2))
@@ -148,9 +163,9 @@ def plot_loss(
         ax.axhline(unigram_entropy, color="black", ls=":", lw=1, label="unigram level")
     traffic.plot(
         steps,
-        [dense_allreduce_bytes(numel, world_size, step) / 2**20 for step in steps],
+        [step * dense_step / 2**20 for step in steps],
         color="gray",
-        label="LAMB (fp32 allreduce)",
+        label=baseline,
     )
     traffic.plot(steps, [r["bytes_total"] / 2**20 for r in metrics.train], label=config.optimizer)
     if config.uses_onebit:
@@ -203,6 +218,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     """The few lines printed at the end of ``onebit train``."""
     stages = summary["bytes_sent"]["by_stage"]
     val = summary["final_validation_loss"]
+    baseline = summary.get("lamb_baseline", "LAMB, fp32 allreduce")
     lines = [
         f"{summary['optimizer']}: {summary['steps']} steps on {summary['workers']} workers, "
         f"{summary['samples']:,} samples, {summary['samples_per_s']:.0f} samples/s",
@@ -215,12 +231,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     for stage, entry in stages.items():
         lines.append(
             f"    {stage:<12} {entry['steps']:>6} steps  {human_bytes(entry['bytes']):>10}"
-            f"   (LAMB, fp32 allreduce: {human_bytes(entry['lamb_bytes'])})"
+            f"   ({baseline}: {human_bytes(entry['lamb_bytes'])})"
         )
     reduction = summary["reduction_vs_lamb"]
     lines.append(
         f"    {'total':<12} {summary['steps']:>6} steps  "
-        f"{human_bytes(summary['bytes_sent']['total']):>10}   (LAMB: "
+        f"{human_bytes(summary['bytes_sent']['total']):>10}   ({baseline.split(',')[0]}: "
         f"{human_bytes(summary['lamb_bytes'])}"
         + ("" if reduction is None else f", {reduction:.1f}x less sent")
         + ")"

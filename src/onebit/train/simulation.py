@@ -24,7 +24,8 @@ import torch.distributed as dist
 from onebit.simulate import SimulatedDataParallel
 from onebit.train.config import TrainConfig
 from onebit.train.gradients import build_optimizer
-from onebit.train.trainer import Rank, Trainer
+from onebit.train.rank import Rank
+from onebit.train.trainer import Trainer
 from onebit.train.worker import configure_logging
 
 __all__ = ["SimulatedTrainer", "check_simulated", "simulate"]

@@ -5,7 +5,6 @@ runs the same trainer with its workers simulated (:mod:`onebit.train.simulation`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from onebit.train.gradients import (
 )
 from onebit.train.job_data import load_data, lr_factor, masked_batch, model_config, step_seed
 from onebit.train.powersgd import CountedPowerSGD, one_bucket
+from onebit.train.rank import Rank, collective_ok
 from onebit.train.run_dir import (
     CHECKPOINT_DIR,
     METRICS_FILE,
@@ -46,31 +46,6 @@ logger = logging.getLogger(__name__)
 EVAL_BATCH = 128
 #: Stage label of the steps of the uncompressed optimizers.
 DENSE = "dense"
-
-
-@dataclasses.dataclass
-class Rank:
-    """Where this process sits in the job."""
-
-    rank: int
-    world: int
-    local_rank: int
-    local_world: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _collective_ok(error: str | None, what: str) -> None:
-    """Raise on every rank if any rank failed ``what`` (the first error message is shown)."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        rank, message = failed[0]
-        raise RuntimeError(f"{what} failed on rank {rank}: {message}")
 
 
 @contextlib.contextmanager
@@ -120,7 +95,7 @@ class Trainer:
                 prepare_run_dir(self.run_dir, self.config, self._launch())
             except (ValueError, OSError) as exc:
                 error = str(exc)
-        _collective_ok(error, "preparing the run folder")
+        collective_ok(error, "preparing the run folder")
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         # One process per node fills the data cache; the others then read it.
         loaded = None
@@ -142,8 +117,8 @@ class Trainer:
         self.numel = sum(p.numel() for p in self.params)
 
         resumed = checkpoint.load_latest(self.checkpoints)
-        if resumed is not None and resumed.model is not None:
-            self.model.load_state_dict(resumed.model["model"])
+        if resumed is not None and resumed.model is not None and "model" in resumed.model:
+            self.model.load_state_dict(resumed.model["model"])  # rank 0; not with --fsdp
         # Identical initial (or restored) weights on every rank.
         onebit.broadcast_parameters(self.model.state_dict().values())
         self._parallelize()
@@ -155,7 +130,7 @@ class Trainer:
         self.metrics_bytes = 0
         if resumed is not None:
             state = resumed.rank_state
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._load_optimizer(resumed)
             self.scheduler.load_state_dict(state["scheduler"])
             self.traffic = dict(state["traffic"])
             if self.powersgd is not None:
@@ -164,6 +139,9 @@ class Trainer:
             if resumed.model is not None:
                 self.metrics_bytes = int(resumed.model["metrics_bytes"])
             logger.info("Resuming at step %d from %s", resumed.step, resumed.path)
+
+    def _load_optimizer(self, resumed: checkpoint.Checkpoint) -> None:
+        self.optimizer.load_state_dict(resumed.rank_state["optimizer"])
 
     def _parallelize(self) -> None:
         """The optimizer, how gradients are averaged (``self.dense_traffic`` counts the dense
@@ -320,6 +298,10 @@ class Trainer:
         torch.manual_seed(step_seed(self.config.seed, step, worker))  # dropout
         return self.forward(inputs, labels), int((labels != data.IGNORE_INDEX).sum())
 
+    def _averages_gradients(self) -> bool:
+        """Whether the job averages the gradients itself (a plain loop's dense baselines)."""
+        return not self.config.ddp and not self.config.uses_onebit
+
     def _gradient_step(
         self, step: int, inputs: torch.Tensor, labels: torch.Tensor
     ) -> tuple[float, int]:
@@ -330,7 +312,7 @@ class Trainer:
         config = self.config
         loss, masked = self._worker_loss(step, self.rank.rank, inputs, labels)
         loss.backward()
-        if not config.ddp and not config.uses_onebit:
+        if self._averages_gradients():
             average_gradients(self.params, self.dense_traffic)
         if config.grad_clip > 0 and not clips_in_step(self.optimizer):
             torch.nn.utils.clip_grad_norm_(self.params, config.grad_clip)
@@ -345,7 +327,7 @@ class Trainer:
         self.model.eval()
         mine = torch.arange(self.rank.rank, inputs.shape[0], self.rank.world)
         totals = torch.zeros(2, dtype=torch.float64)
-        for chunk in mine.split(EVAL_BATCH):
+        for chunk in self._eval_batches(mine, inputs.shape[0]):
             batch_labels = labels[chunk].to(self.rank.device)
             loss = self.model(inputs[chunk].to(self.rank.device), batch_labels)
             masked = int((batch_labels != data.IGNORE_INDEX).sum())
@@ -354,19 +336,23 @@ class Trainer:
         self.model.train()
         return float(totals[0] / totals[1].clamp(min=1))
 
+    def _eval_batches(self, mine: torch.Tensor, sequences: int) -> tuple[torch.Tensor, ...]:
+        """This rank's validation sequences ``mine`` (of ``sequences`` in all) in batches."""
+        return mine.split(EVAL_BATCH)
+
     def _save(self, step: int, metrics: Any) -> None:
         model_state = None
         if self.rank.is_main:
             metrics.flush()
             os.fsync(metrics.fileno())
             model_state = {
-                "model": self.model.state_dict(),
+                **self._weights_checkpoint(),
                 "step": step,
                 "metrics_bytes": metrics.tell(),
                 "bert_config": self.bert_config.to_dict(),
             }
         rank_state = {
-            "optimizer": self.optimizer.state_dict(),
+            **self._optimizer_checkpoint(),
             "scheduler": self.scheduler.state_dict(),
             "traffic": dict(self.traffic),
             "step": step,
@@ -374,8 +360,22 @@ class Trainer:
         if self.powersgd is not None:
             rank_state["powersgd"] = self.powersgd.state_dict()
         checkpoint.save(
-            self.checkpoints, step, model_state, rank_state, self.config.keep_checkpoints
+            self.checkpoints,
+            step,
+            model_state,
+            rank_state,
+            self.config.keep_checkpoints,
+            self._write_shared_checkpoint,
         )
+
+    #: Writes the state every rank holds a part of into a checkpoint's shared folder (FSDP).
+    _write_shared_checkpoint = None
+
+    def _weights_checkpoint(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict()}
+
+    def _optimizer_checkpoint(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
 
     # ----------------------------------------------------------------- output (rank 0)
     @contextlib.contextmanager

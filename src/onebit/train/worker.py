@@ -22,8 +22,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from onebit.train.config import TrainConfig
+from onebit.train.rank import Rank
 from onebit.train.run_dir import read_config
-from onebit.train.trainer import Rank, Trainer
+from onebit.train.sharded import ShardedTrainer
+from onebit.train.trainer import Trainer
 
 
 class WorkerEnvironmentError(RuntimeError):
@@ -76,8 +78,9 @@ def run(config: TrainConfig, run_dir: Path, *, kill_at_step: int | None = None) 
     threads = max(1, len(os.sched_getaffinity(0)) // rank.local_world)
     torch.set_num_threads(threads)
     dist.init_process_group(config.backend, timeout=timedelta(seconds=config.timeout))
+    trainer = ShardedTrainer if config.fsdp else Trainer
     try:
-        Trainer(config, run_dir, rank, kill_at_step).train()
+        trainer(config, run_dir, rank, kill_at_step).train()
     finally:
         dist.destroy_process_group()
 
