@@ -232,6 +232,27 @@ def test_hierarchical_figures_and_targets() -> None:
     assert "wire MB/step/node" in report.format_report(result)
 
 
+def test_hsdp_figures_and_targets() -> None:
+    raw = _raw(
+        {
+            "hsdp-lamb": [[_block("steady", 2.0, 3200, 3200)]],
+            "hsdp-onebit-lamb": [
+                [_block("warmup", 2.0, 3200, 3200), _block("compression", 1.0, 100, 100)]
+            ],
+        },
+        workers=4,
+        nodes=2,
+        workers_per_node=2,
+        run_steps=100,
+    )
+    result = analysis.analyze(raw)
+    versus = result["summary"]["hsdp-onebit-lamb"]["vs_hsdp"]
+    assert versus == {"compression_stage_speedup": 2.0, "wire_bytes_reduction": 32.0}
+    assert result["targets"]["hsdp_inter_node_bytes_30x"]["met"] is True
+    with pytest.raises(ValueError, match="hsdp-lamb shard the model over the workers of a node"):
+        ComparisonSettings(workers=4, methods=("hsdp-lamb",)).resolved()
+
+
 def test_exchange_command_checks_before_it_runs(monkeypatch, capsys, tmp_path: Path) -> None:
     from onebit.bench import netns
 
@@ -392,8 +413,9 @@ def test_two_worker_comparison_on_emulated_cluster() -> None:
 @pytest.mark.slow
 @needs_cluster
 def test_two_nodes_of_two_workers_on_emulated_cluster() -> None:
-    """The hierarchical exchange sends about 1/L of the flat one's bytes over a node's link."""
-    methods = ["onebit-lamb-ddp", "onebit-lamb-hier"]
+    """The hierarchical exchange sends about 1/L of the flat one's bytes over a node's link;
+    1-bit LAMB on FSDP2 within the nodes sends far less between them than FSDP's HSDP."""
+    methods = ["onebit-lamb-ddp", "onebit-lamb-hier", "hsdp-lamb", "hsdp-onebit-lamb"]
     result = comparison.run_comparison(
         ComparisonSettings(
             nodes=2,
@@ -423,4 +445,7 @@ def test_two_nodes_of_two_workers_on_emulated_cluster() -> None:
     # second phase inside the nodes, which puts the measured ratio a little above 1/2.
     assert 0.4 < vs_flat["wire_bytes_ratio"] < 0.7, vs_flat
     assert "hierarchical_inter_node_bytes" in result["targets"]
+    # The tiny model's per-tensor scales and packet headers keep it below 32x.
+    assert result["summary"]["hsdp-onebit-lamb"]["vs_hsdp"]["wire_bytes_reduction"] > 10
+    assert "hsdp_inter_node_bytes_30x" in result["targets"]
     assert "### 2 nodes x 2 workers, 1gbit" in report.format_report(result)

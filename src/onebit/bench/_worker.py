@@ -41,6 +41,7 @@ import torch.distributed as dist
 from onebit.bench.settings import (
     ADAM_LR_SHARE,
     HIERARCHICAL_METHOD,
+    HSDP_METHODS,
     METHODS,
     OVERLAP_METHODS,
     PLAIN_METHODS,
@@ -77,6 +78,27 @@ def _noop_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[t
     return future
 
 
+def _shard_in_nodes(
+    model: torch.nn.Module, cfg: dict[str, Any], onebit_between_nodes: bool
+) -> tuple[list[torch.nn.Parameter], dist.ProcessGroup]:
+    """``fully_shard`` each encoder layer and ``model`` over the workers of a node: on the
+    node's 1-D mesh when the optimizer exchanges between nodes itself (1 bit), on FSDP's own
+    HSDP mesh (dense allreduce between nodes) otherwise. Returns the sharded parameters and
+    the replicate group (the ranks of one local index)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    per_node = cfg["workers_per_node"]
+    mesh = init_device_mesh(
+        "cpu", (dist.get_world_size() // per_node, per_node), mesh_dim_names=("replicate", "shard")
+    )
+    shard_mesh = mesh["shard"] if onebit_between_nodes else mesh
+    for layer in model.base_model.encoder.layer:
+        fully_shard(layer, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    return list(model.parameters()), mesh["replicate"].get_group()
+
+
 class _Method:
     """A model copy, its optimizer and the way one training step runs for one method."""
 
@@ -107,8 +129,10 @@ class _Method:
             values["overlap_backward"] = name in OVERLAP_METHODS
             if name == HIERARCHICAL_METHOD:
                 values["node_groups"] = onebit.node_groups(cfg["workers_per_node"])
+        if name in HSDP_METHODS:
+            params, values["process_group"] = _shard_in_nodes(model, cfg, spec.compresses)
         optimizer = spec.build(params, values)
-        if name not in PLAIN_METHODS:
+        if name not in (*PLAIN_METHODS, *HSDP_METHODS):
             ddp_kwargs: dict[str, Any] = {}
             if name.startswith("powersgd-"):
                 ddp_kwargs.update(one_bucket(params))

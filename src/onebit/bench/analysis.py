@@ -14,9 +14,8 @@ Derived figures:
   of that kind times their step time (or bytes), with the number of steps of each kind from
   the schedule ``onebit train --optimizer zero-one-adam`` uses for a run of ``S`` steps with
   ``--freeze-step`` ``w S``; against LAMB's and 1-bit Adam's whole runs.
-* On nodes of ``L > 1`` workers, the hierarchical exchange against the flat one
-  (``onebit-lamb-ddp``, else ``onebit-lamb``): compression-stage step and ``optimizer.step()``
-  time ratios, and the ratio of wire bytes per node per compression step (ideally ``1/L``).
+* On nodes of ``L > 1`` workers: the hierarchical exchange against the flat one, and 1-bit
+  LAMB under FSDP2 against FSDP's own HSDP (:mod:`onebit.bench.node_analysis`).
 
 Wire bytes are per emulated host, that is per node: what crosses its one shaped link.
 """
@@ -27,9 +26,8 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
+from onebit.bench.node_analysis import compare_nodes, node_targets, target
 from onebit.bench.settings import (
-    FLAT_ONEBIT_LAMB_METHODS,
-    HIERARCHICAL_METHOD,
     ONEBIT_LAMB_METHODS,
     ONEBIT_METHODS,
     OVERLAP_METHODS,
@@ -42,10 +40,6 @@ __all__ = ["analyze", "ideal_speedup", "ideal_traffic_reduction", "zero_one_adam
 
 COMPRESSION_RATIO = 32.0
 TARGET_WARMUP_FRACTIONS = (0.15, 0.20)
-#: Targets of the hierarchical exchange on nodes of L workers: at most this many times 1/L of
-#: the flat exchange's wire bytes per node, and a compression stage at least this much faster.
-HIERARCHICAL_BYTES_SLACK = 1.05
-HIERARCHICAL_SPEEDUP = 1.5
 
 
 def ideal_traffic_reduction(w: float, ratio: float = COMPRESSION_RATIO) -> float:
@@ -225,34 +219,12 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                     / (fraction * item["wire_warm"] + (1 - fraction) * item["wire_comp"])
                     for fraction in sorted({*TARGET_WARMUP_FRACTIONS, w})
                 }
-    _compare_hierarchical(summary)
+    compare_nodes(summary)
     _compare_zero_one_adam(summary)
     raw["summary"] = summary
     raw["derived"] = derived
-    raw["targets"] = {**_targets(raw), **_hierarchical_targets(raw)}
+    raw["targets"] = {**_targets(raw), **node_targets(raw)}
     return raw
-
-
-def _compare_hierarchical(summary: dict[str, Any]) -> None:
-    """Add ``vs_flat`` to the hierarchical method's summary: how it compares with the flat
-    1-bit LAMB of the same run in the compression stage."""
-    hier = summary.get(HIERARCHICAL_METHOD)
-    flat_name = next((m for m in FLAT_ONEBIT_LAMB_METHODS if m in summary), None)
-    if hier is None or flat_name is None:
-        return
-    flat = summary[flat_name]
-    ours, theirs = hier["stages"]["compression"], flat["stages"]["compression"]
-    vs_flat: dict[str, Any] = {
-        "method": flat_name,
-        "compression_stage_speedup": flat["t_comp"] / hier["t_comp"],
-    }
-    if "rank0_optimizer_step_seconds" in ours and "rank0_optimizer_step_seconds" in theirs:
-        vs_flat["optimizer_step_speedup"] = (
-            theirs["rank0_optimizer_step_seconds"] / ours["rank0_optimizer_step_seconds"]
-        )
-    if hier["wire_comp"] and flat["wire_comp"]:
-        vs_flat["wire_bytes_ratio"] = hier["wire_comp"] / flat["wire_comp"]
-    hier["vs_flat"] = vs_flat
 
 
 def _compare_zero_one_adam(summary: dict[str, Any]) -> None:
@@ -281,42 +253,6 @@ def _compare_zero_one_adam(summary: dict[str, Any]) -> None:
         item["end_to_end_speedup"] = item["vs"]["lamb"]["end_to_end_speedup"]
 
 
-def _target(met: bool | None, detail: str) -> dict[str, Any]:
-    return {"met": met, "detail": detail}
-
-
-def _hierarchical_targets(raw: dict[str, Any]) -> dict[str, Any]:
-    """The hierarchical exchange's targets, on nodes of several workers."""
-    settings, summary = raw["settings"], raw["summary"]
-    per_node = settings.get("workers_per_node", 1)
-    hier = summary.get(HIERARCHICAL_METHOD, {})
-    vs_flat = hier.get("vs_flat")
-    if per_node < 2 or vs_flat is None:
-        return {}
-    flat = vs_flat["method"]
-    targets: dict[str, Any] = {}
-    ratio = vs_flat.get("wire_bytes_ratio")
-    if ratio is not None:
-        limit = HIERARCHICAL_BYTES_SLACK / per_node
-        targets["hierarchical_inter_node_bytes"] = _target(
-            ratio <= limit,
-            f"wire bytes per node per compression step, {HIERARCHICAL_METHOD} / {flat}: "
-            f"{hier['wire_comp'] / 1e6:.3f} MB / {summary[flat]['wire_comp'] / 1e6:.3f} MB = "
-            f"{ratio:.3f} (target <= {HIERARCHICAL_BYTES_SLACK:g}/L = {limit:.3f}, L = {per_node})",
-        )
-    speedup = vs_flat["compression_stage_speedup"]
-    step = vs_flat.get("optimizer_step_speedup")
-    detail = f"compression-stage step time, {flat} / {HIERARCHICAL_METHOD}: {speedup:.2f}x" + (
-        "" if step is None else f" (optimizer.step() alone, rank 0: {step:.2f}x)"
-    )
-    if settings["bandwidth"] is None:
-        detail = f"not applicable: unshaped links; {detail}"
-    targets["hierarchical_compression_stage_1.5x"] = _target(
-        speedup >= HIERARCHICAL_SPEEDUP if settings["bandwidth"] else None, detail
-    )
-    return targets
-
-
 def _overlap_targets(summary: dict[str, Any]) -> dict[str, Any]:
     """The overlapped exchange's targets: its compression-stage step within 1.2x of the
     compute-only step, and never slower than LAMB (each path present)."""
@@ -326,14 +262,14 @@ def _overlap_targets(summary: dict[str, Any]) -> dict[str, Any]:
     if not overlapped or not compute or not lamb:
         return targets
     ratios = {m: summary[m]["t_comp"] / compute["t_comp"] for m in overlapped}
-    targets["overlap_within_1.2x_compute"] = _target(
+    targets["overlap_within_1.2x_compute"] = target(
         max(ratios.values()) <= 1.2,
         ", ".join(
             f"{m} compression-stage step / compute-only step = {r:.2f}" for m, r in ratios.items()
         ),
     )
     vs_lamb = {m: summary[m]["t_comp"] / lamb["t_comp"] for m in overlapped}
-    targets["overlap_not_slower_than_lamb"] = _target(
+    targets["overlap_not_slower_than_lamb"] = target(
         max(vs_lamb.values()) <= 1.0,
         ", ".join(f"{m} compression-stage step / LAMB step = {r:.2f}" for m, r in vs_lamb.items()),
     )
@@ -350,7 +286,7 @@ def _targets(raw: dict[str, Any]) -> dict[str, Any]:
     ratios = {m: summary[m].get("compression_stage_bytes_reduction") for m in onebit}
     if all(r is not None for r in ratios.values()):
         worst = min(ratios.values())
-        targets["compression_bytes_30x"] = _target(
+        targets["compression_bytes_30x"] = target(
             worst >= 30.0,
             "wire bytes per worker per step, LAMB / compression stage: "
             + ", ".join(f"{m} {r:.1f}x" for m, r in ratios.items()),
@@ -363,7 +299,7 @@ def _targets(raw: dict[str, Any]) -> dict[str, Any]:
             if "whole_run_traffic_reduction" in summary[m]
         }
         if got:
-            targets[f"whole_run_traffic_w{round(fraction * 100)}"] = _target(
+            targets[f"whole_run_traffic_w{round(fraction * 100)}"] = target(
                 min(got.values()) >= 0.95 * ideal,
                 f"ideal {ideal:.2f}x; measured "
                 + ", ".join(f"{m} {r:.2f}x ({r / ideal:.3f} of ideal)" for m, r in got.items()),
@@ -371,9 +307,9 @@ def _targets(raw: dict[str, Any]) -> dict[str, Any]:
     s = derived.get("comm_share")
     lamb_paths = [m for m in ONEBIT_LAMB_METHODS if m in summary]
     if s is None:
-        targets["speedup_where_comm_70"] = _target(None, "comm share not measured")
+        targets["speedup_where_comm_70"] = target(None, "comm share not measured")
     elif s < 0.7:
-        targets["speedup_where_comm_70"] = _target(
+        targets["speedup_where_comm_70"] = target(
             None, f"not applicable: LAMB's communication share here is {s:.2f} < 0.70"
         )
     elif lamb_paths:
@@ -388,7 +324,7 @@ def _targets(raw: dict[str, Any]) -> dict[str, Any]:
                 + (f", fp16 hook {lamb['t_comp'] / fp16['t_comp']:.2f}x" if fp16 else "")
                 + f"; whole-run {summary[m]['end_to_end_speedup']:.2f}x"
             )
-        targets["speedup_where_comm_70"] = _target(
+        targets["speedup_where_comm_70"] = target(
             met,
             f"s = {s:.2f}, ideal compression-stage {ideal_speedup(s):.2f}x, ideal whole-run "
             f"(w = {settings['freeze_fraction']:.2f}) "
@@ -401,7 +337,5 @@ def _targets(raw: dict[str, Any]) -> dict[str, Any]:
             ratio = summary[m]["t_comp"] / lamb["t_comp"]
             met = met and ratio <= 1.1
             parts.append(f"{m} compression-stage step / LAMB step = {ratio:.2f}")
-        targets["unshaped_step_within_1.1x"] = _target(
-            met if lamb_paths else None, "; ".join(parts)
-        )
+        targets["unshaped_step_within_1.1x"] = target(met if lamb_paths else None, "; ".join(parts))
     return targets

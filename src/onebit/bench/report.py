@@ -10,13 +10,14 @@ from typing import Any
 
 from onebit.bench.settings import (
     BASELINE_METHODS,
+    HSDP_METHODS,
     METHODS,
     ZERO_ONE_ADAM_METHOD,
     ZERO_ONE_ADAM_SCHEDULE,
 )
 
 #: The methods compared against LAMB, in table (and plot) order.
-COMPARED_METHODS = tuple(name for name in METHODS if name not in BASELINE_METHODS)
+COMPARED_METHODS = tuple(name for name in METHODS if name not in (*BASELINE_METHODS, *HSDP_METHODS))
 
 
 def bandwidth_label(bandwidth: str | None) -> str:

@@ -57,6 +57,16 @@ METHODS: dict[str, Method] = {
         "onebit-lamb",
     ),
     "onebit-adam": Method("1-bit Adam, DDP hook path", "1-bit Adam", "onebit-adam"),
+    "hsdp-lamb": Method(
+        "LAMB on FSDP2's HSDP (sharded in a node, dense fp32 allreduce between nodes)",
+        "HSDP LAMB",
+        "lamb",
+    ),
+    "hsdp-onebit-lamb": Method(
+        "1-bit LAMB on FSDP2 sharded in a node, 1-bit between nodes",
+        "HSDP 1-bit LAMB",
+        "onebit-lamb",
+    ),
     "zero-one-adam": Method("0/1 Adam, DDP hook path", "0/1 Adam (whole run)", "zero-one-adam"),
     "fp16": Method("LAMB + DDP fp16_compress_hook", "fp16 hook", "lamb"),
     "powersgd-1": Method("LAMB + DDP PowerSGD rank 1", "PowerSGD r1", "lamb"),
@@ -73,6 +83,10 @@ ONEBIT_METHODS = (*ONEBIT_LAMB_METHODS, "onebit-adam")
 #: The flat 1-bit LAMB methods, against which the hierarchical one is compared.
 FLAT_ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb")
 HIERARCHICAL_METHOD = "onebit-lamb-hier"
+#: The methods whose model FSDP2 shards over the workers of a node (no DDP), and the one of
+#: them whose traffic between nodes the 1-bit one is measured against.
+HSDP_METHODS = ("hsdp-lamb", "hsdp-onebit-lamb")
+HSDP_BASELINE = "hsdp-lamb"
 #: 0/1 Adam, whose steps are of four kinds (:data:`onebit.optim.zero_one_adam.STEP_KINDS`),
 #: each timed apart.
 ZERO_ONE_ADAM_METHOD = "zero-one-adam"
@@ -154,7 +168,8 @@ class ComparisonSettings:
     methods: tuple[str, ...] = option(
         tuple(METHODS),
         parse=_methods_option,
-        help="comma-separated subset of " + ",".join(METHODS),
+        help="comma-separated subset of " + ",".join(METHODS) + "; all: every one (those "
+        "that shard with FSDP2 only on nodes of several workers)",
         default_help="all",
     )
     freeze_fraction: float = option(0.2, help="warm-up fraction w of the computed end-to-end run")
@@ -213,6 +228,12 @@ class ComparisonSettings:
         if self.latency is not None:
             parse_latency(self.latency)
         _check_methods(tuple(self.methods))
+        sharded = [m for m in self.methods if m in HSDP_METHODS]
+        if sharded and self.workers_per_node < 2 and tuple(self.methods) != tuple(METHODS):
+            raise ValueError(
+                f"{', '.join(sharded)} shard the model over the workers of a node: give "
+                "--nodes M --workers-per-node L with L > 1"
+            )
         if self.model not in PRESETS:
             raise ValueError(f"unknown model preset {self.model!r}; choose from {sorted(PRESETS)}")
         for name in ("steps", "warm_steps", "skip_steps", "batch_size", "rounds"):
@@ -226,6 +247,9 @@ class ComparisonSettings:
         self.validate()
         workers, nodes = self.topology()
         threads = self.threads or max(1, (os.cpu_count() or 1) // workers)
+        methods = tuple(self.methods)
+        if self.workers_per_node < 2:  # "all": the FSDP2 methods need nodes of several workers
+            methods = tuple(m for m in methods if m not in HSDP_METHODS)
         return dataclasses.replace(
-            self, workers=workers, nodes=nodes, methods=tuple(self.methods), threads=threads
+            self, workers=workers, nodes=nodes, methods=methods, threads=threads
         )
