@@ -186,7 +186,7 @@ def _exchange_against_simulation(rank: int, n: int):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_distributed_exchange_matches_simulation_in_four_collectives(n):
+def test_distributed_exchange_matches_simulation_in_two_collectives(n):
     outputs = spawn_workers(_exchange_against_simulation, n, timeout_s=120)
     numels = [math.prod(shape) for shape in SHAPES]
     _, server = onebit.per_tensor_error_sizes(numels, n)
@@ -199,8 +199,8 @@ def test_distributed_exchange_matches_simulation_in_four_collectives(n):
             assert torch.equal(rank_results, results), f"{backend}: rank {rank} differs"
             assert sent == {"compressed_allreduce": CALLS * per_call}
             assert calls == {"compressed_allreduce": CALLS}
-            for counted in collectives:  # the same 4 collectives as the flat exchange
-                assert counted == {"all_gather_single": 3, "all_to_all_single": 1}
+            for counted in collectives:  # the flat exchange's: a message per peer and phase
+                assert counted == {"all_gather_single": 1, "all_to_all_single": 1}
 
 
 def _nan_on_last_rank(rank: int, n: int):

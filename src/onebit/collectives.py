@@ -240,9 +240,9 @@ def compressed_allreduce_per_tensor(
     :func:`compressed_allreduce`, with its own worker scale, per-chunk server scales and the
     slices ``worker_error[W_t : W_t + P_t]`` and ``server_error[S_t : S_t + P_t / n]``
     (``W_t``, ``S_t``: the sums over the tensors before it). All tensors travel together in
-    four collectives (ALGORITHM.md, "Per-tensor compression"): an all-gather of each rank's
-    worker scales, one all-to-all of the signs (server ``j`` gets chunk ``j`` of every
-    tensor), an all-gather of the server scales and one of the servers' signs.
+    two collectives (ALGORITHM.md, "Per-tensor compression"): one all-to-all (server ``j``
+    gets each rank's worker scales, then chunk ``j`` of every tensor's signs) and one
+    all-gather of every server's signs and scales.
 
     Args:
         tensors: floating-point tensors of one dtype and device, any shapes.

@@ -134,8 +134,8 @@ class BucketedExchange(FlatExchange):
 class BucketPipeline:
     """One bucketed exchange in progress, in two passes over the buckets in :attr:`order`:
 
-    1. each bucket's worker phase (its worker compression, its scales gathered and its signs
-       sent, asynchronously): :meth:`start_next` runs it for :attr:`next_bucket` as soon as
+    1. each bucket's worker phase (its worker compression, its scales and signs sent,
+       asynchronously): :meth:`start_next` runs it for :attr:`next_bucket` as soon as
        that bucket's values are final, and never waits for the network, so it can run
        inside backward;
     2. in :meth:`complete`, after any worker phase still to run: bucket ``i``'s server phase

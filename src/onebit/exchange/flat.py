@@ -73,7 +73,7 @@ class PerTensorExchange(GroupExchange):
     """Every tensor compressed alone (DeepSpeed's 1-bit Adam): tensor ``t`` zero-padded to
     ``P_t`` (:func:`~onebit.compression.per_tensor_padded_size`) with its own worker scale,
     per-chunk server scales and slices of the error buffers; all tensors travel in the same
-    four collectives. The buffer holds the tensors one after another, unpadded; the result
+    two collectives. The buffer holds the tensors one after another, unpadded; the result
     decodes into the same layout."""
 
     def buffer_size(self, numels: Sequence[int]) -> int:

@@ -76,10 +76,10 @@ class Round:
     exchanges (the bucketed exchange's pipeline: bucket ``k + 1``'s signs on the wire while
     bucket ``k``'s server compresses):
 
-    1. :meth:`send_workers`: worker compression; the worker scales gathered and the signs
-       sent to their servers;
+    1. :meth:`send_workers`: worker compression; to each server, in one message (an
+       all-to-all), this rank's scales and backend code, then the signs of its chunk;
     2. :meth:`send_servers`: every rank's scales and backend checked; the server
-       compression; the server scales and signs gathered;
+       compression; its signs and scales, in one message, gathered by every rank;
     3. :meth:`finish`: every server's scales checked; the result, its error updates
        pending.
 
@@ -114,15 +114,14 @@ class Round:
         )
         ws.local_scales[stages.layout.segments] = stages.backend.code
         stages.fill_send(ws.worker_packed, ws.send)  # chunk j of every segment, for rank j
-        self._works = [
-            self.transport.all_gather(ws.worker_scales, ws.local_scales, async_op=True),
-            self.transport.all_to_all(ws.received, ws.send, async_op=True),
-        ]
+        ws.frame_worker_message()  # the scales travel with the signs: one message per peer
+        self._works = [self.transport.all_to_all(ws.received_framed, ws.send_framed, async_op=True)]
 
     def send_servers(self) -> None:
         ws, stages = self.ws, self.ws.stages
         count = stages.layout.segments
         self.drain()
+        ws.unframe_worker_messages()
         problem = worker_scales_problem(ws.worker_scales, stages.backend.name, BACKENDS)
         self.transport.agree(problem, self.device)
         self.received = stages.server_view(ws.received)
@@ -134,14 +133,15 @@ class Round:
             ws.server_packed,
             ws.local_server_scales,
         )
+        ws.frame_server_message()
         self._works = [
-            self.transport.all_gather(ws.server_scales, ws.local_server_scales, async_op=True),
-            self.transport.all_gather(ws.gathered, ws.server_packed, async_op=True),
+            self.transport.all_gather(ws.gathered_framed, ws.server_frame, async_op=True)
         ]
 
     def finish(self) -> PendingExchange:
         ws, stages = self.ws, self.ws.stages
         self.drain()
+        ws.unframe_server_messages()
         self.transport.agree(finite_problem(ws.server_scales.tolist(), "server scale"), self.device)
 
         def commit() -> None:

@@ -32,7 +32,7 @@ class OneBitAdam(OneBitOptimizer):
 
     * ``"per_tensor"``: DeepSpeed's scheme, each tensor compressed alone with its own scales
       and error buffers and no ``s_p`` (:func:`onebit.compressed_allreduce_per_tensor`, all
-      tensors in the same four collectives). Not with ``node_groups``, ``bucket_cap_mb`` or
+      tensors in the same two collectives). Not with ``node_groups``, ``bucket_cap_mb`` or
       ``overlap_backward``.
     * ``"fused"``: one :func:`onebit.compressed_allreduce` of all tensors, each scaled by
       ``s_p`` as in DeepSpeed's 1-bit LAMB (it blew up in 3 of 10 short runs where per-tensor
