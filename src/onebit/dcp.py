@@ -146,20 +146,12 @@ def _rank() -> int:
 
 
 def _error_layout(optimizer: FlatOptimizer) -> dict[str, Any] | None:
-    """What fixes where this rank's error values belong (``None``: no error feedback)."""
+    """What fixes where this rank's error values belong (``None``: no error feedback): the
+    optimizer's layout of them, and the number of processes."""
     if not isinstance(optimizer, OneBitOptimizer):
         return None
-    numels = optimizer._local_numels()
-    exchange = optimizer.exchange
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return {
-        "exchange": type(exchange).__name__,
-        "world_size": exchange.world_size,
-        "ranks_per_node": exchange.topology[0],
-        "buckets": exchange.layout_key(numels),
-        "numels": numels,
-        "processes": world,
-    }
+    processes = dist.get_world_size() if dist.is_initialized() else 1
+    return {**optimizer.error_feedback_layout(), "processes": processes}
 
 
 def _optimizer_entries(key: str, optimizer: FlatOptimizer) -> dict[str, Any]:
@@ -256,7 +248,6 @@ def _load_optimizer(key: str, optimizer: FlatOptimizer, loaded: Mapping[str, Any
     for fqn, value in loaded.items():
         if fqn.startswith(prefix):
             index, name = fqn[len(prefix) :].split(".")
-            value = value.value if isinstance(value, _Saved) else value
             state.setdefault(int(index), {})[name] = local_tensor(value)
     state_dict: dict[str, Any] = {"state": state, "param_groups": shared["param_groups"]}
     extra = shared["extra"]
@@ -282,8 +273,7 @@ def _rank_part(
     bytes_sent = part.get("bytes_sent") or {stage: 0 for stage in optimizer.bytes_sent}
     saved_layout, layout = part.get("error_layout"), _error_layout(optimizer)
     errors = {name: loaded.get(f"{key}.error_feedback.rank{rank}.{name}") for name in _ERRORS}
-    topology = {"world_size": layout["world_size"], "ranks_per_node": layout["ranks_per_node"]}
-    if saved_layout is None or saved_layout != layout:
+    if saved_layout != layout:
         if error_feedback:
             warnings.warn(
                 f"{key!r}: rank {rank}'s error-feedback buffers were "
@@ -292,13 +282,9 @@ def _rank_part(
                 stacklevel=3,
             )
         errors = dict.fromkeys(_ERRORS)
-    else:
-        topology = {
-            "world_size": saved_layout["world_size"],
-            "ranks_per_node": saved_layout["ranks_per_node"],
-        }
-        if saved_layout["buckets"] is not None:
-            topology["buckets"] = saved_layout["buckets"]
+    topology = {"world_size": layout["world_size"], "ranks_per_node": layout["ranks_per_node"]}
+    if layout["buckets"] is not None:
+        topology["buckets"] = layout["buckets"]
     return {"bytes_sent": bytes_sent, **topology, **errors}
 
 

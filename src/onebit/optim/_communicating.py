@@ -267,6 +267,19 @@ class CommunicatingOptimizer(FlatOptimizer):
         this rank's, or with a simulated exchange every simulated worker's, rank after rank."""
         return self.exchange.worker_error, self.exchange.server_error
 
+    def error_feedback_layout(self) -> dict[str, Any]:
+        """Where each of this rank's error values belongs: the exchange, its data-parallel
+        world size and ranks per node, its buckets (``None``: one buffer) and the elements of
+        each tensor on this rank. Error buffers saved with one layout are only valid in it."""
+        numels = self._local_numels()
+        return {
+            "exchange": type(self.exchange).__name__,
+            "world_size": self.exchange.world_size,
+            "ranks_per_node": self.exchange.topology[0],
+            "buckets": self.exchange.layout_key(numels),
+            "numels": numels,
+        }
+
     def _check_node_groups(self) -> None:
         if self.node_groups is None:
             return
