@@ -71,7 +71,8 @@ def _exchange_against_simulation(rank: int, world_size: int, numel: int, backend
 
 @pytest.mark.parametrize(
     ("world_size", "backend"),
-    [(w, b) for w in (1, 2, 3, 4) for b in CPU_BACKENDS]
+    [(w, b) for w in (1, 2, 3) for b in CPU_BACKENDS]
+    + [pytest.param(4, b, marks=pytest.mark.slow) for b in CPU_BACKENDS]
     + [(w, b) for w in (1, 2) for b in INTERPRETED],
 )
 def test_matches_simulation_and_is_identical_on_every_rank(world_size, backend):
@@ -160,7 +161,9 @@ def _non_finite_on_one_rank(rank: int, world_size: int, bad_value: float):
     return message, unchanged
 
 
-@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "bad_value", [float("nan"), pytest.param(float("inf"), marks=pytest.mark.slow)]
+)
 def test_non_finite_input_raises_on_every_rank_without_touching_state(bad_value):
     outputs = spawn_workers(_non_finite_on_one_rank, 3, args=(bad_value,), timeout_s=60)
     for message, unchanged in outputs:

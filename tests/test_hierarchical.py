@@ -48,7 +48,14 @@ def _exchange(rank: int, world: int, local: int, numel: int):
     return result, dict(traffic.bytes_sent)
 
 
-@pytest.mark.parametrize(("nodes", "local"), [(2, 2), (3, 1), (1, 3)])
+@pytest.mark.parametrize(
+    ("nodes", "local"),
+    [
+        (2, 2),
+        pytest.param(3, 1, marks=pytest.mark.slow),
+        pytest.param(1, 3, marks=pytest.mark.slow),
+    ],
+)
 def test_matches_the_simulation_bit_for_bit_and_ranks_agree(nodes, local):
     world = nodes * local
     numel = padded_size(1000, world)

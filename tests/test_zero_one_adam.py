@@ -41,6 +41,8 @@ HYPER = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=DECAY, **SCHEDULE)
 
 
 EXCHANGES = ("gradient", "momentum")
+#: The same as test parameters: DeepSpeed's (gradient) in the slow group, the default in both.
+EXCHANGE_PARAMS = [pytest.param("gradient", marks=pytest.mark.slow), "momentum"]
 
 
 def kind_of(t, exchange="gradient"):
@@ -163,7 +165,7 @@ def _expected_bytes(n, elem):
     }
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("exchange", EXCHANGE_PARAMS)
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_follows_the_float64_model_through_every_phase(world_size, exchange):
     n = world_size
@@ -275,7 +277,7 @@ def _resume_in_every_phase(rank, world_size, directory, save_at, exchange):
     return uninterrupted, resumed
 
 
-@pytest.mark.parametrize("exchange", [pytest.param("gradient", marks=pytest.mark.slow), "momentum"])
+@pytest.mark.parametrize("exchange", EXCHANGE_PARAMS)
 def test_resume_from_every_phase_is_bit_identical(tmp_path, exchange):
     # After a 1-bit step before the freeze (followed by a variance update), at the freeze,
     # after a synchronisation, and inside local intervals (17: between the syncs of 16 and
@@ -362,7 +364,7 @@ def _plain_and_ddp(rank, world_size, exchange):
     )
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("exchange", EXCHANGE_PARAMS)
 def test_plain_loop_and_ddp_hook_give_the_same_trajectory(exchange):
     runs = spawn_workers(_plain_and_ddp, 2, args=(exchange,), timeout_s=120)
     plain, ddp = zip(*runs, strict=True)
@@ -385,7 +387,7 @@ def test_plain_loop_and_ddp_hook_give_the_same_trajectory(exchange):
 # ------------------------------------------------------------------ one process
 
 
-@pytest.mark.parametrize("exchange", [pytest.param("gradient", marks=pytest.mark.slow), "momentum"])
+@pytest.mark.parametrize("exchange", EXCHANGE_PARAMS)
 def test_world_size_one_matches_the_model(exchange):
     params, opt = build(torch.float64, pre_freeze_exchange=exchange)
     hyper = dict(HYPER, pre_freeze_exchange=exchange)

@@ -22,7 +22,6 @@ from onebit import kernels as backends
 from onebit.exchange.flat import padded_segments, per_tensor_error_sizes
 from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
-    CompressionWorkspace,
     Layout,
     check_error_state,
     exchange_bytes,
@@ -35,6 +34,7 @@ from onebit.exchange.transport import (
     TrafficCounter,
     world_size,
 )
+from onebit.exchange.workspace import CompressionWorkspace
 
 __all__ = [
     "CompressionWorkspace",

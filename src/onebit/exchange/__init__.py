@@ -21,7 +21,6 @@ from onebit.exchange.hierarchical import (
     node_topology,
 )
 from onebit.exchange.protocol import (
-    CompressionWorkspace,
     Layout,
     PackedResult,
     exchange_bytes,
@@ -34,6 +33,7 @@ from onebit.exchange.transport import (
     TrafficCounter,
     world_size,
 )
+from onebit.exchange.workspace import CompressionWorkspace
 
 __all__ = [
     "BucketedExchange",

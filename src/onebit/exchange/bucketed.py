@@ -13,8 +13,9 @@ from torch import Tensor
 
 from onebit.exchange.flat import FlatExchange
 from onebit.exchange.over_group import Round
-from onebit.exchange.protocol import CompressionWorkspace, Layout, PackedResult, exchange_bytes
+from onebit.exchange.protocol import Layout, PackedResult, exchange_bytes
 from onebit.exchange.transport import GroupTransport
+from onebit.exchange.workspace import CompressionWorkspace
 
 __all__ = ["BucketPipeline", "BucketedExchange", "BucketedResult", "bucket_ranges"]
 

@@ -10,13 +10,13 @@ from torch import Tensor
 from onebit.exchange.base import Exchange
 from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
-    CompressionWorkspace,
     Layout,
     PackedResult,
     exchange_bytes,
     padded_size,
 )
 from onebit.exchange.transport import GroupTransport, world_size
+from onebit.exchange.workspace import CompressionWorkspace
 
 __all__ = ["FlatExchange", "GroupExchange", "PerTensorExchange", "per_tensor_error_sizes"]
 

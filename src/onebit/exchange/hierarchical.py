@@ -21,7 +21,6 @@ from onebit.compression import scale_dtype
 from onebit.exchange.base import Exchange
 from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
-    CompressionWorkspace,
     Layout,
     PackedResult,
     check_error_state,
@@ -34,6 +33,7 @@ from onebit.exchange.transport import (
     all_gather_into,
     world_size,
 )
+from onebit.exchange.workspace import CompressionWorkspace
 from onebit.kernels import Backend, select
 
 __all__ = [

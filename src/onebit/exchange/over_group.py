@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from onebit.exchange.protocol import CompressionWorkspace, PackedResult
+from onebit.exchange.protocol import PackedResult
 from onebit.exchange.transport import GroupTransport, finite_problem, worker_scales_problem
+from onebit.exchange.workspace import CompressionWorkspace
 from onebit.kernels import BACKENDS
 
 __all__ = ["PendingExchange", "Round", "exchange_over_group", "start_exchange"]
