@@ -117,6 +117,12 @@ def test_what_it_cannot_save_or_load_is_a_named_error(tmp_path):
     )
     with pytest.raises(ValueError, match="checkpoint_id or storage_reader"):
         dcp.load({"optimizer": optimizer})
+    fresh = _model()
+    before = [p.clone() for p in fresh.parameters()]
+    with pytest.raises(ValueError, match="'optimizer' was saved from Lamb, not from OneBitLamb"):
+        state = {"model": fresh, "optimizer": onebit.OneBitLamb(fresh.parameters())}
+        dcp.load(state, checkpoint_id=tmp_path / "c")
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
 
 
 def _gathered_momentum(optimizer) -> list[torch.Tensor]:

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from onebit.optim import OneBitOptimizer, ZeroOneAdam
 from onebit.optim._base import FlatOptimizer
-from onebit.optim._common import PER_ELEMENT_STATE, params_in_order
+from onebit.optim._common import PER_ELEMENT_STATE, params_in_order, validate_checkpoint
 from onebit.optim._sharding import local_tensor
 
 __all__ = ["load", "save"]
@@ -93,17 +93,21 @@ def load(
     values as ``dcp.load`` does (tensors in place, plain values replaced in ``state``).
 
     Raises ``ValueError`` naming the entry, with nothing changed, where the checkpoint does
-    not hold what ``state`` asks for (another optimizer, a parameter of another shape)."""
+    not hold what ``state`` asks for (another optimizer, other parameter groups, another
+    compression, a parameter of another shape). Modules are loaded in place, as
+    ``model.state_dict()`` is by ``dcp.load``."""
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError("give checkpoint_id or storage_reader")
         storage_reader = dcp.FileSystemReader(checkpoint_id)
     metadata = storage_reader.read_metadata()
+    optimizers = {key: value for key, value in state.items() if _is_optimizer(key, value)}
+    _check_optimizers(optimizers, metadata, storage_reader, process_group)
     template: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, nn.Module):
-            template[key] = value.state_dict()
-        elif _is_optimizer(key, value):
+            template[key] = value.state_dict()  # loaded in place
+        elif key in optimizers:
             template.update(_optimizer_template(key, value, metadata))
         else:
             template[key] = value
@@ -116,7 +120,7 @@ def load(
     for key, value in state.items():
         if isinstance(value, nn.Module):
             value.load_state_dict(template[key])
-        elif _is_optimizer(key, value):
+        elif key in optimizers:
             _load_optimizer(key, value, template)
         else:
             state[key] = template[key]
@@ -178,6 +182,7 @@ def _optimizer_entries(key: str, optimizer: FlatOptimizer) -> dict[str, Any]:
     has_errors = errors["worker_error"] is not None
     entries[f"{key}.onebit"] = _Saved(
         {
+            "optimizer": type(optimizer).__name__,
             "param_groups": state_dict["param_groups"],
             "extra": extra or None,
             "error_feedback": has_errors,
@@ -192,12 +197,40 @@ def _optimizer_entries(key: str, optimizer: FlatOptimizer) -> dict[str, Any]:
     return entries
 
 
+def _check_optimizers(
+    optimizers: Mapping[str, FlatOptimizer],
+    metadata: Metadata,
+    storage_reader: dcp.StorageReader,
+    process_group: dist.ProcessGroup | None,
+) -> None:
+    """Raise ``ValueError`` naming what does not fit, before anything is loaded: a missing
+    entry, another optimizer, other parameter groups or another compression (shapes are
+    checked by :func:`_optimizer_template`)."""
+    for key in optimizers:
+        if f"{key}.onebit" not in metadata.state_dict_metadata:
+            raise ValueError(f"the checkpoint holds no onebit optimizer under {key!r}")
+    shared: dict[str, Any] = {f"{key}.onebit": None for key in optimizers}
+    if shared:
+        dcp.load(shared, storage_reader=storage_reader, process_group=process_group)
+    for key, optimizer in optimizers.items():
+        saved = shared[f"{key}.onebit"].value
+        if saved["optimizer"] != type(optimizer).__name__:
+            raise ValueError(
+                f"{key!r} was saved from {saved['optimizer']}, not from {type(optimizer).__name__}"
+            )
+        validate_checkpoint(optimizer, {"param_groups": saved["param_groups"]})
+        compression = (saved["extra"] or {}).get("compression")
+        if compression != getattr(optimizer, "compression", None):
+            raise ValueError(
+                f"{key!r} was saved with compression={compression!r}; construct the "
+                f"optimizer with it to resume (it has {optimizer.compression!r})"
+            )
+
+
 def _optimizer_template(key: str, optimizer: FlatOptimizer, metadata: Metadata) -> dict[str, Any]:
     """Entries for ``dcp.load`` to fill: what the checkpoint holds of ``optimizer`` and of
     this rank, shaped as it was saved; sharded state placed like its parameter here."""
     saved = metadata.state_dict_metadata
-    if f"{key}.onebit" not in saved:
-        raise ValueError(f"the checkpoint holds no onebit optimizer under {key!r}")
     params = params_in_order(optimizer.param_groups)
     rank = _rank()
     own = (f"{key}.rank{rank}", f"{key}.error_feedback.rank{rank}.")
