@@ -97,6 +97,7 @@ class ShardedTrainer(Trainer):
     def _write_shared_checkpoint(self, folder: Path) -> None:
         dcp.save({"model": self.model, "optimizer": self.optimizer}, checkpoint_id=folder)
 
-    def _load_optimizer(self, resumed: checkpoint.Checkpoint) -> None:
+    def _restore_state(self, resumed: checkpoint.Checkpoint) -> None:
+        """The sharded weights and the optimizer's state from the checkpoint's DCP folder."""
         state = {"model": self.model, "optimizer": self.optimizer}
         dcp.load(state, checkpoint_id=resumed.path / checkpoint.SHARED_DIR)

@@ -130,7 +130,7 @@ class Trainer:
         self.metrics_bytes = 0
         if resumed is not None:
             state = resumed.rank_state
-            self._load_optimizer(resumed)
+            self._restore_state(resumed)
             self.scheduler.load_state_dict(state["scheduler"])
             self.traffic = dict(state["traffic"])
             if self.powersgd is not None:
@@ -140,7 +140,8 @@ class Trainer:
                 self.metrics_bytes = int(resumed.model["metrics_bytes"])
             logger.info("Resuming at step %d from %s", resumed.step, resumed.path)
 
-    def _load_optimizer(self, resumed: checkpoint.Checkpoint) -> None:
+    def _restore_state(self, resumed: checkpoint.Checkpoint) -> None:
+        """The optimizer's state from ``resumed`` (the weights came with rank 0's model)."""
         self.optimizer.load_state_dict(resumed.rank_state["optimizer"])
 
     def _parallelize(self) -> None:
