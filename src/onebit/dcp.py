@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from onebit.optim import OneBitOptimizer, ZeroOneAdam
 from onebit.optim._base import FlatOptimizer
-from onebit.optim._common import PER_ELEMENT_STATE, params_in_order, validate_checkpoint
+from onebit.optim._common import PER_ELEMENT_STATE, params_in_order
 from onebit.optim._sharding import local_tensor
 
 __all__ = ["load", "save"]
@@ -218,13 +218,10 @@ def _check_optimizers(
             raise ValueError(
                 f"{key!r} was saved from {saved['optimizer']}, not from {type(optimizer).__name__}"
             )
-        validate_checkpoint(optimizer, {"param_groups": saved["param_groups"]})
-        compression = (saved["extra"] or {}).get("compression")
-        if compression != getattr(optimizer, "compression", None):
-            raise ValueError(
-                f"{key!r} was saved with compression={compression!r}; construct the "
-                f"optimizer with it to resume (it has {optimizer.compression!r})"
-            )
+        optimizer.check_checkpoint(
+            {"param_groups": saved["param_groups"]}
+            | ({} if saved["extra"] is None else {"onebit": saved["extra"]})
+        )
 
 
 def _optimizer_template(key: str, optimizer: FlatOptimizer, metadata: Metadata) -> dict[str, Any]:

@@ -53,6 +53,11 @@ class FlatOptimizer(Optimizer):
         if hasattr(self, "shards"):  # a group added after construction
             self.shards = self._shard_group()
 
+    def check_checkpoint(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming the first thing in ``state_dict`` that does not fit
+        this optimizer (its parameter groups, the shapes of its state); nothing changes."""
+        _common.validate_checkpoint(self, state_dict)
+
     @staticmethod
     def _evaluate(closure) -> Any:
         """The loss from ``closure`` (with gradients enabled), or ``None``."""

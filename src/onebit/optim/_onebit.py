@@ -306,11 +306,9 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
         }
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint; with another world size the error buffers restart from zero.
-
-        Raises ``ValueError`` naming the problem, with nothing changed, for a checkpoint of
-        another optimizer or model, or error buffers of the wrong size."""
+    def check_checkpoint(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming the first thing in ``state_dict`` that does not fit: a
+        checkpoint of another optimizer, of another compression, or of another model."""
         extra = state_dict.get("onebit")
         if not isinstance(extra, dict) or extra.get("optimizer") != type(self).__name__:
             found = extra.get("optimizer") if isinstance(extra, dict) else "a non-onebit optimizer"
@@ -323,7 +321,16 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
                 "feedback states have different layouts; construct the optimizer with "
                 f"compression={saved_compression!r} to resume"
             )
-        _common.validate_checkpoint(self, state_dict)
+        super().check_checkpoint(state_dict)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint; with another world size the error buffers restart from zero.
+
+        Raises ``ValueError`` naming the problem, with nothing changed, for a checkpoint of
+        another optimizer or model (:meth:`check_checkpoint`), or error buffers of the wrong
+        size."""
+        self.check_checkpoint(state_dict)
+        extra = state_dict["onebit"]
         if self._overlap is not None:
             self._overlap.cancel()
         numels = self._local_numels()

@@ -114,7 +114,7 @@ class Lamb(FlatOptimizer):
         return last_coefficients(self._flat, self._has_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _common.validate_checkpoint(self, state_dict)
+        self.check_checkpoint(state_dict)
         super().load_state_dict(state_dict)
         _common.restore_state_precision(self, state_dict)
         self._forget_flat_state()

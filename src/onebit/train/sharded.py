@@ -37,9 +37,11 @@ class ShardedTrainer(Trainer):
 
     def _parallelize(self) -> None:
         config = self.config
-        nodes, node_size = self.workers // config.node_size, config.node_size
+        self.nodes = self.workers // config.node_size
         self.mesh = init_device_mesh(
-            self.rank.device.type, (nodes, node_size), mesh_dim_names=("replicate", "shard")
+            self.rank.device.type,
+            (self.nodes, config.node_size),
+            mesh_dim_names=("replicate", "shard"),
         )
         # The 1-bit optimizers own the traffic between nodes; LAMB leaves it to FSDP's HSDP.
         shard_mesh = self.mesh["shard"] if config.uses_onebit else self.mesh
@@ -63,7 +65,7 @@ class ShardedTrainer(Trainer):
     def _report_extra(self) -> dict[str, Any]:
         return {
             "fsdp": {
-                "nodes": self.workers // self.config.node_size,
+                "nodes": self.nodes,
                 "shard_group": self.config.node_size,
                 "bytes_counted": "between nodes (FSDP's traffic inside a node is not)",
             }
@@ -77,8 +79,8 @@ class ShardedTrainer(Trainer):
     ) -> tuple[float, int]:
         result = super()._gradient_step(step, inputs, labels)
         if not self.config.uses_onebit:  # HSDP's allreduce of this rank's slices
-            nodes = self.workers // self.config.node_size
-            self.dense_traffic.record("allreduce", ring_allreduce_bytes(self.slice_bytes, nodes))
+            bytes_sent = ring_allreduce_bytes(self.slice_bytes, self.nodes)
+            self.dense_traffic.record("allreduce", bytes_sent)
         return result
 
     def _eval_batches(self, mine: torch.Tensor, sequences: int) -> tuple[torch.Tensor, ...]:
