@@ -75,7 +75,10 @@ def _rank_main(log2: int, bucket_elements: int, calls: int) -> None:
             time.sleep(0.001)
 
     for _ in range(calls):
-        rounds.clear(), events.clear(), samples.clear(), stop.clear()
+        rounds.clear()
+        events.clear()
+        samples.clear()
+        stop.clear()
         dist.barrier()
         start = time.perf_counter()
         sampler = threading.Thread(target=sample)
@@ -109,12 +112,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from onebit.bench.cluster import EmulatedCluster
-    from onebit.bench.exchange_wire import bucket_elements_of
+    from onebit.bench.exchange_wire import HOSTS, bucket_elements_of, sign_seconds
 
     bandwidth = None if args.bandwidth == "none" else args.bandwidth
     argv = [sys.executable, __file__, RANK_FLAG, str(args.log2)]
     argv += [str(bucket_elements_of(args.bucket_cap_mb)), str(args.calls)]
-    with EmulatedCluster(2, bandwidth=bandwidth) as cluster:
+    with EmulatedCluster(HOSTS, bandwidth=bandwidth) as cluster:
         processes = cluster.launch_ranks(argv, stdout=subprocess.PIPE)
         outputs = [p.communicate(timeout=1800)[0] for p in processes]
         rate = cluster.rate_bits_per_second
@@ -122,7 +125,6 @@ def main() -> None:
         raise SystemExit("a rank failed")
     runs = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     origin = min(run["start"] for run in runs)
-    sign_bytes = (1 << args.log2) // 8 // 2 * 2  # each rank's half of the worker and server signs
     for rank, run in enumerate(runs):
         total = run["events"][-1][1] - origin
         print(f"rank {rank}: exchange {total * 1e3:.0f} ms")
@@ -130,11 +132,13 @@ def main() -> None:
             print(f"  {(at - origin) * 1e3:7.1f} ms  {name}")
         bins = _bins(run["samples"], origin)
         print("  MB sent / received per 20 ms, by the bin's end:")
-        print("   " + "  ".join(f"{t * 1e3:.0f}:{tx / 1e6:.2f}/{rx / 1e6:.2f}" for t, tx, rx in bins))
+        print(
+            "   " + "  ".join(f"{t * 1e3:.0f}:{tx / 1e6:.2f}/{rx / 1e6:.2f}" for t, tx, rx in bins)
+        )
         if rate:
-            full = rate / 8 * BIN_SECONDS / 2
-            busy = sum(BIN_SECONDS for _, tx, _ in bins if tx > full)
-            wire = sign_bytes / (rate / 8)
+            half_rate_bytes = rate / 8 * BIN_SECONDS / 2
+            busy = sum(BIN_SECONDS for _, tx, _ in bins if tx > half_rate_bytes)
+            wire = sign_seconds(args.log2, rate)
             print(
                 f"  sending at over half the line rate for {busy * 1e3:.0f} ms; its sign bytes "
                 f"at line rate {wire * 1e3:.0f} ms; exchange / line-rate time "

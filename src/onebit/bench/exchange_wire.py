@@ -76,6 +76,12 @@ def time_exchanges(cluster: Any, log2: int, bucket_elements: int, calls: int) ->
     return json.loads(outputs[0].strip().splitlines()[-1])
 
 
+def sign_seconds(log2: int, rate_bits_per_second: float) -> float:
+    """Seconds of the sign bytes one rank sends in an exchange of ``2^log2`` elements among
+    :data:`HOSTS` hosts, ``2 (n - 1) / n * N / 8``, at the link's rate."""
+    return 2 * (HOSTS - 1) / HOSTS * (1 << log2) / 8 / (rate_bits_per_second / 8)
+
+
 def bucket_elements_of(bucket_cap_mb: float) -> int:
     """Float32 elements in a bucket of ``bucket_cap_mb`` MiB."""
     return max(1, int(bucket_cap_mb * 2**20) // 4)
@@ -87,14 +93,13 @@ def run_exchange_bench(
     """One row per link rate (``None``: unshaped): the three timings and the wire time."""
     from onebit.bench.cluster import EmulatedCluster
 
-    n = 1 << log2
     rows = []
     for bandwidth in bandwidths:
         with EmulatedCluster(HOSTS, bandwidth=bandwidth) as cluster:
             row = time_exchanges(cluster, log2, bucket_elements_of(bucket_cap_mb), calls)
             rate = cluster.rate_bits_per_second
         row["bandwidth"] = bandwidth
-        row["wire"] = 2 * (HOSTS - 1) / HOSTS * n / 8 / (rate / 8) if rate else None
+        row["wire"] = sign_seconds(log2, rate) if rate else None
         rows.append(row)
     unshaped = next((r for r in rows if r["bandwidth"] is None), None)
     for row in rows:
