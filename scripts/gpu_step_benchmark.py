@@ -155,7 +155,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--models", nargs="+", default=["base", "large"])
-    parser.add_argument("--scale", type=float, default=1.0, help="shrink the widths")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply the widths (below 1 shrinks)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)

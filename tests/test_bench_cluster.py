@@ -260,6 +260,10 @@ def test_exchange_command_checks_before_it_runs(monkeypatch, capsys, tmp_path: P
         onebit_main(["bench", "exchange", "--bucket-cap-mb", "0"])
     assert exit_info.value.code == 2
     assert "--bucket-cap-mb=0.0: it must be a finite number of MiB > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        onebit_main(["bench", "exchange", "--hosts", "1"])
+    assert exit_info.value.code == 2
+    assert "--hosts: must be from 2 to 250, got 1" in capsys.readouterr().err
     missing = str(tmp_path / "no" / "rows.json")
     if _REASON is None:
         assert onebit_main(["bench", "exchange", "--output", missing]) == 2
@@ -271,18 +275,23 @@ def test_exchange_command_checks_before_it_runs(monkeypatch, capsys, tmp_path: P
 
 @pytest.mark.slow
 @needs_cluster
-def test_exchange_alone_on_two_emulated_hosts(tmp_path: Path, capsys) -> None:
+# 2^16 float32 in 64 KiB buckets: 4, or 5 where bucket bounds align to whole bytes per rank
+@pytest.mark.parametrize(("hosts", "buckets"), [(2, 4), (3, 5)])
+def test_exchange_alone_on_emulated_hosts(hosts: int, buckets: int, tmp_path: Path, capsys) -> None:
     rows_file = tmp_path / "rows.json"
     argv = ["bench", "exchange", "--log2", "16", "--bandwidths", "none,1gbit", "--calls", "2"]
-    assert onebit_main([*argv, "--bucket-cap-mb", "0.0625", "--output", str(rows_file)]) == 0
+    argv += ["--hosts", str(hosts), "--bucket-cap-mb", "0.0625", "--output", str(rows_file)]
+    assert onebit_main(argv) == 0
     unshaped, shaped = json.loads(rows_file.read_text())
     assert unshaped["bandwidth"] is None and unshaped["wire"] is None
-    assert shaped["wire"] == pytest.approx(2**16 / 8 / (1e9 / 8))  # 2 (n-1)/n N/8 bytes
-    assert unshaped["buckets"] == shaped["buckets"] == 4  # 2^16 float32 in 64 KiB buckets
+    assert unshaped["hosts"] == shaped["hosts"] == hosts
+    # 2 (n-1)/n N/8 bytes at line rate
+    assert shaped["wire"] == pytest.approx(2 * (hosts - 1) / hosts * 2**16 / 8 / (1e9 / 8))
+    assert unshaped["buckets"] == shaped["buckets"] == buckets
     for row in (unshaped, shaped):
         assert 0 < row["dense"] and 0 < row["whole"] and 0 < row["bucketed"]
         assert row["ideal"] == max(t for t in (row["wire"], unshaped["bucketed"]) if t)
-    assert "| unshaped |" in capsys.readouterr().out
+    assert f"| link ({hosts} hosts, 2^16 float32) |" in capsys.readouterr().out
 
 
 def test_cluster_command_says_why_it_cannot_run(monkeypatch, capsys) -> None:

@@ -280,6 +280,21 @@ def test_calibration_measures_positive_throughputs_with_the_library_kernels():
         assert 0 < measured[key] < math.inf
 
 
+@pytest.mark.parametrize(
+    ("scale", "message"),
+    [("0", "scale 0.0 leaves base's hidden width 768 below 1"), ("nan", "must be a finite")],
+)
+def test_a_width_scale_that_leaves_no_model_is_refused(scale, message, capsys):
+    from onebit.bert_shapes import bert_shapes
+
+    assert len(bert_shapes(0.5)) == len(bert_shapes(2.0))  # widths change, tensors do not
+    assert bert_shapes(2.0)[0] == (30522, 1536)  # above 1 the widths grow
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "optimizer", "--scale", scale])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_step_times_on_one_device_without_a_process_group():
     from onebit.bert_shapes import bert_shapes
     from onebit.timing import optimizer_step_times

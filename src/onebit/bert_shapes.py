@@ -5,6 +5,7 @@ realistic tensors without building a model)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 __all__ = ["PRESETS", "ModelPreset", "bert_shapes"]
 
@@ -41,9 +42,16 @@ def bert_shapes(scale: float = 1.0, preset: str = "base") -> list[tuple[int, ...
     """The encoder's parameter shapes of BERT ``preset`` in their real tensor shapes (base:
     197 tensors, 108.9M parameters; large: 389, 334.1M), without the pre-training head.
 
-    ``scale`` shrinks the widths (hidden and feed-forward) for quick runs."""
+    ``scale`` multiplies the widths (hidden and feed-forward); below 1 for quick runs."""
     shape = PRESETS[preset]
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
     hidden, ff, vocab = int(shape.hidden * scale), int(4 * shape.hidden * scale), shape.vocab_size
+    if not hidden >= 1:
+        raise ValueError(
+            f"scale {scale!r} leaves {preset}'s hidden width {shape.hidden} below 1; give a "
+            f"scale of at least {1 / shape.hidden:.3g}"
+        )
     shapes: list[tuple[int, ...]] = [
         (vocab, hidden),
         (shape.max_seq_len, hidden),

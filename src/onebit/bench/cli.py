@@ -136,11 +136,22 @@ def _exchange_command(args: argparse.Namespace) -> int:
     if args.output and not Path(args.output).resolve().parent.is_dir():
         print(f"onebit bench exchange: no folder for --output {args.output}", file=sys.stderr)
         return 2
-    rows = run_exchange_bench(args.log2, args.bandwidths, args.bucket_cap_mb, args.calls)
+    rows = run_exchange_bench(
+        args.log2, args.bandwidths, args.bucket_cap_mb, args.calls, args.hosts
+    )
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1) + "\n")
     print(format_rows(rows, args.log2))
     return 0
+
+
+def _hosts(text: str) -> int:
+    from onebit.bench.cluster import MAX_HOSTS
+
+    value = int(text)
+    if not 2 <= value <= MAX_HOSTS:
+        raise ValueError(f"must be from 2 to {MAX_HOSTS}, got {value}")
+    return value
 
 
 def _bucket_cap_mb(text: str) -> float:
@@ -203,9 +214,15 @@ def register(subparsers: Any) -> None:
     exchange = subparsers.add_parser(
         "exchange",
         help="the 1-bit exchange alone against the dense allreduce",
-        description="Time the 1-bit exchange of 2^LOG2 float32 on two emulated hosts per link "
-        "rate, whole-buffer and bucketed, beside the dense allreduce and the sign bytes' time "
-        "at line rate.",
+        description="Time the 1-bit exchange of 2^LOG2 float32 on emulated hosts (one rank "
+        "each) per link rate, whole-buffer and bucketed, beside the dense allreduce and the sign "
+        "bytes' time at line rate.",
+    )
+    exchange.add_argument(
+        "--hosts",
+        type=checked_type(_hosts),
+        default=2,
+        help="emulated hosts, one rank each (2)",
     )
     exchange.add_argument(
         "--log2", type=checked_type(_positive_int), default=25, help="2^LOG2 elements (25)"

@@ -1,4 +1,5 @@
-"""``onebit bench exchange``: the 1-bit exchange alone on two emulated hosts, per link rate.
+"""``onebit bench exchange``: the 1-bit exchange alone on emulated hosts (two by default), per
+link rate.
 
 Each rank (one per host, one torch thread) times, on the same ``2^k`` float32 elements, one
 copy into a preallocated buffer followed by
@@ -9,8 +10,9 @@ copy into a preallocated buffer followed by
   ``--bucket-cap-mb`` buckets), what ``bucket_cap_mb`` and ``overlap_backward`` run;
 
 fastest of the calls after the first. Reported against the time of the sign bytes each rank
-sends at the link's rate, ``2 (n - 1) / n * N / 8`` bytes, and the exchange's own unshaped
-time (when ``none`` is among the rates): the exchange's ideal is the larger of the two.
+sends at the link's rate, ``2 (n - 1) / n * N / 8`` bytes among ``n`` hosts, and the exchange's
+own unshaped time (when ``none`` is among the rates): the exchange's ideal is the larger of the
+two.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from typing import Any
 
 RANK_FLAG = "--rank-main"
+#: Hosts of the exchange unless told otherwise (``--hosts``).
 HOSTS = 2
 
 
@@ -36,18 +39,16 @@ def _rank_main(log2: int, bucket_elements: int, calls: int) -> None:
     dist.init_process_group("gloo", init_method="env://")
     n = 1 << log2
     values = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
-    buffer = torch.empty(n)
-    backend = kernels.select(buffer)
+    backend = kernels.select(values)
     exchanges = {"whole": FlatExchange(None), "bucketed": BucketedExchange(None, bucket_elements)}
     for exchange in exchanges.values():
         exchange.bind([n], torch.float32, torch.device("cpu"), backend, TrafficCounter())
-
-    def dense() -> None:
-        dist.all_reduce(buffer)
-
+    # Each exchange's buffer is its own size: n, then zero padding (whole bytes per rank).
+    buffers = {"dense": torch.empty(n)}
+    buffers.update({name: torch.zeros(e.buffer_size([n])) for name, e in exchanges.items()})
     runs = {
-        "dense": dense,
-        **{name: lambda e=e: e.exchange(buffer) for name, e in exchanges.items()},
+        "dense": lambda: dist.all_reduce(buffers["dense"]),
+        **{name: lambda e=e, b=buffers[name]: e.exchange(b) for name, e in exchanges.items()},
     }
     seconds: dict[str, Any] = {}
     for name, run in runs.items():
@@ -55,7 +56,8 @@ def _rank_main(log2: int, bucket_elements: int, calls: int) -> None:
         for _ in range(calls):
             dist.barrier()
             start = time.perf_counter()
-            buffer.copy_(values)
+            buffers[name][:n].copy_(values)
+            buffers[name][n:].zero_()  # the padding (scratch after the previous call)
             run()
             times.append(time.perf_counter() - start)
         seconds[name] = min(times[1:])
@@ -67,7 +69,7 @@ def _rank_main(log2: int, bucket_elements: int, calls: int) -> None:
 
 def time_exchanges(cluster: Any, log2: int, bucket_elements: int, calls: int) -> dict[str, Any]:
     """Rank 0's timings (and bucket count) of the three runs on ``cluster`` (an
-    :class:`~onebit.bench.cluster.EmulatedCluster` of :data:`HOSTS` hosts)."""
+    :class:`~onebit.bench.cluster.EmulatedCluster`, one rank per host)."""
     argv = [sys.executable, "-m", __name__, RANK_FLAG, str(log2), str(bucket_elements)]
     processes = cluster.launch_ranks([*argv, str(calls)], stdout=subprocess.PIPE)
     outputs = [p.communicate(timeout=1800)[0] for p in processes]
@@ -76,10 +78,10 @@ def time_exchanges(cluster: Any, log2: int, bucket_elements: int, calls: int) ->
     return json.loads(outputs[0].strip().splitlines()[-1])
 
 
-def sign_seconds(log2: int, rate_bits_per_second: float) -> float:
+def sign_seconds(log2: int, rate_bits_per_second: float, hosts: int = HOSTS) -> float:
     """Seconds of the sign bytes one rank sends in an exchange of ``2^log2`` elements among
-    :data:`HOSTS` hosts, ``2 (n - 1) / n * N / 8``, at the link's rate."""
-    return 2 * (HOSTS - 1) / HOSTS * (1 << log2) / 8 / (rate_bits_per_second / 8)
+    ``hosts`` hosts, ``2 (n - 1) / n * N / 8``, at the link's rate."""
+    return 2 * (hosts - 1) / hosts * (1 << log2) / 8 / (rate_bits_per_second / 8)
 
 
 def bucket_elements_of(bucket_cap_mb: float) -> int:
@@ -88,18 +90,24 @@ def bucket_elements_of(bucket_cap_mb: float) -> int:
 
 
 def run_exchange_bench(
-    log2: int, bandwidths: list[str | None], bucket_cap_mb: float, calls: int
+    log2: int,
+    bandwidths: list[str | None],
+    bucket_cap_mb: float,
+    calls: int,
+    hosts: int = HOSTS,
 ) -> list[dict[str, Any]]:
-    """One row per link rate (``None``: unshaped): the three timings and the wire time."""
+    """One row per link rate (``None``: unshaped) on ``hosts`` hosts: the three timings and
+    the wire time."""
     from onebit.bench.cluster import EmulatedCluster
 
     rows = []
     for bandwidth in bandwidths:
-        with EmulatedCluster(HOSTS, bandwidth=bandwidth) as cluster:
+        with EmulatedCluster(hosts, bandwidth=bandwidth) as cluster:
             row = time_exchanges(cluster, log2, bucket_elements_of(bucket_cap_mb), calls)
             rate = cluster.rate_bits_per_second
         row["bandwidth"] = bandwidth
-        row["wire"] = sign_seconds(log2, rate) if rate else None
+        row["hosts"] = hosts
+        row["wire"] = sign_seconds(log2, rate, hosts) if rate else None
         rows.append(row)
     unshaped = next((r for r in rows if r["bandwidth"] is None), None)
     for row in rows:
@@ -113,9 +121,9 @@ def format_rows(rows: list[dict[str, Any]], log2: int) -> str:
         return "-" if value is None else f"{value:.3f} s"
 
     head = (
-        f"| link (2 hosts, 2^{log2} float32) | dense allreduce | 1-bit, whole buffer | "
-        "1-bit, bucketed (pipelined) | sign bytes at line rate | bucketed / max(line rate, "
-        "unshaped bucketed) | bucketed / dense |"
+        f"| link ({rows[0]['hosts']} hosts, 2^{log2} float32) | dense allreduce | "
+        "1-bit, whole buffer | 1-bit, bucketed (pipelined) | sign bytes at line rate | "
+        "bucketed / max(line rate, unshaped bucketed) | bucketed / dense |"
     )
     out = [head, "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from onebit.bert_shapes import bert_shapes
+from onebit.cli import checked_type
 from onebit.timing import copy_fn, cpu_backends, interleaved, rank_step_times
 
 FLOAT_BYTES = 4
@@ -56,10 +57,20 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     optimizer.add_argument("--repeats", type=int, default=3, help="timed steps per figure (3)")
     optimizer.add_argument(
-        "--scale", type=float, default=1.0, help="shrink the model's widths by this factor (1.0)"
+        "--scale",
+        type=checked_type(_width_scale),
+        default=1.0,
+        help="multiply the model's widths by this factor; below 1 shrinks it (1.0)",
     )
     optimizer.add_argument("--json", type=Path, help="also write the results here")
     optimizer.set_defaults(handler=run_optimizer_bench)
+
+
+def _width_scale(text: str) -> float:
+    """``--scale``: a factor that leaves BERT-base at least one unit wide."""
+    value = float(text)
+    bert_shapes(value)  # raises ValueError naming the problem
+    return value
 
 
 def _rank_zero_result(worker: Callable[..., Any], world: int, *args: Any) -> Any:
