@@ -1,0 +1,173 @@
+"""Where each method's training step spends its CPU, on local gloo ranks without a shaped
+network: the methods of ``onebit bench cluster`` (each with its model copy, optimizer and hooks,
+as :mod:`onebit.bench._worker` builds them), ``--workers`` ranks of one torch thread each.
+
+Per method, medians over the timed steps of rank 0: the step's wall time, and for its
+forward + backward and its ``optimizer.step()`` each the wall time, the process's user and
+system CPU seconds and its minor page faults; with ``--kernels``, the wall time per step of
+every call into the selected compression and update kernels (:mod:`onebit.kernels`). With more
+workers than cores, the ranks share the cores as on the emulated cluster, so the CPU a method
+adds to a step shows here without the network.
+
+    .venv/bin/python scripts/step_cpu.py --workers 4 --model small \\
+        --methods lamb-compute,lamb,onebit-lamb-ddp,onebit-lamb --steps 6 --kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import resource
+import statistics
+import time
+from typing import Any
+
+PHASES = ("forward_backward", "optimizer_step")
+MEASURES = ("wall", "user", "sys", "faults")
+
+
+def _usage() -> tuple[float, float, float, int]:
+    """(wall, user CPU, system CPU, minor faults) of this process now."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), usage.ru_utime, usage.ru_stime, usage.ru_minflt
+
+
+def _timed_kernels(seconds: collections.Counter) -> None:
+    """Add every public kernel call's wall time to ``seconds`` under its name."""
+    import torch
+
+    from onebit import kernels
+
+    backend = kernels.select(torch.zeros(8))
+    for part in (backend.compression, backend.updates):
+        for name in dir(part) if part is not None else ():
+            method = getattr(part, name)
+            if name.startswith("_") or not callable(method) or name in ("supports", "scratch"):
+                continue
+
+            @functools.wraps(method)
+            def timed(*args: Any, _method=method, _name=name, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    seconds[_name] += time.perf_counter() - start
+
+            setattr(part, name, timed)
+
+
+def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    import torch.distributed as dist
+
+    from onebit.bench._worker import _Method
+    from onebit.bench.bert import build_model, synthetic_batches
+
+    kernel_seconds: collections.Counter = collections.Counter()
+    if cfg["kernels"]:
+        _timed_kernels(kernel_seconds)
+    template = build_model(cfg["model"], cfg["seed"])
+    batches = synthetic_batches(cfg["model"], 1, cfg["seq_len"], 8, rank, cfg["seed"])
+    results = {}
+    for name in cfg["methods"]:
+        method = _Method(name, template, cfg)
+        untimed = (
+            method.freeze_step + cfg["skip_steps"]
+            if method.freeze_step is not None
+            else method.untimed_before_steady
+        )
+        for i in range(untimed):
+            method.step(batches[i % len(batches)])
+        kernel_seconds.clear()
+        steps = []
+        for i in range(cfg["steps"]):
+            batch = batches[i % len(batches)]
+            dist.barrier()
+            marks = [_usage()]
+            loss = method.model(**batch).loss
+            loss.backward()
+            marks.append(_usage())
+            method.optimizer.step()
+            marks.append(_usage())
+            method.optimizer.zero_grad(set_to_none=False)
+            steps.append(
+                {
+                    phase: dict(zip(MEASURES, (b - a for a, b in zip(*pair)), strict=True))
+                    for phase, pair in zip(PHASES, zip(marks, marks[1:]), strict=True)
+                }
+            )
+        stage = getattr(method.optimizer, "stage", None)
+        results[name] = {
+            "stage": stage,
+            "steps": steps,
+            "kernels": {k: v / cfg["steps"] for k, v in sorted(kernel_seconds.items())},
+        }
+        method.close()
+    return results if rank == 0 else None
+
+
+def _median(steps: list[dict], phase: str, measure: str) -> float:
+    return statistics.median(step[phase][measure] for step in steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--methods", default="lamb-compute,lamb,onebit-lamb-ddp,onebit-lamb")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per method")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--kernels", action="store_true", help="time the kernel calls too")
+    args = parser.parse_args()
+
+    from onebit.bench.settings import METHODS
+    from onebit.testing import spawn_workers
+
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
+    cfg = {
+        "model": args.model,
+        "methods": methods,
+        "steps": args.steps,
+        "seq_len": args.seq_len,
+        "kernels": args.kernels,
+        "seed": 0,
+        "lr": 1e-3,
+        "skip_steps": 1,
+        "warm_steps": 1,
+        "workers_per_node": 1,
+    }
+    results = spawn_workers(
+        _rank, args.workers, args=(cfg,), timeout_s=3600, collective_timeout_s=600
+    )[0]
+    print(
+        f"{args.model}, {args.workers} local gloo ranks, 1 thread each; rank 0, median of "
+        f"{args.steps} steps (seconds; faults in thousands)\n"
+    )
+    print(
+        "| method | stage | step wall | fwd+bwd wall / user / sys / faults | "
+        "optimizer.step() wall / user / sys / faults | CPU (user + sys) |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for name, result in results.items():
+        steps = result["steps"]
+        cells = []
+        for phase in PHASES:
+            wall, user, sys_, faults = (_median(steps, phase, m) for m in MEASURES)
+            cells.append(f"{wall:.3f} / {user:.3f} / {sys_:.3f} / {faults / 1e3:.1f}")
+        wall = statistics.median(sum(s[p]["wall"] for p in PHASES) for s in steps)
+        cpu = statistics.median(sum(s[p]["user"] + s[p]["sys"] for p in PHASES) for s in steps)
+        print(
+            f"| {name} | {result['stage'] or '-'} | {wall:.3f} | {cells[0]} | {cells[1]} | "
+            f"{cpu:.3f} |"
+        )
+    for name, result in results.items():
+        if result["kernels"]:
+            calls = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in result["kernels"].items())
+            print(f"\n{name}: kernel wall time per step (ms): {calls}")
+
+
+if __name__ == "__main__":
+    main()
