@@ -7,7 +7,9 @@ forward + backward and its ``optimizer.step()`` each the wall time, the process'
 system CPU seconds and its minor page faults; with ``--kernels``, the wall time per step of
 every call into the selected compression and update kernels (:mod:`onebit.kernels`). With more
 workers than cores, the ranks share the cores as on the emulated cluster, so the CPU a method
-adds to a step shows here without the network.
+adds to a step shows here without the network. The first method of a run also pays the
+processes' warm-up (its first steps' page faults cost several times the system time of later
+ones): name a method twice, first and again later, to see it.
 
     .venv/bin/python scripts/step_cpu.py --workers 4 --model small \\
         --methods lamb-compute,lamb,onebit-lamb-ddp,onebit-lamb --steps 6 --kernels
