@@ -9,7 +9,8 @@ every call into the selected compression and update kernels (:mod:`onebit.kernel
 workers than cores, the ranks share the cores as on the emulated cluster, so the CPU a method
 adds to a step shows here without the network. The first method of a run also pays the
 processes' warm-up (its first steps' page faults cost several times the system time of later
-ones): name a method twice, first and again later, to see it.
+ones): name a method twice, first and again later, to see it (the second run is shown as
+``NAME (2)``).
 
     .venv/bin/python scripts/step_cpu.py --workers 4 --model small \\
         --methods lamb-compute,lamb,onebit-lamb-ddp,onebit-lamb --steps 6 --kernels
@@ -94,12 +95,16 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
             method.optimizer.zero_grad(set_to_none=False)
             steps.append(
                 {
-                    phase: dict(zip(MEASURES, (b - a for a, b in zip(*pair)), strict=True))
-                    for phase, pair in zip(PHASES, zip(marks, marks[1:]), strict=True)
+                    phase: {
+                        measure: after - before
+                        for measure, before, after in zip(MEASURES, *marks[i : i + 2], strict=True)
+                    }
+                    for i, phase in enumerate(PHASES)
                 }
             )
         stage = getattr(method.optimizer, "stage", None)
-        results[name] = {
+        runs = sum(key.split(" ")[0] == name for key in results)
+        results[f"{name} ({runs + 1})" if runs else name] = {
             "stage": stage,
             "steps": steps,
             "kernels": {k: v / cfg["steps"] for k, v in sorted(kernel_seconds.items())},
