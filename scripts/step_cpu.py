@@ -2,12 +2,14 @@
 network: the methods of ``onebit bench cluster`` (each with its model copy, optimizer and hooks,
 as :mod:`onebit.bench._worker` builds them), ``--workers`` ranks of one torch thread each.
 
-Per method, medians over the timed steps of rank 0: the step's wall time, and for its
-forward + backward and its ``optimizer.step()`` each the wall time, the process's user and
-system CPU seconds and its minor page faults; with ``--kernels``, the wall time per step of
-every call into the selected compression and update kernels (:mod:`onebit.kernels`). With more
-workers than cores, the ranks share the cores as on the emulated cluster, so the CPU a method
-adds to a step shows here without the network. The first method of a run also pays the
+Per method: the timed block's wall time per step, and medians over its steps on rank 0 of
+the step's wall time and, for its forward + backward and its ``optimizer.step()`` each, the
+wall time, the process's user and system CPU seconds and its minor page faults; with
+``--kernels``, the wall time per step of every call into the selected compression and update
+kernels (:mod:`onebit.kernels`). By default all ranks meet before every timed step;
+``--no-barrier`` runs the steps back to back, as in training. With more workers than cores,
+the ranks share the cores as on the emulated cluster, so the CPU a method adds to a step shows
+here without the network. The first method of a run also pays the
 processes' warm-up (its first steps' page faults cost several times the system time of later
 ones): name a method twice, first and again later, to see it (the second run is shown as
 ``NAME (2)``).
@@ -83,9 +85,12 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
             method.step(batches[i % len(batches)])
         kernel_seconds.clear()
         steps = []
+        dist.barrier()
+        block_start = time.perf_counter()
         for i in range(cfg["steps"]):
             batch = batches[i % len(batches)]
-            dist.barrier()
+            if cfg["barrier"]:
+                dist.barrier()
             marks = [_usage()]
             loss = method.model(**batch).loss
             loss.backward()
@@ -102,10 +107,13 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
                     for i, phase in enumerate(PHASES)
                 }
             )
+        dist.barrier()
+        block = (time.perf_counter() - block_start) / cfg["steps"]
         stage = getattr(method.optimizer, "stage", None)
         runs = sum(key.split(" ")[0] == name for key in results)
         results[f"{name} ({runs + 1})" if runs else name] = {
             "stage": stage,
+            "block": block,
             "steps": steps,
             "kernels": {k: v / cfg["steps"] for k, v in sorted(kernel_seconds.items())},
         }
@@ -125,6 +133,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per method")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--kernels", action="store_true", help="time the kernel calls too")
+    parser.add_argument(
+        "--barrier",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="all ranks meet before every timed step (default); without, steps run back to "
+        "back as in training",
+    )
     args = parser.parse_args()
 
     from onebit.bench.settings import METHODS
@@ -140,6 +155,7 @@ def main() -> None:
         "steps": args.steps,
         "seq_len": args.seq_len,
         "kernels": args.kernels,
+        "barrier": args.barrier,
         "seed": 0,
         "lr": 1e-3,
         "skip_steps": 1,
@@ -154,10 +170,10 @@ def main() -> None:
         f"{args.steps} steps (seconds; faults in thousands)\n"
     )
     print(
-        "| method | stage | step wall | fwd+bwd wall / user / sys / faults | "
+        "| method | stage | block / steps | step wall | fwd+bwd wall / user / sys / faults | "
         "optimizer.step() wall / user / sys / faults | CPU (user + sys) |"
     )
-    print("|---|---|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name, result in results.items():
         steps = result["steps"]
         cells = []
@@ -167,7 +183,8 @@ def main() -> None:
         wall = statistics.median(sum(s[p]["wall"] for p in PHASES) for s in steps)
         cpu = statistics.median(sum(s[p]["user"] + s[p]["sys"] for p in PHASES) for s in steps)
         print(
-            f"| {name} | {result['stage'] or '-'} | {wall:.3f} | {cells[0]} | {cells[1]} | "
+            f"| {name} | {result['stage'] or '-'} | {result['block']:.3f} | {wall:.3f} | "
+            f"{cells[0]} | {cells[1]} | "
             f"{cpu:.3f} |"
         )
     for name, result in results.items():
