@@ -103,6 +103,49 @@ def _check_trajectories(kind, world_size, results):
         assert saved["compression"] == "per_tensor"
 
 
+def _lamb_by_backend(rank, world_size):
+    """Rank's parameters after every step of per-tensor 1-bit LAMB: float32 with the numba
+    kernels and with the torch reference, and the reference in float64."""
+    out = {}
+    for backend, dtype in (
+        ("numba", torch.float32),
+        ("torch", torch.float32),
+        ("torch", torch.float64),
+    ):
+        params, opt = build_optimizer("lamb", dtype, "per_tensor", kernels=backend)
+        history = []
+        for _ in range(STEPS):
+            set_grads(params, rank)
+            opt.step()
+            history.append(torch.cat([p.detach().reshape(-1).double() for p in params]))
+        out[backend, dtype] = history
+    return out
+
+
+@pytest.mark.skipif("numba" not in onebit.kernels.available(), reason="numba is not installed")
+def test_numba_reads_every_servers_signs_as_the_reference_in_float32():
+    """On 3 ranks the update kernels read each tensor's momentum from 3 servers' rows of the
+    exchange's result: in float32 they stay within twice the reference's own distance from
+    float64 (a sign read from the wrong place moves a parameter by lr times its scale)."""
+    results = spawn_workers(_lamb_by_backend, 3, timeout_s=180)
+    runs = results[0]
+    largest = {"deviation": 0.0, "own_error": 0.0}
+    for got, ref, truth in zip(
+        runs["numba", torch.float32],
+        runs["torch", torch.float32],
+        runs["torch", torch.float64],
+        strict=True,
+    ):
+        scale = float(truth.abs().max())
+        largest["deviation"] = max(largest["deviation"], float((got - ref).abs().max()) / scale)
+        largest["own_error"] = max(largest["own_error"], float((ref - truth).abs().max()) / scale)
+    assert largest["deviation"] <= 2 * largest["own_error"], largest
+    ours = runs["numba", torch.float32]
+    for rank in (1, 2):
+        theirs = results[rank]["numba", torch.float32]
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), rank
+
+
 @pytest.mark.parametrize("kind", [pytest.param("adam", marks=pytest.mark.slow), "lamb"])
 def test_resume_mid_compression_is_bit_identical(tmp_path, kind):
     args = (str(tmp_path), FREEZE + 5, kind, "per_tensor")

@@ -25,7 +25,8 @@ from numba import njit, prange, typed
 from torch import Tensor
 
 from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
-from onebit.kernels._numba import Compiled
+from onebit.exchange.protocol import Layout
+from onebit.kernels._numba import Compiled, _decode_pieces
 from onebit.kernels._numba import to_numpy as _np
 
 _SUM_FLAGS = {"reassoc", "contract"}
@@ -142,25 +143,20 @@ def _max_bits(bits):
 
 @njit(error_model="numpy", cache=True)
 def _onebit_lamb_block_a(
-    signs, start, value, decoded, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
+    signs, start, value, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
 ):
     """:func:`_onebit_lamb_chunk_a` chunk by chunk on the momentum decoded from ``signs``
-    (``+-value``, from element ``start``), or read from ``decoded`` where it is not empty;
-    returns the two sums and the maximum ratio (non-negative, so its maximum is taken on its
-    bit pattern)."""
+    (``+-value``, from bit ``start``); returns the two sums and the maximum ratio
+    (non-negative, so its maximum is taken on its bit pattern)."""
     ratio = np.empty(min(CHUNK, m.size), m.dtype)
     bits = ratio.view(bits_like.dtype)
     wide = np.empty(CHUNK + 16, m.dtype)
     sum_base, sum_full, best = 0.0, 0.0, bits_like.dtype.type(0)
     for c in range(0, m.size, CHUNK):
         e = min(c + CHUNK, m.size)
-        if decoded.size:
-            new = decoded[c:e]
-        else:
-            offset = _decode_chunk(signs, start + c, e - c, value, wide)
-            new = wide[offset : offset + e - c]
+        offset = _decode_chunk(signs, start + c, e - c, value, wide)
         base, full = _onebit_lamb_chunk_a(
-            new,
+            wide[offset : offset + e - c],
             mask[c:e] if mask.size else mask,
             m[c:e],
             v[c:e],
@@ -287,36 +283,19 @@ def momentum(blocks, active, m, grads, offsets, b1, omb1, scale, out):
 
 
 def onebit_lamb_a(
-    blocks,
-    active,
-    signs,
-    values,
-    decoded,
-    mask,
-    m,
-    v,
-    fresh,
-    p,
-    b1,
-    inv_omb1,
-    b2,
-    omb2,
-    eps,
-    wd,
-    bits_like,
+    blocks, active, signs, values, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
 ):
-    """Pass A over the exchange's blocks ``(segment, start, end, chunk)``; ``values[b]`` is
-    ``scales[chunk] / s[segment]`` of block ``b``; or, where ``decoded`` is not empty, over
-    the parameters' blocks with the momentum read from ``decoded``."""
+    """Pass A over the rows ``(segment, start, end, first bit)`` of a sign table
+    (:func:`_sign_table`): elements ``start .. end - 1``, their momentum ``+-values[b]`` from
+    the bits of ``signs`` from ``first bit`` on."""
     out = np.zeros((blocks.shape[0], 3), np.float64)
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         if active[seg]:
             out[b, 0], out[b, 1], out[b, 2] = _onebit_lamb_block_a(
                 signs,
-                s,
+                blocks[b, 3],
                 values[b],
-                decoded[s:e] if decoded.size else decoded,
                 mask[s:e] if mask.size else mask,
                 m[s:e],
                 v[s:e],
@@ -351,12 +330,13 @@ def momentum_step(blocks, active, m, grads, offsets, v, p, b1, omb1, eps, wd, st
 
 
 def onebit_adam(blocks, active, signs, values, mask, m, v, p, eps, wd, step):
+    """Over the rows of a sign table, as :func:`onebit_lamb_a`."""
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         if active[seg]:
             _onebit_adam_block(
                 signs,
-                s,
+                blocks[b, 3],
                 values[b],
                 mask[s:e] if mask.size else mask,
                 m[s:e],
@@ -534,15 +514,46 @@ def _mask_array(flat: Any, mask: Tensor | None) -> np.ndarray:
     return np.zeros(0, dtype=_Hyper(flat).dtype) if mask is None else _np(mask)
 
 
-def _block_values(flat: Any, packed: Any, scaling: Tensor):
-    """The exchange's block table and each block's ``scales[chunk] * (1 / s[segment])``,
-    rounded once as the reference's ``+-b_j * (1 / s)`` (``packed``: an exchange result in
-    the flat layout: ``flat_signs``, ``chunk_bounds`` and ``chunk_scales``)."""
-    blocks = _exchange_blocks(flat, packed.chunk_bounds)
+@functools.lru_cache(maxsize=64)
+def _segment_sign_table(layout: Layout, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A result of one segment per tensor (``layout``, rows of ``row_bytes`` bytes) as rows
+    ``(segment, start, end, first bit)`` of at most :data:`BLOCK` elements, each within one
+    server's chunk (its server in the second array): tensor ``t``'s element ``e`` at flat
+    offset ``start`` is in server ``e // C_t``'s row."""
+    rows, servers = [], []
+    for t, j, start, first_byte, count in _decode_pieces(layout):
+        for k in range(0, count, BLOCK):
+            first_bit = 8 * (j * row_bytes + first_byte) + k
+            rows.append((t, start + k, start + min(k + BLOCK, count), first_bit))
+            servers.append(j)
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 4), np.asarray(servers, dtype=np.int64)
+
+
+def _sign_table(flat: Any, packed: Any, scaling: Tensor):
+    """Where the update kernels read each element's exchanged momentum: rows ``(segment,
+    start, end, first bit)`` of elements ``start .. end - 1`` (blocks that never cross a
+    tensor nor a chunk of the exchange), each row's ``value = b * (1 / s[segment])`` (``b``
+    its chunk's scale, rounded once as the reference's ``+-b_j * (1 / s)``), and the packed
+    signs, bit ``first bit`` on. ``packed`` is a result in the flat layout (``flat_signs``,
+    ``chunk_bounds``, ``chunk_scales``) or of one segment per tensor."""
     inverse = _np(scaling.reciprocal())
-    scales = _np(packed.chunk_scales.to(flat.dtype))
-    values = (scales[blocks[:, 3]] * inverse[blocks[:, 0]]).astype(inverse.dtype)
-    return blocks, values
+    if packed.in_flat_layout:
+        table = _exchange_blocks(flat, packed.chunk_bounds)
+        blocks, scales = table[:, [0, 1, 2, 1]], _np(packed.chunk_scales.to(flat.dtype))
+        values = scales[table[:, 3]] * inverse[table[:, 0]]
+        signs = packed.flat_signs
+    else:
+        numels = tuple(np.diff(np.asarray(flat.offsets, dtype=np.int64)).tolist())
+        if tuple(packed.layout.numels) != numels:
+            raise ValueError(
+                f"the exchange's segments hold {packed.layout.numels} elements; the optimizer's "
+                f"tensors {numels}"
+            )
+        blocks, servers = _segment_sign_table(packed.layout, packed.signs.shape[1])
+        scales = _np(packed.scales.to(flat.dtype))  # [server, segment]
+        values = scales[servers, blocks[:, 0]] * inverse[blocks[:, 0]]
+        signs = packed.signs.reshape(-1)
+    return blocks, values.astype(inverse.dtype), _np(signs)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -624,25 +635,18 @@ class NumbaUpdates:
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
     ) -> Tensor:
-        """The momentum is decoded on the fly from a one-segment result; a result of one
-        segment per tensor (where every ``s`` is 1) is decoded into ``scratch`` first."""
+        """(``scratch`` is unused: the momentum is decoded on the fly, from a result in the
+        flat layout or of one segment per tensor.)"""
         hyper, on = _Hyper(flat), _active(active)
         b1, omb1, b2, omb2 = hyper.betas()
         eps, wd = hyper.key("eps"), hyper.key("weight_decay")
         m, v, p = _np(flat.exp_avg), _np(flat.exp_avg_sq), _np(flat.weights)
-        if packed.in_flat_layout:
-            blocks, values = _block_values(flat, packed, scaling)
-            signs, decoded = _np(packed.flat_signs), np.zeros(0, m.dtype)
-        else:
-            blocks = _blocks(flat)
-            values, signs = np.ones(len(blocks), m.dtype), np.zeros(0, np.uint8)
-            decoded = _np(packed.decode(scratch))
+        blocks, values, signs = _sign_table(flat, packed, scaling)
         partials = _KERNELS("onebit_lamb_a")(
             blocks,
             on,
             signs,
             values,
-            decoded,
             _mask_array(flat, mask),
             m,
             v,
@@ -685,11 +689,11 @@ class NumbaUpdates:
     ) -> None:
         """(``scratch`` is unused: the momentum is decoded on the fly.)"""
         hyper = _Hyper(flat)
-        blocks, values = _block_values(flat, packed, scaling)
+        blocks, values, signs = _sign_table(flat, packed, scaling)
         _KERNELS("onebit_adam")(
             blocks,
             _active(active),
-            _np(packed.flat_signs),
+            signs,
             values,
             _mask_array(flat, mask),
             _np(flat.exp_avg),
