@@ -303,7 +303,10 @@ class _Workers:
         errors = self.raw["errors"]
         while True:
             if time.monotonic() > deadline:
-                errors.append(f"timed out after {self.settings.timeout:.0f} s")
+                errors.append(
+                    f"timed out after {self.settings.timeout:.0f} s, before every method's "
+                    "rounds had run (a longer run needs a larger --timeout)"
+                )
                 return False
             failed = [r for r, p in enumerate(processes) if p.poll() not in (None, 0)]
             if failed:
