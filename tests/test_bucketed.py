@@ -257,9 +257,9 @@ def test_bad_bucket_options_are_named():
 
 
 def test_the_buckets_phases_are_pipelined(monkeypatch):
-    """Every bucket's worker signs are sent first (what runs during backward with
-    overlap_backward), then bucket k+1's server phase runs before bucket k finishes (the
-    order of the steps, recorded in one process)."""
+    """Bucket k's server phase runs after bucket k+2's worker phase (what runs during
+    backward with overlap_backward), and bucket k+1's server phase before bucket k finishes
+    (the order of the steps, recorded in one process)."""
     from onebit.exchange import over_group
 
     steps = []
@@ -271,7 +271,7 @@ def test_the_buckets_phases_are_pipelined(monkeypatch):
             return original(self)
 
         monkeypatch.setattr(over_group.Round, name, record)
-    exchange = BucketedExchange(None, 16)
+    exchange = BucketedExchange(None, 8)
     exchange.bind(
         [40], torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()
     )
@@ -280,9 +280,12 @@ def test_the_buckets_phases_are_pipelined(monkeypatch):
     starts = {ptr: index for index, ptr in enumerate(dict.fromkeys(p for _, p in steps))}
     order = [(name, starts[ptr]) for name, ptr in steps]
     assert order == [
-        ("send_workers", 0), ("send_workers", 1), ("send_workers", 2),
-        ("send_servers", 0),
-        ("send_servers", 1), ("finish", 0),
-        ("send_servers", 2), ("finish", 1),
-        ("finish", 2),
+        ("send_workers", 0), ("send_workers", 1),
+        ("send_workers", 2), ("send_servers", 0),
+        ("send_workers", 3), ("send_servers", 1),
+        ("send_workers", 4), ("send_servers", 2),
+        ("finish", 0), ("finish", 1),
+        ("send_servers", 3), ("finish", 2),
+        ("send_servers", 4), ("finish", 3),
+        ("finish", 4),
     ]  # fmt: skip

@@ -132,21 +132,26 @@ class BucketedExchange(FlatExchange):
         return BucketPipeline(buckets, order, rounds)
 
 
+#: Bucket ``i``'s server phase is sent right after the worker phase of the bucket
+#: :data:`SERVER_LAG` places after it (ALGORITHM.md, "Bucketed exchange").
+SERVER_LAG = 2
+
+
 class BucketPipeline:
-    """One bucketed exchange in progress, in two passes over the buckets in :attr:`order`:
+    """One bucketed exchange in progress, over the buckets in :attr:`order`:
 
-    1. each bucket's worker phase (its worker compression, its scales and signs sent,
-       asynchronously): :meth:`start_next` runs it for :attr:`next_bucket` as soon as
-       that bucket's values are final, and never waits for the network, so it can run
-       inside backward;
-    2. in :meth:`complete`, after any worker phase still to run: bucket ``i``'s server phase
-       (which waits for its signs), then bucket ``i - 1``'s result, for ``i = 0, 1, ...``,
-       so one bucket's server signs travel while the next bucket's server compresses.
+    1. :meth:`start_next` sends :attr:`next_bucket`'s worker phase (its worker compression,
+       its scales and signs, asynchronously) as soon as that bucket's values are final, then
+       the server phase of the bucket :data:`SERVER_LAG` places before it (which waits for
+       that bucket's signs), so that during backward the link carries server signs too;
+    2. :meth:`complete` sends the worker phases still to run, the same way, then bucket
+       ``i``'s server phase where it is not yet sent and bucket ``i - 1``'s result, for
+       ``i = 0, 1, ...``, so one bucket's server signs travel while the next bucket's server
+       compresses.
 
-    Every rank issues the same collectives in the same order (all worker phases, then the
-    server phases, bucket by bucket), wherever each step runs. A failed step drains what is
-    in flight and is raised by :meth:`complete`; no error state changes before every
-    bucket's checks have passed."""
+    Every rank issues the same collectives in the same order (fixed by the buckets' places,
+    wherever each step runs). A failed step drains what is in flight and is raised by
+    :meth:`complete`; no error state changes before every bucket's checks have passed."""
 
     def __init__(
         self,
@@ -157,6 +162,7 @@ class BucketPipeline:
         self.buckets, self.order, self.rounds = buckets, order, rounds
         self._finished: list = [None] * len(rounds)
         self._sent = 0  # buckets whose worker phase has run
+        self._served = 0  # buckets whose server phase has run
         self.on_complete = lambda: None  # called once the result is in
         self.failure: BaseException | None = None
 
@@ -171,11 +177,18 @@ class BucketPipeline:
         return self.order[self._sent] if self._sent < len(self.rounds) else None
 
     def start_next(self) -> None:
-        """Send :attr:`next_bucket`'s worker phase (its range of the buffer final now).
-        After a failure, nothing more is sent."""
+        """Send :attr:`next_bucket`'s worker phase (its range of the buffer final now), then
+        the server phase of the bucket :data:`SERVER_LAG` places before it. After a failure,
+        nothing more is sent."""
         if self.failure is None and self._sent < len(self.rounds):
             self._run(self.rounds[self._sent].send_workers)
             self._sent += 1
+            if self._sent - SERVER_LAG > self._served:
+                self._run(self._serve_next)
+
+    def _serve_next(self) -> None:
+        self.rounds[self._served].send_servers()
+        self._served += 1
 
     def complete(self) -> BucketedResult:
         """Send every worker phase not yet sent, run the server phases, wait for all and
@@ -203,9 +216,9 @@ class BucketPipeline:
         self.failure = self.failure or RuntimeError("the exchange was cancelled")
 
     def _server_phase(self, i: int) -> None:
-        """Bucket ``i``'s server phase, then bucket ``i - 1``'s result."""
-        if i < len(self.rounds):
-            self.rounds[i].send_servers()
+        """Bucket ``i``'s server phase unless it is sent, then bucket ``i - 1``'s result."""
+        if i < len(self.rounds) and self._served == i:
+            self._serve_next()
         if i > 0:
             self._finished[i - 1] = self.rounds[i - 1].finish()
 

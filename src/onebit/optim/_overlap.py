@@ -81,9 +81,10 @@ class BackwardOverlap:
     on the steps ``due()`` allows, start the bucketed exchange during backward: once every
     tensor with elements in the next bucket (last bucket first) has its gradient, that
     bucket's local momentum is formed and its worker phase sent (compressed, its signs
-    handed to the network), so the link carries it while backward goes on.
-    :meth:`complete`, in ``step()``, does the same for the buckets left (tensors without a
-    gradient count as zero), then runs every bucket's server phase. The same in a plain loop
+    handed to the network), followed by the server phase of the bucket two places before it
+    (:class:`~onebit.exchange.BucketPipeline`), so the link carries both while backward goes
+    on. :meth:`complete`, in ``step()``, does the same for the buckets left (tensors without
+    a gradient count as zero), then runs the server phases left. The same in a plain loop
     and under ``DistributedDataParallel`` (whose own synchronisation onebit's hook switches
     off in this stage)."""
 
