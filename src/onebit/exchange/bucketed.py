@@ -183,7 +183,7 @@ class BucketPipeline:
         if self.failure is None and self._sent < len(self.rounds):
             self._run(self.rounds[self._sent].send_workers)
             self._sent += 1
-            if self._sent - SERVER_LAG > self._served:
+            if self.failure is None and self._sent - SERVER_LAG > self._served:
                 self._run(self._serve_next)
 
     def _serve_next(self) -> None:
