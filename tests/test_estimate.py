@@ -86,15 +86,34 @@ def test_flat_exchange_by_hand():
 
 
 def test_overlapped_exchange_by_hand():
-    # The flat exchange's link time is 228 / (1000 * 0.5) = 0.456 s; its worker phase, half of
-    # it, hides behind backward up to b t_c: all of it with b = 0.4 (0.8 s), 0.1 s with 0.05.
+    # One bucket (25 MiB hold the 1024 elements). The core: t_c 2 s, local work 4096 / 2e4,
+    # host 228 / 1e4, 12 message steps of 10 ms. The link: forward and update 0.6 * 2 s, the
+    # 12 message steps, 228 / (1000 * 0.5) s of bytes; the core is the slower, so the link's
+    # time is hidden and the exchange adds its host time and latency.
     flat = flat_exchange(job(4, 1), MACHINE)
     hidden = overlapped_exchange(job(4, 1), MACHINE)
-    assert hidden.seconds == pytest.approx(flat.seconds - 0.228)
+    assert job(4, 1).buckets == 1
+    assert hidden.seconds == pytest.approx(228 / 1e4 + 0.12)
     assert (hidden.rank_bytes, hidden.node_link_bytes) == (flat.rank_bytes, flat.node_link_bytes)
-    short = overlapped_exchange(job(4, 1, backward_share=0.05), MACHINE)
-    assert short.seconds == pytest.approx(flat.seconds - 0.1)
-    assert overlapped_exchange(job(4, 1, backward_share=0.0), MACHINE).seconds == flat.seconds
+    # buckets of 32 elements (128 bytes): 32 of them, each issuing its 12 message steps
+    small = job(4, 1, bucket_cap_mb=128 / 2**20)
+    assert small.buckets == 32
+    assert overlapped_exchange(small, MACHINE).seconds == pytest.approx(228 / 1e4 + 32 * 0.12)
+    # a slow link (100 B/s) with a short backward (b = 0.05): the link sets the step,
+    # 0.95 * 2 + 0.12 + 228 / (100 * 0.5) s, of which t_c and the local work are not the exchange's
+    slow = dataclasses.replace(job(4, 1, backward_share=0.05), bandwidth=100.0)
+    expected = 0.95 * 2 + 0.12 + 228 / 50 - 2 - 4096 / 2e4
+    assert overlapped_exchange(slow, MACHINE).seconds == pytest.approx(expected)
+    assert overlapped_exchange(job(1, 1), MACHINE).seconds == 0
+
+
+def test_buckets_are_cut_as_the_optimizer_cuts_them():
+    # BERT-base on 2 ranks: 109514298 parameters padded to a multiple of 16, 109514304;
+    # 25 MiB of fp32 are 6553600 elements (a multiple of 16): 17 buckets, the last one short
+    base = Cluster(parameters=109514298, compute_seconds=1.0, bandwidth=1e8, nodes=2)
+    assert base.buckets == math.ceil(109514304 / 6553600) == 17
+    # buckets smaller than 8 W elements are rounded up to 8 W (16 here)
+    assert dataclasses.replace(base, bucket_cap_mb=1e-9).buckets == 109514304 // 16
 
 
 def test_hierarchical_exchange_by_hand():
@@ -161,6 +180,7 @@ def test_one_node_sends_nothing_over_links_and_mixed_precision_drops_the_fp16_ro
         ({"bandwidth": math.inf}, "bandwidth must be finite"),
         ({"warmup_fraction": 1.5}, r"warmup_fraction must be in \[0, 1\]"),
         ({"backward_share": -0.1}, r"backward_share must be in \[0, 1\]"),
+        ({"bucket_cap_mb": 0.0}, "bucket_cap_mb must be a positive number"),
     ],
 )
 def test_cluster_rejects_bad_input(kwargs, message):

@@ -28,6 +28,7 @@ from onebit.estimate.model import (
     MethodEstimate,
     estimate,
 )
+from onebit.optim._onebit import DEFAULT_BUCKET_CAP_MB
 from onebit.units import parse_bandwidth, parse_latency, rate_option
 
 __all__ = ["EstimateSettings", "model_parameters", "register"]
@@ -110,8 +111,13 @@ class EstimateSettings:
     backward_share: float = option(
         0.4,
         group="job",
-        help="share of --compute spent in backward, which an overlapped exchange's worker "
-        "phase can travel in (this machine's BERT-base: 0.4)",
+        help="share of --compute spent in backward, from whose start an overlapped exchange "
+        "keeps the link busy (this machine's BERT-base: 0.4)",
+    )
+    bucket_cap_mb: float = option(
+        DEFAULT_BUCKET_CAP_MB,
+        group="job",
+        help="MiB per bucket of the overlapped exchange (the optimizer's bucket_cap_mb)",
     )
     mixed_precision: bool = option(
         False,
@@ -188,6 +194,7 @@ class EstimateSettings:
             warmup_fraction=self.warmup_fraction,
             mixed_precision=self.mixed_precision,
             backward_share=self.backward_share,
+            bucket_cap_mb=self.bucket_cap_mb,
         )
 
     def machine(

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from onebit.collectives import allreduce_bytes, compressed_allreduce_bytes, padded_size
+from onebit.exchange.bucketed import bucket_elements, bucket_size
 from onebit.exchange.hierarchical import hierarchical_bytes
+from onebit.optim._onebit import DEFAULT_BUCKET_CAP_MB
 
 __all__ = [
     "COMPRESSION_THROUGHPUT",
@@ -117,8 +119,10 @@ class Cluster:
     mixed_precision: bool = False
     """Gradients in fp16 (2 bytes) for the dense allreduce, as in the paper's runs."""
     backward_share: float = 0.4
-    """b: share of ``t_c`` spent in backward, the time an overlapped exchange's worker
-    phase travels in (this machine's BERT-base: 0.4)."""
+    """b: share of ``t_c`` spent in backward, from whose start an overlapped exchange keeps
+    the link busy (this machine's BERT-base: 0.4)."""
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    """MiB per bucket of the overlapped exchange (the optimizer's ``bucket_cap_mb``)."""
 
     def __post_init__(self) -> None:
         for name in ("parameters", "nodes", "ranks_per_node"):
@@ -136,6 +140,7 @@ class Cluster:
                 or not 0 <= value <= 1
             ):
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        _check_positive("bucket_cap_mb", self.bucket_cap_mb)
 
     @property
     def world(self) -> int:
@@ -146,6 +151,13 @@ class Cluster:
     def padded(self) -> int:
         """Elements of the exchanged buffer: N padded to a multiple of 8 W."""
         return padded_size(self.parameters, self.world)
+
+    @property
+    def buckets(self) -> int:
+        """K: buckets of ``bucket_cap_mb`` MiB of fp32 in the padded buffer, as the
+        optimizer cuts them."""
+        size = bucket_size(bucket_elements(self.bucket_cap_mb, FP32_BYTES), self.world)
+        return -(-self.padded // size)
 
     @property
     def gradient_bytes(self) -> int:
@@ -217,14 +229,29 @@ def flat_exchange(cluster: Cluster, machine: Machine) -> Exchange:
 
 
 def overlapped_exchange(cluster: Cluster, machine: Machine) -> Exchange:
-    """:func:`flat_exchange` with ``overlap_backward=True``: its worker phase (half its link
-    bytes) is sent during backward, so up to ``b t_c`` of that phase's link time is hidden:
-    ``flat - min(link(node bytes) / (2 eta_b), b t_c)``. Local work and host costs are not
-    hidden (a rank's own core does them either way)."""
+    """:func:`flat_exchange` with ``overlap_backward=True``, in K pipelined buckets: the rank's
+    core and the link work at once, and the step takes the longer of the two.
+
+    * The core does everything it computes and issues every bucket's collectives one after
+      another: ``T_core = t_c + t_local + k 2p / R_h + K 4 (W-1) alpha``.
+    * The link idles in forward and in the update (forward needs the parameters of the last
+      bucket, the update every bucket), and is busy from the start of backward:
+      ``T_link = (1-b) t_c + 4 (W-1) alpha + link(node bytes) / eta_b``.
+
+    ``seconds`` is what the exchange adds to the step: ``max(T_core, T_link) - t_c - t_local``.
+    """
     flat = flat_exchange(cluster, machine)
-    link = link_seconds(flat.node_link_bytes, cluster, machine) / machine.burst_efficiency
-    hidden = min(link / 2, cluster.backward_share * cluster.compute_seconds)
-    return Exchange(flat.seconds - hidden, flat.rank_bytes, flat.node_link_bytes)
+    if cluster.world == 1:
+        return flat
+    compute, local = cluster.compute_seconds, local_compression_seconds(cluster, machine)
+    latency = 4 * (cluster.world - 1) * machine.latency
+    core = compute + local + host_seconds(flat.rank_bytes, machine) + cluster.buckets * latency
+    link = (
+        (1 - cluster.backward_share) * compute
+        + latency
+        + link_seconds(flat.node_link_bytes, cluster, machine) / machine.burst_efficiency
+    )
+    return Exchange(max(core, link) - compute - local, flat.rank_bytes, flat.node_link_bytes)
 
 
 def hierarchical_exchange(cluster: Cluster, machine: Machine) -> Exchange:

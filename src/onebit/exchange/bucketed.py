@@ -17,15 +17,31 @@ from onebit.exchange.protocol import Layout, PackedResult, exchange_bytes
 from onebit.exchange.transport import GroupTransport
 from onebit.exchange.workspace import CompressionWorkspace
 
-__all__ = ["BucketPipeline", "BucketedExchange", "BucketedResult", "bucket_ranges"]
+__all__ = [
+    "BucketPipeline",
+    "BucketedExchange",
+    "BucketedResult",
+    "bucket_elements",
+    "bucket_ranges",
+    "bucket_size",
+]
+
+
+def bucket_elements(bucket_cap_mb: float, element_bytes: int) -> int:
+    """Elements of ``element_bytes`` each in ``bucket_cap_mb`` MiB (at least one)."""
+    return max(1, int(bucket_cap_mb * 2**20) // element_bytes)
+
+
+def bucket_size(bucket_elements: int, n: int) -> int:
+    """``E``: ``bucket_elements`` rounded down to a multiple of ``8 n`` (at least ``8 n``)."""
+    unit = 8 * n
+    return max(unit, bucket_elements // unit * unit)
 
 
 def bucket_ranges(numel: int, bucket_elements: int, n: int) -> list[tuple[int, int]]:
     """The buckets ``[k E, min((k + 1) E, numel))`` of a padded buffer of ``numel`` elements
-    (a multiple of ``8 n``), ``E`` = ``bucket_elements`` rounded down to a multiple of
-    ``8 n`` (at least ``8 n``)."""
-    unit = 8 * n
-    size = max(unit, bucket_elements // unit * unit)
+    (a multiple of ``8 n``), ``E`` = :func:`bucket_size`."""
+    size = bucket_size(bucket_elements, n)
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 

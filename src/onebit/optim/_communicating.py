@@ -26,6 +26,7 @@ from onebit.exchange import (
     node_topology,
     world_size,
 )
+from onebit.exchange.bucketed import bucket_elements
 from onebit.exchange.transport import all_gather_into
 from onebit.optim import _common
 from onebit.optim._base import FlatOptimizer
@@ -116,7 +117,7 @@ class CommunicatingOptimizer(FlatOptimizer):
         if bucket_cap_mb is not None:
             dtypes = {_common.state_dtype(p) for p in _common.trainable_params(self)}
             element = 8 if dtypes == {torch.float64} else 4
-            self._bucket_elements = max(1, int(bucket_cap_mb * 2**20) // element)
+            self._bucket_elements = bucket_elements(bucket_cap_mb, element)
 
     @property
     def step_count(self) -> int:
