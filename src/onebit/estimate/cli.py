@@ -109,10 +109,10 @@ class EstimateSettings:
         0.2, group="job", help="share w of the run's steps in the warm-up stage"
     )
     backward_share: float = option(
-        0.4,
+        0.6,
         group="job",
         help="share of --compute spent in backward, from whose start an overlapped exchange "
-        "keeps the link busy (this machine's BERT-base: 0.4)",
+        "keeps the link busy (this machine's BERT-base: 0.6, scripts/step_phases.py)",
     )
     bucket_cap_mb: float = option(
         DEFAULT_BUCKET_CAP_MB,
