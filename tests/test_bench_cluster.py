@@ -362,6 +362,8 @@ def test_options_are_the_settings_fields(capsys) -> None:
 def test_presets_count_their_parameters() -> None:
     model = bert.build_model("tiny", seed=0)
     assert sum(p.numel() for p in model.parameters()) == PRESETS["tiny"].parameter_count()
+    embeddings = sum(p.numel() for name, p in model.named_parameters() if ".embeddings." in name)
+    assert embeddings == PRESETS["tiny"].embedding_count()
 
 
 @pytest.mark.slow

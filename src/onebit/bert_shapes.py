@@ -20,13 +20,23 @@ class ModelPreset:
     heads: int
     max_seq_len: int = 512
 
+    def embedding_count(self) -> int:
+        """Parameters of the embeddings: words (tied to the decoder), positions, two token
+        types and their LayerNorm."""
+        return (self.vocab_size + self.max_seq_len + 2) * self.hidden + 2 * self.hidden
+
     def parameter_count(self) -> int:
         """Trainable parameters of ``BertForMaskedLM`` with this shape (decoder tied)."""
-        h, i, v, p = self.hidden, 4 * self.hidden, self.vocab_size, self.max_seq_len
-        embeddings = (v + p + 2) * h + 2 * h
+        h, i, v = self.hidden, 4 * self.hidden, self.vocab_size
         layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
         head = h * h + h + 2 * h + v
-        return embeddings + self.layers * layer + head
+        return self.embedding_count() + self.layers * layer + head
+
+    def tail_share(self) -> float:
+        """The share of the parameters whose gradients backward completes last: the
+        embeddings, which forward uses first (the tied word embeddings get the decoder's
+        gradient first, the lookup's last)."""
+        return self.embedding_count() / self.parameter_count()
 
 
 PRESETS: dict[str, ModelPreset] = {

@@ -31,7 +31,7 @@ from onebit.estimate.model import (
 from onebit.optim._onebit import DEFAULT_BUCKET_CAP_MB
 from onebit.units import parse_bandwidth, parse_latency, rate_option
 
-__all__ = ["EstimateSettings", "model_parameters", "register"]
+__all__ = ["EstimateSettings", "model_parameters", "model_tail_share", "register"]
 
 #: Named models: the benchmark presets and BERT-Large (vocabulary 30522, hidden 1024, 24 layers).
 MODEL_SHAPES = {
@@ -62,6 +62,20 @@ def model_parameters(text: str) -> int:
             f"1.3e9; got {text!r}"
         )
     return round(count)
+
+
+def model_tail_share(text: str) -> float:
+    """The share of a named model's parameters whose gradients backward completes last (its
+    embeddings, :meth:`onebit.bert_shapes.ModelPreset.tail_share`); 0 for a parameter count."""
+    shape = MODEL_SHAPES.get(text.strip().lower())
+    return 0.0 if shape is None else ModelPreset(*shape).tail_share()
+
+
+def _share_option(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError(f"a share must be in [0, 1], got {text!r}")
+    return value
 
 
 def _model_option(text: str) -> str:
@@ -118,6 +132,14 @@ class EstimateSettings:
         DEFAULT_BUCKET_CAP_MB,
         group="job",
         help="MiB per bucket of the overlapped exchange (the optimizer's bucket_cap_mb)",
+    )
+    tail_share: float | None = option(
+        None,
+        parse=_share_option,
+        group="job",
+        help="share of the parameters whose gradients backward completes last (the "
+        "embeddings), sent after backward by an overlapped exchange",
+        default_help="the named model's embeddings (bert-base 0.22), else 0",
     )
     mixed_precision: bool = option(
         False,
@@ -195,6 +217,7 @@ class EstimateSettings:
             mixed_precision=self.mixed_precision,
             backward_share=self.backward_share,
             bucket_cap_mb=self.bucket_cap_mb,
+            tail_share=model_tail_share(self.model) if self.tail_share is None else self.tail_share,
         )
 
     def machine(

@@ -34,6 +34,7 @@ __all__ = [
     "flat_exchange",
     "hierarchical_exchange",
     "local_compression_seconds",
+    "message_seconds",
     "overlapped_exchange",
 ]
 
@@ -123,6 +124,10 @@ class Cluster:
     the link busy (this machine's BERT-base: 0.6, ``scripts/step_phases.py``)."""
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     """MiB per bucket of the overlapped exchange (the optimizer's ``bucket_cap_mb``)."""
+    tail_share: float = 0.0
+    """u: share of the parameters whose gradients backward completes last, those forward
+    uses first (a BERT's embeddings: 0.22 of BERT-base, 0.55 of ``small``); an overlapped
+    exchange sends their bytes after backward."""
 
     def __post_init__(self) -> None:
         for name in ("parameters", "nodes", "ranks_per_node"):
@@ -132,7 +137,7 @@ class Cluster:
         _check_positive("compute_seconds", self.compute_seconds)
         _check_positive("bandwidth", self.bandwidth)
         _check_positive("intra_bandwidth", self.intra_bandwidth, allow_inf=True)
-        for name in ("warmup_fraction", "backward_share"):
+        for name in ("warmup_fraction", "backward_share", "tail_share"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -181,6 +186,12 @@ def link_seconds(nbytes: float, cluster: Cluster, machine: Machine) -> float:
     return nbytes / (machine.link_efficiency * cluster.bandwidth)
 
 
+def message_seconds(cluster: Cluster, machine: Machine) -> float:
+    """``4 (W-1) alpha``: the message steps of one flat 1-bit exchange (an all-to-all and a
+    ring all-gather, each of ``2 (W-1)`` steps of the ring's latency)."""
+    return 4 * (cluster.world - 1) * machine.latency
+
+
 def host_seconds(nbytes: float, machine: Machine) -> float:
     """``k x / R_h``: processor time of one rank for ``nbytes`` through the collective library."""
     return machine.cpu_sharing * nbytes / machine.host_throughput
@@ -221,7 +232,7 @@ def flat_exchange(cluster: Cluster, machine: Machine) -> Exchange:
     node_link = phase * (per_node * (w - per_node) / (w - 1) + 1) if cluster.nodes > 1 else 0
     intra = sent / cluster.intra_bandwidth if per_node > 1 else 0.0
     seconds = (
-        4 * (w - 1) * machine.latency
+        message_seconds(cluster, machine)
         + max(link_seconds(node_link, cluster, machine) / machine.burst_efficiency, intra)
         + host_seconds(sent, machine)
     )
@@ -230,28 +241,30 @@ def flat_exchange(cluster: Cluster, machine: Machine) -> Exchange:
 
 def overlapped_exchange(cluster: Cluster, machine: Machine) -> Exchange:
     """:func:`flat_exchange` with ``overlap_backward=True``, in K pipelined buckets: the rank's
-    core and the link work at once, and the step takes the longer of the two.
+    core and the link work at once, and the step takes the longest of three bounds.
 
     * The core does everything it computes and issues every bucket's collectives one after
       another: ``T_core = t_c + t_local + k 2p / R_h + K 4 (W-1) alpha``.
     * The link idles in forward and in the update (forward needs the parameters of the last
       bucket, the update every bucket), and is busy from the start of backward:
       ``T_link = (1-b) t_c + 4 (W-1) alpha + link(node bytes) / eta_b``.
+    * The tail: the bytes of the gradients backward completes last, at least the last
+      bucket's, go on the link only after backward, while the core waits for them to
+      update: ``T_tail = T_core + max(u, 1/K) link(node bytes) / eta_b``.
 
-    ``seconds`` is what the exchange adds to the step: ``max(T_core, T_link) - t_c - t_local``.
+    ``seconds`` is what the exchange adds to the step: ``max(T_core, T_link, T_tail) - t_c -
+    t_local``. One bucket is the flat exchange after backward.
     """
     flat = flat_exchange(cluster, machine)
     if cluster.world == 1:
         return flat
     compute, local = cluster.compute_seconds, local_compression_seconds(cluster, machine)
-    latency = 4 * (cluster.world - 1) * machine.latency
+    latency = message_seconds(cluster, machine)
+    wire = link_seconds(flat.node_link_bytes, cluster, machine) / machine.burst_efficiency
     core = compute + local + host_seconds(flat.rank_bytes, machine) + cluster.buckets * latency
-    link = (
-        (1 - cluster.backward_share) * compute
-        + latency
-        + link_seconds(flat.node_link_bytes, cluster, machine) / machine.burst_efficiency
-    )
-    return Exchange(max(core, link) - compute - local, flat.rank_bytes, flat.node_link_bytes)
+    link = (1 - cluster.backward_share) * compute + latency + wire
+    tail = core + max(cluster.tail_share, 1 / cluster.buckets) * wire
+    return Exchange(max(link, tail) - compute - local, flat.rank_bytes, flat.node_link_bytes)
 
 
 def hierarchical_exchange(cluster: Cluster, machine: Machine) -> Exchange:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onebit.bert_shapes import PRESETS
 from onebit.estimate.model import (
     Cluster,
     Exchange,
@@ -111,18 +112,21 @@ def load_results(paths: Iterable[Path]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _cluster_and_machine(result: dict[str, Any], machine: Machine) -> tuple[Cluster, Machine]:
-    """The run's job as the model sees it, and ``machine`` with the run's own link efficiency
-    (1: the TCP check is a payload rate), core sharing and, for a run of the library before
-    the fused kernels, that library's compression throughput."""
+    """The run's job as the model sees it (with its BERT preset's tail share), and
+    ``machine`` with the run's own link efficiency (1: the TCP check is a payload rate), core
+    sharing and, for a run of the library before the fused kernels, that library's
+    compression throughput."""
     settings, info = result["settings"], result["info"]
     world, per_node = info["world_size"], settings.get("workers_per_node") or 1
     compute = result["summary"]["lamb-compute"]["stages"]["steady"]["step_seconds"]
+    preset = PRESETS.get(settings.get("model"))
     cluster = Cluster(
         parameters=info["parameters"],
         compute_seconds=compute,
         bandwidth=result["tcp_check"]["bits_per_second"] / 8,
         nodes=world // per_node,
         ranks_per_node=per_node,
+        tail_share=0.0 if preset is None else preset.tail_share(),
     )
     run_machine = dataclasses.replace(
         machine,
