@@ -25,7 +25,7 @@ from test_onebit_optimizers import (
 
 import onebit
 from onebit import kernels
-from onebit.exchange import BucketedExchange, TrafficCounter
+from onebit.exchange import BucketedExchange, FlatExchange, TrafficCounter
 from onebit.exchange.bucketed import bucket_ranges
 from onebit.testing import spawn_workers
 
@@ -40,34 +40,47 @@ def _inputs(world: int, numel: int, call: int) -> torch.Tensor:
     return torch.randn(world, numel, generator=gen) * torch.linspace(0.5, 2.0, numel)
 
 
+#: The exchanges checked against the oracle: in buckets, or whole; each with a buffer of the
+#: caller's (error updates after the last check) and with its own ``send_buffer()`` (error
+#: updates computed while the bytes travel, then taken as the error state).
+VARIANTS = [(kind, own) for kind in ("bucketed", "whole") for own in (False, True)]
+
+
 def _bucketed_calls(rank: int, world: int):
-    return {backend: _calls_on(rank, world, backend) for backend in CPU_BACKENDS}
+    return {
+        (backend, kind, own): _calls_on(rank, world, backend, kind, own)
+        for backend in CPU_BACKENDS
+        for kind, own in VARIANTS
+    }
 
 
-def _calls_on(rank: int, world: int, backend: str):
-    exchange = BucketedExchange(None, BUCKET)
+def _calls_on(rank: int, world: int, backend: str, kind: str = "bucketed", own: bool = False):
+    exchange = BucketedExchange(None, BUCKET) if kind == "bucketed" else FlatExchange(None)
     chosen = kernels.select(torch.zeros(8), backend)
     exchange.bind(NUMELS, torch.float32, torch.device("cpu"), chosen, TrafficCounter())
     size = exchange.buffer_size(NUMELS)
     results = []
     for call in range(CALLS):
-        buffer = _inputs(world, size, call)[rank].clone()
+        buffer = exchange.send_buffer() if own else torch.empty(size)
+        buffer.copy_(_inputs(world, size, call)[rank])
         results.append(exchange.exchange(buffer).decode(torch.empty(size)))
     errors = exchange.worker_error.clone(), exchange.server_error.clone()
-    return results, errors, exchange.buckets(), exchange.traffic.bytes_sent
+    buckets = exchange.buckets() if kind == "bucketed" else [(0, size)]
+    return results, errors, buckets, exchange.traffic.bytes_sent
 
 
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_bucket_equals_the_oracle_bit_for_bit(world):
     calls = spawn_workers(_bucketed_calls, world, timeout_s=120)
-    for backend in CPU_BACKENDS:
-        _check_against_the_oracle([calls[rank][backend] for rank in range(world)], world, backend)
+    for key in calls[0]:
+        _check_against_the_oracle([calls[rank][key] for rank in range(world)], world, key[0])
 
 
 def _check_against_the_oracle(ranks, world: int, backend: str) -> None:
     buckets = ranks[0][2]
     sizes = [end - start for start, end in buckets]
-    assert len(sizes) >= 3 and len(set(sizes)) == 2  # several buckets, the last one smaller
+    if len(sizes) > 1:
+        assert len(sizes) >= 3 and len(set(sizes)) == 2  # several buckets, the last smaller
     size = buckets[-1][1]
     oracle = [(torch.zeros(world, e - s), torch.zeros(world, (e - s) // world)) for s, e in buckets]
     for call in range(CALLS):
@@ -289,3 +302,72 @@ def test_the_buckets_phases_are_pipelined(monkeypatch):
         ("send_servers", 4), ("finish", 3),
         ("finish", 4),
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_error_updates_run_while_the_bytes_travel_only_for_the_exchanges_own_buffer(
+    monkeypatch, own
+):
+    """With ``send_buffer()`` every bucket's worker error update runs right after its worker
+    phase is sent and its server update right after its server phase, before ``complete()``;
+    the error state changes only when the exchange completes (the storages swapped). With a
+    caller's buffer every update waits for ``complete()``."""
+    from onebit.exchange.protocol import Stages
+
+    done = {"worker": 0, "server": 0}
+    for side in done:
+        original = getattr(Stages, f"update_{side}_errors")
+
+        def count(self, *args, original=original, side=side):
+            done[side] += 1
+            return original(self, *args)
+
+        monkeypatch.setattr(Stages, f"update_{side}_errors", count)
+    exchange = BucketedExchange(None, 8)
+    exchange.bind(
+        [40], torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()
+    )
+    buffer = exchange.send_buffer() if own else torch.empty(exchange.buffer_size([40]))
+    buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(3)))
+    pipeline = exchange.begin(buffer)
+    errors = [e.clone() for e in exchange.errors()]
+    while pipeline.next_bucket is not None:
+        pipeline.start_next()
+    buckets = len(exchange.buckets())
+    # 5 buckets; with the lag of 2 the first 3 server phases are sent with the worker phases
+    assert (done["worker"], done["server"]) == ((buckets, buckets - 2) if own else (0, 0))
+    assert all(torch.equal(a, b) for a, b in zip(errors, exchange.errors(), strict=True))
+    pipeline.complete()
+    assert (done["worker"], done["server"]) == (buckets, buckets)
+    assert not torch.equal(errors[0], exchange.worker_error)  # (one rank: server error 0)
+    if own:  # the tensor is the same, its memory the former worker error's
+        assert exchange.send_buffer() is buffer
+        assert torch.equal(buffer, errors[0])
+
+
+def _own_buffer_non_finite(rank: int, world: int):
+    """A NaN in the last bucket exchanged (bucket 0), on rank 1 only, with the exchange's own
+    buffer: every rank raises, its error state untouched, after updates went to scratch."""
+    exchange = BucketedExchange(None, BUCKET)
+    exchange.bind(
+        NUMELS, torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()
+    )
+    size = exchange.buffer_size(NUMELS)
+    exchange.send_buffer().copy_(_inputs(world, size, 0)[rank])
+    exchange.exchange(exchange.send_buffer())
+    errors = [e.clone() for e in exchange.errors()]
+    buffer = exchange.send_buffer()
+    buffer.copy_(_inputs(world, size, 1)[rank])
+    if rank == 1:
+        buffer[0] = float("nan")
+    try:
+        exchange.exchange(buffer)
+        raised = False
+    except FloatingPointError:
+        raised = True
+    untouched = all(torch.equal(a, b) for a, b in zip(errors, exchange.errors(), strict=True))
+    return raised, untouched
+
+
+def test_a_non_finite_bucket_leaves_the_errors_untouched_with_the_exchanges_own_buffer():
+    assert spawn_workers(_own_buffer_non_finite, 2, timeout_s=120) == [(True, True)] * 2

@@ -17,7 +17,9 @@ from onebit.compression import (
     scale,
     signs,
     unpack_signs,
+    update_error,
 )
+from onebit.exchange.base import swap_storages
 
 
 def reference_signs(x: np.ndarray) -> np.ndarray:
@@ -148,3 +150,29 @@ def test_error_feedback_running_mean_converges_to_true_mean():
     assert max_error_norm < 10 * true_mean.norm().item() * math.sqrt(n)
     assert relative_error <= max_error_norm / calls / true_mean.norm().item() + 1e-12
     assert relative_error < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_error_update_in_place_equals_the_one_into_another_buffer(dtype):
+    x = torch.randn(200, generator=torch.Generator().manual_seed(4)).to(dtype)
+    x[::7] = 0.0  # zeros count as positive
+    packed, a = pack_signs(x), scale(x)
+    expected = update_error(torch.empty_like(x), x, packed, a)
+    assert torch.equal(expected, x - a.to(dtype) * torch.where(x >= 0, 1.0, -1.0).to(dtype))
+    in_place = x.clone()
+    update_error(in_place, in_place, packed, a, work=torch.empty(24, dtype=dtype))  # 9 chunks
+    assert torch.equal(in_place, expected)
+    with pytest.raises(ValueError, match="needs work space of a multiple of 8"):
+        update_error(in_place, in_place, packed, a, work=torch.empty(12, dtype=dtype))
+
+
+def test_swapping_storages_keeps_each_tensor_and_exchanges_the_memory():
+    a, b = torch.arange(6.0), torch.zeros(6)
+    a_memory, b_memory = a.data_ptr(), b.data_ptr()
+    view = a[2:]  # views made before keep the memory they saw
+    swap_storages(a, b)
+    assert torch.equal(a, torch.zeros(6)) and torch.equal(b, torch.arange(6.0))
+    assert (a.data_ptr(), b.data_ptr()) == (b_memory, a_memory)
+    assert torch.equal(view, torch.arange(2.0, 6.0))
+    with pytest.raises(ValueError, match=r"cannot swap the storages of tensors \(6,\) and \(5,\)"):
+        swap_storages(a, torch.zeros(5))

@@ -137,15 +137,29 @@ def scale(x: Tensor) -> Tensor:
     return norm / math.sqrt(x.numel())
 
 
-def update_error(error: Tensor, x: Tensor, packed: Tensor, x_scale: Tensor) -> Tensor:
+def update_error(
+    error: Tensor, x: Tensor, packed: Tensor, x_scale: Tensor, work: Tensor | None = None
+) -> Tensor:
     """Error feedback: ``error = x - scale * sign(x)``, with ``sign(x)`` read from ``packed``.
 
     Two passes and no scratch memory: ``error = -scale * sign(x)`` from a scaled lookup
     table, then ``error += x``. The product ``scale * (+-1)`` is exact, so this equals
-    ``x - scale * sign(x)`` to the last bit. ``error`` must not overlap ``x``.
+    ``x - scale * sign(x)`` to the last bit. ``error`` may be ``x`` itself (the update in
+    place) given ``work``, a scratch of a multiple of 8 elements that the same sums pass
+    through chunk by chunk; otherwise it must not overlap ``x``.
     """
-    unpack_signs(packed, x.numel(), out=error.view(-1), scale=-x_scale)
-    return error.add_(x.view_as(error))
+    if error.data_ptr() != x.data_ptr():
+        unpack_signs(packed, x.numel(), out=error.view(-1), scale=-x_scale)
+        return error.add_(x.view_as(error))
+    if work is None or work.numel() % 8:
+        raise ValueError("an error update in place needs work space of a multiple of 8 elements")
+    flat, step = x.view(-1), work.numel()
+    for start in range(0, flat.numel(), step):
+        count = min(step, flat.numel() - start)
+        chunk = work[:count]
+        unpack_signs(packed.view(-1)[start // 8 :], count, out=chunk, scale=-x_scale)
+        flat[start : start + count].copy_(chunk.add_(flat[start : start + count]))
+    return error
 
 
 def server_average(

@@ -2,7 +2,8 @@
 link rate.
 
 Each rank (one per host, one torch thread) times, on the same ``2^k`` float32 elements, one
-copy into a preallocated buffer followed by
+copy into a preallocated buffer (the 1-bit exchanges' own, ``send_buffer()``, as the
+optimizers use it) followed by
 
 * ``dense``: ``dist.all_reduce`` of the buffer (what DDP sends for LAMB);
 * ``whole``: the whole-buffer 1-bit exchange (:class:`~onebit.exchange.FlatExchange`);
@@ -43,9 +44,10 @@ def _rank_main(log2: int, bucket_elements: int, calls: int) -> None:
     exchanges = {"whole": FlatExchange(None), "bucketed": BucketedExchange(None, bucket_elements)}
     for exchange in exchanges.values():
         exchange.bind([n], torch.float32, torch.device("cpu"), backend, TrafficCounter())
-    # Each exchange's buffer is its own size: n, then zero padding (whole bytes per rank).
+    # Each exchange's buffer is its own (n, then zero padding: whole bytes per rank), as the
+    # optimizers use it: its error updates are computed while the bytes travel.
     buffers = {"dense": torch.empty(n)}
-    buffers.update({name: torch.zeros(e.buffer_size([n])) for name, e in exchanges.items()})
+    buffers.update({name: e.send_buffer() for name, e in exchanges.items()})
     runs = {
         "dense": lambda: dist.all_reduce(buffers["dense"]),
         **{name: lambda e=e, b=buffers[name]: e.exchange(b) for name, e in exchanges.items()},

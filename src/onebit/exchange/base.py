@@ -13,7 +13,18 @@ from onebit.exchange.protocol import PackedResult
 from onebit.exchange.transport import TrafficCounter
 from onebit.kernels import Backend
 
-__all__ = ["Exchange"]
+__all__ = ["Exchange", "swap_storages"]
+
+
+def swap_storages(a: Tensor, b: Tensor) -> None:
+    """Exchange the memory of two contiguous tensors of one size in place: each object keeps
+    its identity and takes the other's storage (no copy)."""
+    if a.shape != b.shape or not (a.is_contiguous() and b.is_contiguous()):
+        shapes = f"{tuple(a.shape)} and {tuple(b.shape)}"
+        raise ValueError(f"cannot swap the storages of tensors {shapes}")
+    storage_a, offset_a = a.untyped_storage(), a.storage_offset()
+    a.set_(b.untyped_storage(), b.storage_offset(), b.shape, b.stride())
+    b.set_(storage_a, offset_a, a.shape, a.stride())
 
 
 class Exchange(ABC):
@@ -31,6 +42,7 @@ class Exchange(ABC):
         self.worker_error: Tensor | None = None
         self.server_error: Tensor | None = None
         self.numels: tuple[int, ...] | None = None
+        self._send_buffer: Tensor | None = None
 
     # ----------------------------------------------------------------- what it is
     @property
@@ -93,6 +105,27 @@ class Exchange(ABC):
             self.worker_error = torch.zeros(worker, **zeros)
             self.server_error = torch.zeros(server, **zeros)
         return self.worker_error, self.server_error
+
+    def send_buffer(self) -> Tensor:
+        """This exchange's own buffer of :meth:`buffer_size` elements (zero at first), for the
+        caller to fill and pass to :meth:`exchange`. An exchange of it may leave its error
+        updates in it and take its storage as the error state, giving this tensor the former
+        error storage (ALGORITHM.md, "Error updates while the bytes travel"): it stays the
+        same tensor, with contents that are scratch after every exchange, like any buffer's."""
+        self._require_bound()
+        size = self.buffer_size(self.numels)
+        if self._send_buffer is None or self._send_buffer.numel() != size:
+            self._send_buffer = torch.zeros(size, dtype=self.dtype, device=self.device)
+        return self._send_buffer
+
+    def _owns(self, buffer: Tensor) -> bool:
+        """Whether ``buffer`` is :meth:`send_buffer` (or a flat view of all of it)."""
+        own = self._send_buffer
+        return (
+            own is not None
+            and buffer.data_ptr() == own.data_ptr()
+            and buffer.numel() == own.numel()
+        )
 
     def reset_errors(self) -> None:
         """Error feedback restarts from zero (nothing is carried into the next call)."""

@@ -111,7 +111,7 @@ class BucketedExchange(FlatExchange):
         total = sum(exchange_bytes(Layout.flat(e - s, n), self.dtype) for s, e in self.buckets())
         return {"compressed_allreduce": total}
 
-    def nbytes(self) -> int:
+    def _scratch_bytes(self) -> int:
         return sum(ws.nbytes() for ws in self._workspaces)
 
     def begin(self, buffer: Tensor) -> BucketPipeline:
@@ -120,7 +120,13 @@ class BucketedExchange(FlatExchange):
         with backward); :meth:`BucketPipeline.complete` gives what :meth:`exchange` gives
         and counts its bytes. Until then ``buffer``'s started buckets must stay as they are."""
         pipeline = self._pipeline(self._checked(buffer), *self.errors())
-        pipeline.on_complete = lambda: self.traffic.record_all(self.bytes_per_call())
+        take_errors = pipeline.on_complete
+
+        def on_complete() -> None:
+            take_errors()
+            self.traffic.record_all(self.bytes_per_call())
+
+        pipeline.on_complete = on_complete
         return pipeline
 
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
@@ -128,7 +134,10 @@ class BucketedExchange(FlatExchange):
         return self._pipeline(buffer, worker_error, server_error).complete()
 
     def _pipeline(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
+        """The pipeline of every bucket's exchange, its error updates computed ahead where
+        ``buffer`` is the exchange's own (taken as the error state when it completes)."""
         buckets, n = self.buckets(), self.world_size
+        ahead = self._errors_ahead(buffer)
         while len(self._workspaces) < len(buckets):
             self._workspaces.append(CompressionWorkspace())
         server_starts = np.concatenate([[0], np.cumsum([(e - s) // n for s, e in buckets])])
@@ -141,11 +150,14 @@ class BucketedExchange(FlatExchange):
                 Layout.flat(end - start, n), self.dtype, self.device, self.backend
             )
             segment = buffer[start:end]
-            server = server_error[int(server_starts[k]) : int(server_starts[k + 1])]
-            rounds.append(
-                Round([segment], [segment], worker_error[start:end], server, transport, ws)
-            )
-        return BucketPipeline(buckets, order, rounds)
+            chunk = slice(int(server_starts[k]), int(server_starts[k + 1]))
+            server, next_server = server_error[chunk], None if ahead is None else ahead[chunk]
+            errors = worker_error[start:end], server, transport, ws, next_server
+            rounds.append(Round([segment], [segment], *errors))
+        pipeline = BucketPipeline(buckets, order, rounds)
+        if ahead is not None:
+            pipeline.on_complete = self._take_errors_ahead
+        return pipeline
 
 
 #: Bucket ``i``'s server phase is sent right after the worker phase of the bucket

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.exchange.base import Exchange
+from onebit.exchange.base import Exchange, swap_storages
 from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
     Layout,
@@ -48,7 +49,36 @@ class GroupExchange(Exchange):
 class FlatExchange(GroupExchange):
     """All tensors in one buffer, padded to a multiple of ``8 n``, exchanged as one segment
     over ``group`` (one worker scale, a server scale per chunk). The result is decoded on the
-    fly by the update kernels."""
+    fly by the update kernels. An exchange of :meth:`send_buffer` computes its error updates
+    while the bytes travel (ALGORITHM.md, "Error updates while the bytes travel")."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(group)
+        self._next_server_error: Tensor | None = None
+
+    def nbytes(self) -> int:
+        ahead = self._next_server_error
+        ahead_bytes = 0 if ahead is None else ahead.numel() * ahead.element_size()
+        return self._scratch_bytes() + ahead_bytes
+
+    def _scratch_bytes(self) -> int:
+        return self.workspace.nbytes()
+
+    def _errors_ahead(self, buffer: Tensor) -> Tensor | None:
+        """Where the server's error updates go while the bytes travel when ``buffer`` is the
+        exchange's own (the worker's go into the buffer), else ``None``."""
+        if not self._owns(buffer):
+            return None
+        server, ahead = self.server_error, self._next_server_error
+        if ahead is None or ahead.shape != server.shape or ahead.dtype != server.dtype:
+            self._next_server_error = torch.empty_like(server)
+        return self._next_server_error
+
+    def _take_errors_ahead(self) -> None:
+        """The updates computed ahead become the error state, the former error storage the
+        send buffer and the server's scratch (no copy)."""
+        swap_storages(self._send_buffer, self.worker_error)
+        swap_storages(self._next_server_error, self.server_error)
 
     def buffer_size(self, numels: Sequence[int]) -> int:
         return padded_size(sum(numels), self.world_size)
@@ -66,7 +96,13 @@ class FlatExchange(GroupExchange):
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
         ws = self.workspace.prepare(self._layout(), self.dtype, self.device, self.backend)
         transport = GroupTransport(self.group)
-        return exchange_over_group([buffer], [buffer], worker_error, server_error, transport, ws)
+        ahead = self._errors_ahead(buffer)
+        result = exchange_over_group(
+            [buffer], [buffer], worker_error, server_error, transport, ws, ahead
+        )
+        if ahead is not None:
+            self._take_errors_ahead()
+        return result
 
 
 class PerTensorExchange(GroupExchange):

@@ -40,6 +40,7 @@ def exchange_over_group(
     server_error: Tensor,
     transport: GroupTransport,
     workspace: CompressionWorkspace,
+    next_server_error: Tensor | None = None,
 ) -> PackedResult:
     """The two-phase exchange of this rank's ``segments`` (flat, ``P_t`` elements each, of
     the layout ``workspace`` was prepared for) over ``transport``'s group, with this rank's
@@ -49,8 +50,12 @@ def exchange_over_group(
     Every rank's scales and backend are checked after the worker compression and every
     server's scales after the server compression, before any error state changes: a
     :class:`~onebit.exchange.transport.NonFiniteError` or
-    :class:`~onebit.exchange.transport.KernelMismatchError` is raised on every rank alike."""
-    return start_exchange(segments, xs, worker_error, server_error, transport, workspace).commit()
+    :class:`~onebit.exchange.transport.KernelMismatchError` is raised on every rank alike.
+    With ``next_server_error`` the error updates go to scratch instead (:class:`Round`)."""
+    pending = start_exchange(
+        segments, xs, worker_error, server_error, transport, workspace, next_server_error
+    )
+    return pending.commit()
 
 
 def start_exchange(
@@ -60,12 +65,15 @@ def start_exchange(
     server_error: Tensor,
     transport: GroupTransport,
     workspace: CompressionWorkspace,
+    next_server_error: Tensor | None = None,
 ) -> PendingExchange:
     """:func:`exchange_over_group` with the error updates left for the caller to apply
     (``commit()``), so that several exchanges can all be checked before any error state
     changes (the bucketed exchange). The error updates read only what the exchange leaves in
-    ``xs``, the segments and the workspace, so applying them later gives the same bits."""
-    exchange = Round(segments, xs, worker_error, server_error, transport, workspace)
+    ``xs``, the segments and the workspace, so applying them later gives the same bits. With
+    ``next_server_error`` they are computed ahead, into scratch (:class:`Round`)."""
+    errors = worker_error, server_error, transport, workspace, next_server_error
+    exchange = Round(segments, xs, *errors)
     exchange.send_workers()
     exchange.send_servers()
     return exchange.finish()
@@ -85,7 +93,14 @@ class Round:
        pending.
 
     A check that fails raises on every rank alike (they all gathered the same values) with
-    no error state changed; :meth:`drain` then waits for what is still in flight."""
+    no error state changed; :meth:`drain` then waits for what is still in flight.
+
+    With ``next_server_error`` (one segment, which is its own ``xs``), the error updates are
+    computed while each phase's collective travels, into scratch: the new worker error into
+    the segment itself (after its signs are sent), the new server error into
+    ``next_server_error`` (after the server signs are sent). Nothing is left to commit; the
+    caller takes the two as the error state once every check has passed (ALGORITHM.md,
+    "Error updates while the bytes travel")."""
 
     def __init__(
         self,
@@ -95,10 +110,16 @@ class Round:
         server_error: Tensor,
         transport: GroupTransport,
         workspace: CompressionWorkspace,
+        next_server_error: Tensor | None = None,
     ) -> None:
         self.segments, self.xs, self.transport, self.ws = segments, xs, transport, workspace
         self.worker_error, self.server_error = worker_error.view(-1), server_error.view(-1)
         self.device = worker_error.device
+        self.next_server_error = next_server_error
+        if next_server_error is not None and not (
+            len(segments) == 1 and len(xs) == 1 and xs[0] is segments[0]
+        ):
+            raise ValueError("error updates ahead need one segment that is its own x")
         self._works: list = []
 
     def drain(self) -> None:
@@ -117,6 +138,11 @@ class Round:
         stages.fill_send(ws.worker_packed, ws.send)  # chunk j of every segment, for rank j
         ws.frame_worker_message()  # the scales travel with the signs: one message per peer
         self._works = [self.transport.all_to_all(ws.received_framed, ws.send_framed, async_op=True)]
+        if self.next_server_error is not None:  # segment <- x - a sign(x), x = error + segment
+            segment = self.segments[0]
+            stages.update_worker_errors(
+                [self.worker_error], self.xs, segment, ws.worker_packed, ws.local_scales
+            )
 
     def send_servers(self) -> None:
         ws, stages = self.ws, self.ws.stages
@@ -138,6 +164,9 @@ class Round:
         self._works = [
             self.transport.all_gather(ws.gathered_framed, ws.server_frame, async_op=True)
         ]
+        if self.next_server_error is not None:
+            self.next_server_error.copy_(self.server_error)
+            self._update_server_errors(self.next_server_error)
 
     def finish(self) -> PendingExchange:
         ws, stages = self.ws, self.ws.stages
@@ -146,16 +175,17 @@ class Round:
         self.transport.agree(finite_problem(ws.server_scales.tolist(), "server scale"), self.device)
 
         def commit() -> None:
-            stages.update_worker_errors(
-                self.segments, self.xs, self.worker_error, ws.worker_packed, ws.local_scales
-            )
-            stages.update_server_errors(
-                self.received,
-                self.worker_scales,
-                self.server_error,
-                ws.server_packed,
-                ws.local_server_scales,
-            )
+            if self.next_server_error is None:
+                stages.update_worker_errors(
+                    self.segments, self.xs, self.worker_error, ws.worker_packed, ws.local_scales
+                )
+                self._update_server_errors(self.server_error)
 
         result = PackedResult(ws.gathered, ws.server_scales, stages.layout, stages.backend)
         return PendingExchange(result, commit)
+
+    def _update_server_errors(self, server_error: Tensor) -> None:
+        """``server_error = y - b sign(y)``, ``y`` formed from ``server_error`` (in place)."""
+        ws = self.ws
+        own = ws.server_packed, ws.local_server_scales
+        ws.stages.update_server_errors(self.received, self.worker_scales, server_error, *own)

@@ -77,7 +77,7 @@ class ReferenceKernels:
         x: Tensor,
         scratch: ReferenceScratch,
     ) -> None:
-        update_error(error, x, packed, x_scale)
+        update_error(error, x, packed, x_scale, work=scratch.work)  # error may be x itself
 
     def server_compress(
         self,

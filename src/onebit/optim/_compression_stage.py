@@ -166,11 +166,10 @@ class CompressionStage(CommunicatingOptimizer):
                 skipped,
             )
         exchange = self._bind_exchange(flat)
-        size = exchange.buffer_size([t.numel() for t in flat.tensors])
         self._mask = self._flat_mask(flat)
         if self.step_count == self.freeze_step:  # not when resuming later in the stage
             self._start_compression(flat)
-        self._exchange_buffer = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        self._exchange_buffer = exchange.send_buffer()  # its own: error updates go there early
         return self._exchange_buffer
 
     def _flat_mask(self, flat: FlatState) -> Tensor | None:
