@@ -5,8 +5,8 @@ Run as root from the checkout:
 
     .venv/bin/python scripts/exchange_timeline.py [BANDWIDTH] [--log2 25] [--bucket-cap-mb 25]
 
-Each rank runs ``onebit bench exchange``'s bucketed call (a copy into a preallocated buffer,
-then :class:`~onebit.exchange.BucketedExchange`) ``--calls`` times; a thread reads its
+Each rank runs ``onebit bench exchange``'s bucketed call (a copy into the exchange's own
+buffer, then :class:`~onebit.exchange.BucketedExchange`) ``--calls`` times; a thread reads its
 interface's byte counters every millisecond. The last call is reported for both ranks (the
 same call, so their clocks, one monotonic clock of the machine, line up): when each bucket's
 worker phase was sent, when its signs were in (the wait in its server phase) and when its
@@ -41,9 +41,9 @@ def _rank_main(log2: int, bucket_elements: int, calls: int) -> None:
     counters = [f"/sys/class/net/{interface}/statistics/{c}_bytes" for c in ("tx", "rx")]
     n = 1 << log2
     values = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
-    buffer = torch.empty(n)
     exchange = BucketedExchange(None, bucket_elements)
-    exchange.bind([n], torch.float32, torch.device("cpu"), kernels.select(buffer), TrafficCounter())
+    exchange.bind([n], torch.float32, torch.device("cpu"), kernels.select(values), TrafficCounter())
+    buffer = exchange.send_buffer()  # its own, as the benchmark and the optimizers use it
     rounds: dict[int, int] = {}  # id of a bucket's Round -> its place in the exchange order
     events: list[tuple[str, float]] = []
 

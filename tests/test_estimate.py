@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from onebit.cli import main
-from onebit.estimate.cli import model_parameters, model_tail_share
 from onebit.estimate.model import (
     COMPRESSION_THROUGHPUT,
     HOST_THROUGHPUT,
@@ -24,6 +23,7 @@ from onebit.estimate.model import (
     local_compression_seconds,
     overlapped_exchange,
 )
+from onebit.estimate.models import model_parameters, model_tail_share
 from onebit.estimate.validate import (
     EMULATED_BURST_EFFICIENCY,
     EMULATED_LATENCY,

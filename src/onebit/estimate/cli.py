@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onebit.bert_shapes import ModelPreset
 from onebit.cli import add_options, given_options, option
 from onebit.estimate.model import (
     COMPRESSION_THROUGHPUT,
@@ -28,47 +27,11 @@ from onebit.estimate.model import (
     MethodEstimate,
     estimate,
 )
+from onebit.estimate.models import model_parameters, model_tail_share
 from onebit.optim._onebit import DEFAULT_BUCKET_CAP_MB
 from onebit.units import parse_bandwidth, parse_latency, rate_option
 
-__all__ = ["EstimateSettings", "model_parameters", "model_tail_share", "register"]
-
-#: Named models: the benchmark presets and BERT-Large (vocabulary 30522, hidden 1024, 24 layers).
-MODEL_SHAPES = {
-    "bert-base": (30522, 768, 12, 12),
-    "bert-large": (30522, 1024, 24, 16),
-    "small": (30522, 512, 4, 8),
-    "mini": (30522, 256, 4, 4),
-}
-_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
-
-
-def model_parameters(text: str) -> int:
-    """Parameters of a named model (``bert-base``, ``bert-large``, ``small``, ``mini``: BERT
-    masked-language models, counted by :class:`onebit.bert_shapes.ModelPreset`) or a count such
-    as ``340M``, ``1.3B`` or ``110000000``."""
-    name = text.strip().lower()
-    if name in MODEL_SHAPES:
-        return ModelPreset(*MODEL_SHAPES[name]).parameter_count()
-    scale = _SUFFIXES.get(name[-1:], 1.0)
-    number = name[:-1] if name[-1:] in _SUFFIXES else name
-    try:
-        count = float(number) * scale
-    except ValueError:
-        count = math.nan
-    if not (math.isfinite(count) and count >= 1):
-        raise ValueError(
-            f"model must be one of {sorted(MODEL_SHAPES)} or a parameter count such as 340M or "
-            f"1.3e9; got {text!r}"
-        )
-    return round(count)
-
-
-def model_tail_share(text: str) -> float:
-    """The share of a named model's parameters whose gradients backward completes last (its
-    embeddings, :meth:`onebit.bert_shapes.ModelPreset.tail_share`); 0 for a parameter count."""
-    shape = MODEL_SHAPES.get(text.strip().lower())
-    return 0.0 if shape is None else ModelPreset(*shape).tail_share()
+__all__ = ["EstimateSettings", "register"]
 
 
 def _share_option(text: str) -> float:

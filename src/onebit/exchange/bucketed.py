@@ -151,9 +151,18 @@ class BucketedExchange(FlatExchange):
             )
             segment = buffer[start:end]
             chunk = slice(int(server_starts[k]), int(server_starts[k + 1]))
-            server, next_server = server_error[chunk], None if ahead is None else ahead[chunk]
-            errors = worker_error[start:end], server, transport, ws, next_server
-            rounds.append(Round([segment], [segment], *errors))
+            next_server = None if ahead is None else ahead[chunk]
+            rounds.append(
+                Round(
+                    [segment],
+                    [segment],
+                    worker_error[start:end],
+                    server_error[chunk],
+                    transport,
+                    ws,
+                    next_server,
+                )
+            )
         pipeline = BucketPipeline(buckets, order, rounds)
         if ahead is not None:
             pipeline.on_complete = self._take_errors_ahead

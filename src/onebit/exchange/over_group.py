@@ -72,8 +72,9 @@ def start_exchange(
     changes (the bucketed exchange). The error updates read only what the exchange leaves in
     ``xs``, the segments and the workspace, so applying them later gives the same bits. With
     ``next_server_error`` they are computed ahead, into scratch (:class:`Round`)."""
-    errors = worker_error, server_error, transport, workspace, next_server_error
-    exchange = Round(segments, xs, *errors)
+    exchange = Round(
+        segments, xs, worker_error, server_error, transport, workspace, next_server_error
+    )
     exchange.send_workers()
     exchange.send_servers()
     return exchange.finish()
