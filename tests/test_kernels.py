@@ -111,9 +111,14 @@ def _check_server_stages(backend: str, dtype: torch.dtype, n: int, chunk: int) -
     packed, scale, error, scratch = outputs[backend]
     assert torch.equal(packed, ref_packed), "packed signs differ from the reference's"
     _assert_scale(scale, ref_scale, ref_scratch.y)
+    before = error.clone()
+    apart = torch.full_like(error, float("nan"))
+    fused.server_error_update(received, scales, error, packed, ref_scale, scratch, out=apart)
+    assert torch.equal(_bits(error), _bits(before)), "an update into out changed server_error"
     reference.server_error_update(received, scales, ref_error, ref_packed, ref_scale, ref_scratch)
     fused.server_error_update(received, scales, error, packed, ref_scale, scratch)
     assert torch.equal(_bits(error), _bits(ref_error))
+    assert torch.equal(_bits(apart), _bits(ref_error)), "the update into out differs"
 
     out_ref, out_fused = (torch.empty(n * chunk, dtype=dtype, device=device) for _ in range(2))
     reference.decode(gathered, scales, out_ref)

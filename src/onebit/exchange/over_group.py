@@ -166,7 +166,6 @@ class Round:
             self.transport.all_gather(ws.gathered_framed, ws.server_frame, async_op=True)
         ]
         if self.next_server_error is not None:
-            self.next_server_error.copy_(self.server_error)
             self._update_server_errors(self.next_server_error)
 
     def finish(self) -> PendingExchange:
@@ -185,8 +184,10 @@ class Round:
         result = PackedResult(ws.gathered, ws.server_scales, stages.layout, stages.backend)
         return PendingExchange(result, commit)
 
-    def _update_server_errors(self, server_error: Tensor) -> None:
-        """``server_error = y - b sign(y)``, ``y`` formed from ``server_error`` (in place)."""
+    def _update_server_errors(self, out: Tensor) -> None:
+        """``out = y - b sign(y)``, ``y`` formed from the server error (``out`` may be it)."""
         ws = self.ws
         own = ws.server_packed, ws.local_server_scales
-        ws.stages.update_server_errors(self.received, self.worker_scales, server_error, *own)
+        ws.stages.update_server_errors(
+            self.received, self.worker_scales, self.server_error, *own, out
+        )

@@ -240,17 +240,26 @@ class Stages:
         server_error: Tensor,
         packed: Tensor,
         scales: Tensor,
+        out: Tensor | None = None,
     ) -> None:
-        """Per segment: ``error = y - scales[t] sign(y)``."""
+        """Per segment: ``error = y - scales[t] sign(y)``, into ``out`` where given (memory
+        apart from ``server_error``, which is then left as it is)."""
         if self.together:
             self.kernels.server_error_update_segments(
-                received, worker_scales, server_error, packed, scales, self.layout
+                received, worker_scales, server_error, packed, scales, self.layout, out
             )
             return
         errors, packs = self._server_parts(server_error, packed)
+        outs = errors if out is None else out.split(self.layout.chunks)
         for t in range(self.layout.segments):
             self.kernels.server_error_update(
-                received[t], worker_scales[t], errors[t], packs[t], scales[t], self.scratch[t]
+                received[t],
+                worker_scales[t],
+                errors[t],
+                packs[t],
+                scales[t],
+                self.scratch[t],
+                outs[t],
             )
 
 

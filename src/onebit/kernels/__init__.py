@@ -106,7 +106,11 @@ class CompressionKernels(Protocol):
         packed: Tensor,
         y_scale: Tensor,
         scratch: Any,
-    ) -> None: ...
+        out: Tensor | None = None,
+    ) -> None:
+        """``out = y - y_scale sign(y)`` (default ``out``: ``server_error``, in place), ``y``
+        formed from ``server_error`` as in :meth:`server_compress`; ``out`` may not overlap
+        ``server_error`` otherwise."""
 
     def decode(self, gathered: Tensor, scales: Tensor, out: Tensor) -> None: ...
 
@@ -144,6 +148,7 @@ class SegmentedCompressionKernels(CompressionKernels, Protocol):
         packed: Tensor,
         scales: Tensor,
         layout: Any,
+        out: Tensor | None = None,
     ) -> None: ...
 
     def gather_columns(self, packed: Tensor, send: Tensor, layout: Any) -> None:

@@ -176,10 +176,12 @@ class NumbaKernels(ReferenceKernels):
             received, scales.reshape(1, -1), server_error, packed, layout
         )[0]
 
-    def server_error_update(self, received, scales, server_error, packed, y_scale, scratch):
+    def server_error_update(
+        self, received, scales, server_error, packed, y_scale, scratch, out=None
+    ):
         layout = Layout.flat(server_error.numel() * received.shape[0], received.shape[0])
         self.server_error_update_segments(
-            received, scales.reshape(1, -1), server_error, packed, y_scale.reshape(1), layout
+            received, scales.reshape(1, -1), server_error, packed, y_scale.reshape(1), layout, out
         )
 
     def decode(self, gathered, scales, out):
@@ -213,16 +215,19 @@ class NumbaKernels(ReferenceKernels):
         return _scales(sums, layout.chunks, self.scale_dtype(server_error.dtype))
 
     def server_error_update_segments(
-        self, received, worker_scales, server_error, packed, scales, layout
+        self, received, worker_scales, server_error, packed, scales, layout, out=None
     ):
         blocks = _server_blocks(layout.chunks)
         weights = _weights(worker_scales, layout.n, server_error.dtype)
+        in_place = out is None or out.data_ptr() == server_error.data_ptr()
         _COMPRESSION("server_error_update")(
             blocks,
             to_numpy(received),
             weights,
             to_numpy(server_error),
             to_numpy(scales.to(server_error.dtype)),
+            to_numpy(server_error if out is None else out),
+            in_place,
         )
 
     def decode_segments(self, gathered, scales, out, layout):

@@ -163,19 +163,20 @@ def server_compress(blocks, received, weights, server_error, packed):
     return partial
 
 
-def server_error_update(blocks, received, weights, server_error, scales):
-    """``server_error = y - scales[t] sign(y)`` with ``y`` as in :func:`server_compress`."""
+def server_error_update(blocks, received, weights, server_error, scales, out, in_place):
+    """``out = y - scales[t] sign(y)`` with ``y`` as in :func:`server_compress`; ``out`` is
+    ``server_error`` itself where ``in_place``, else memory apart from it."""
     for b in prange(blocks.shape[0]):
         t, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         y = np.empty(CHUNK, server_error.dtype)
         for c in range(s, e, CHUNK):
             d = min(c + CHUNK, e)
             rows = received[:, c // 8 : d // 8]
-            if rows.shape[0] == 1:
-                _only_error_feedback(weights[t, 0], rows[0], scales[t], server_error[c:d])
+            if rows.shape[0] == 1 and in_place:
+                _only_error_feedback(weights[t, 0], rows[0], scales[t], out[c:d])
             else:
                 head = _server_sum(server_error[c:d], rows, weights[t], y[: d - c])
-                _last_error_feedback(head, weights[t, -1], rows[-1], scales[t], server_error[c:d])
+                _last_error_feedback(head, weights[t, -1], rows[-1], scales[t], out[c:d])
 
 
 def decode(pieces, gathered, scales, out):

@@ -38,7 +38,7 @@ class ReferenceKernels:
     2. ``worker_error_update``: ``error = x - a sign(x)``.
     3. ``server_compress``: ``y = server_error + sum_i w_i sign_i`` (rank order); packed
        ``sign(y)``; ``b = ||y||/sqrt(C)``.
-    4. ``server_error_update``: ``server_error = y - b sign(y)``.
+    4. ``server_error_update``: ``server_error = y - b sign(y)`` (or into ``out``).
     5. ``decode``: ``out[chunk j] = b_j sign_j``.
     """
 
@@ -99,8 +99,10 @@ class ReferenceKernels:
         packed: Tensor,
         y_scale: Tensor,
         scratch: ReferenceScratch,
+        out: Tensor | None = None,
     ) -> None:
-        update_error(server_error, scratch.y, packed, y_scale)
+        target = server_error if out is None else out
+        update_error(target, scratch.y, packed, y_scale)  # y from server_compress, in scratch
 
     def decode(self, gathered: Tensor, scales: Tensor, out: Tensor) -> None:
         chunk = out.numel() // gathered.shape[0]

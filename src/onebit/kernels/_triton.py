@@ -146,12 +146,12 @@ def _server_compress_kernel(
 
 @triton.jit
 def _server_error_update_kernel(
-    received, row_stride, weights, n, server_error, scale, nbytes, BLOCK_BYTES: tl.constexpr
+    received, row_stride, weights, n, server_error, scale, out, nbytes, BLOCK_BYTES: tl.constexpr
 ):
     rows, in_range, offsets = _tile(tl.program_id(0), nbytes, BLOCK_BYTES)
     y = _server_average(received, row_stride, weights, n, server_error, rows, in_range, offsets)
     error = _feedback(y, _widen(tl.load(scale)), server_error.dtype.element_ty)
-    tl.store(server_error + offsets, error, in_range[:, None])
+    tl.store(out + offsets, error, in_range[:, None])
 
 
 @triton.jit
@@ -215,11 +215,14 @@ class TritonKernels(ReferenceKernels):
         _launch(_server_compress_kernel, sumsq.shape, *args)
         return _scale(sumsq, server_error.numel(), self.scale_dtype(server_error.dtype))
 
-    def server_error_update(self, received, scales, server_error, packed, y_scale, scratch):
+    def server_error_update(
+        self, received, scales, server_error, packed, y_scale, scratch, out=None
+    ):
         n, nbytes = received.shape
         weights = _weights(scales, n, server_error.dtype)
         scale = y_scale.to(server_error.dtype)
-        args = (received, received.stride(0), weights, n, server_error, scale, nbytes)
+        out = server_error if out is None else out
+        args = (received, received.stride(0), weights, n, server_error, scale, out, nbytes)
         _launch(_server_error_update_kernel, (_blocks(nbytes),), *args)
 
     def decode(self, gathered, scales, out):
