@@ -346,28 +346,80 @@ def test_error_updates_run_while_the_bytes_travel_only_for_the_exchanges_own_buf
 
 
 def _own_buffer_non_finite(rank: int, world: int):
-    """A NaN in the last bucket exchanged (bucket 0), on rank 1 only, with the exchange's own
-    buffer: every rank raises, its error state untouched, after updates went to scratch."""
+    """A NaN, on rank 1 only, with the exchange's own buffer, in the last bucket exchanged
+    (bucket 0: its check fails once every message but its server phase's is sent) and then in
+    the first (bucket 2: every server phase is still to send): every rank raises, its error
+    state untouched, after updates went to scratch; and the next exchange gives what an
+    exchange that never failed gives (nothing posted ahead is left for its messages)."""
+    bound = dict(
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        backend=kernels.select(torch.zeros(8)),
+        traffic=TrafficCounter(),
+    )
+    failing, clean = BucketedExchange(None, BUCKET), BucketedExchange(None, BUCKET)
+    for exchange in (failing, clean):
+        exchange.bind(NUMELS, **bound)
+    size = failing.buffer_size(NUMELS)
+
+    def call(exchange: BucketedExchange, inputs: int) -> torch.Tensor:
+        exchange.send_buffer().copy_(_inputs(world, size, inputs)[rank])
+        return exchange.exchange(exchange.send_buffer()).decode(torch.empty(size))
+
+    call(failing, 0)
+    call(clean, 0)
+    outcomes = []
+    for element in (0, size - 1):  # in bucket 0, exchanged last; in bucket 2, exchanged first
+        errors = [e.clone() for e in failing.errors()]
+        buffer = failing.send_buffer()
+        buffer.copy_(_inputs(world, size, 1)[rank])
+        if rank == 1:
+            buffer[element] = float("nan")
+        try:
+            failing.exchange(buffer)
+            raised = False
+        except FloatingPointError:
+            raised = True
+        untouched = all(torch.equal(a, b) for a, b in zip(errors, failing.errors(), strict=True))
+        outcomes.append((raised, untouched))
+    same = torch.equal(call(failing, 2), call(clean, 2))
+    same_errors = all(
+        torch.equal(a, b) for a, b in zip(failing.errors(), clean.errors(), strict=True)
+    )
+    return outcomes, same and same_errors
+
+
+def test_a_non_finite_bucket_leaves_the_errors_untouched_with_the_exchanges_own_buffer():
+    expected = ([(True, True), (True, True)], True)
+    assert spawn_workers(_own_buffer_non_finite, 2, timeout_s=120) == [expected] * 2
+
+
+def _messages_of_one_exchange(rank: int, world: int):
+    """The point-to-point calls and collectives of one bucketed exchange over gloo, in order."""
+    import torch.distributed as dist
+
+    calls = []
+    for name in ("irecv", "isend", "all_to_all_single", "all_gather_into_tensor"):
+        original = getattr(dist, name)
+
+        def record(*args, original=original, name=name, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        setattr(dist, name, record)
     exchange = BucketedExchange(None, BUCKET)
     exchange.bind(
         NUMELS, torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()
     )
-    size = exchange.buffer_size(NUMELS)
-    exchange.send_buffer().copy_(_inputs(world, size, 0)[rank])
+    exchange.send_buffer().copy_(_inputs(world, exchange.buffer_size(NUMELS), 0)[rank])
     exchange.exchange(exchange.send_buffer())
-    errors = [e.clone() for e in exchange.errors()]
-    buffer = exchange.send_buffer()
-    buffer.copy_(_inputs(world, size, 1)[rank])
-    if rank == 1:
-        buffer[0] = float("nan")
-    try:
-        exchange.exchange(buffer)
-        raised = False
-    except FloatingPointError:
-        raised = True
-    untouched = all(torch.equal(a, b) for a, b in zip(errors, exchange.errors(), strict=True))
-    return raised, untouched
+    return calls, len(exchange.buckets())
 
 
-def test_a_non_finite_bucket_leaves_the_errors_untouched_with_the_exchanges_own_buffer():
-    assert spawn_workers(_own_buffer_non_finite, 2, timeout_s=120) == [(True, True)] * 2
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_receive_is_posted_before_the_first_send(world):
+    """Over gloo every message's receives (a worker and a server message per bucket, from
+    each peer) are posted before any bytes are sent, and the messages go point to point."""
+    for calls, buckets in spawn_workers(_messages_of_one_exchange, world, timeout_s=120):
+        messages = 2 * buckets * (world - 1)
+        assert calls == ["irecv"] * messages + ["isend"] * messages

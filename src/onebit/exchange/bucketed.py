@@ -163,7 +163,11 @@ class BucketedExchange(FlatExchange):
                     next_server,
                 )
             )
-        pipeline = BucketPipeline(buckets, order, rounds)
+        # Every message's receive posted now: gloo's notices then travel before any bytes.
+        transport.post_receives(
+            [out for r in rounds for out in (r.ws.received_framed, r.ws.gathered_framed)]
+        )
+        pipeline = BucketPipeline(buckets, order, rounds, transport)
         if ahead is not None:
             pipeline.on_complete = self._take_errors_ahead
         return pipeline
@@ -187,7 +191,8 @@ class BucketPipeline:
        compresses.
 
     Every rank issues the same collectives in the same order (fixed by the buckets' places,
-    wherever each step runs). A failed step drains what is in flight and is raised by
+    wherever each step runs). A failed step drains what is in flight, sends what is left of
+    the messages whose receives ``transport`` posted ahead, and is raised by
     :meth:`complete`; no error state changes before every bucket's checks have passed."""
 
     def __init__(
@@ -195,8 +200,10 @@ class BucketPipeline:
         buckets: list[tuple[int, int]],
         order: list[int],
         rounds: list[Round],
+        transport: GroupTransport,
     ) -> None:
         self.buckets, self.order, self.rounds = buckets, order, rounds
+        self.transport = transport
         self._finished: list = [None] * len(rounds)
         self._sent = 0  # buckets whose worker phase has run
         self._served = 0  # buckets whose server phase has run
@@ -247,8 +254,7 @@ class BucketPipeline:
 
     def cancel(self) -> None:
         """Wait for what is in flight and drop the exchange (error state unchanged)."""
-        for exchange in self.rounds:
-            exchange.drain()
+        self._drain()
         self._sent = len(self.rounds)
         self.failure = self.failure or RuntimeError("the exchange was cancelled")
 
@@ -263,6 +269,12 @@ class BucketPipeline:
         try:
             step()
         except BaseException as error:
-            for exchange in self.rounds:
-                exchange.drain()
+            self._drain()
             self.failure = error
+
+    def _drain(self) -> None:
+        """Wait for every message in flight, and send and wait for every message posted
+        ahead and not sent (every rank drops the exchange at the same message)."""
+        for exchange in self.rounds:
+            exchange.drain()
+        self.transport.settle()

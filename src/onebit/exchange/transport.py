@@ -1,10 +1,12 @@
 """How the exchange's bytes move: over a ``torch.distributed`` process group, and the
 bookkeeping every exchange shares (traffic counters, the errors every rank raises together).
 
-Only ``torch.distributed`` collectives are used (``all_to_all_single``,
-``all_gather_single``, ``all_reduce``), so the same code runs on gloo (CPU tensors) and NCCL
-(CUDA tensors). Without an initialised process group, or with a group of one rank,
-everything runs locally with the same maths and no communication.
+Only ``torch.distributed`` is used: collectives (``all_to_all_single``, ``all_gather_single``,
+``all_reduce``), so the same code runs on gloo (CPU tensors) and NCCL (CUDA tensors), and, for
+the messages whose receives an exchange posts ahead over gloo
+(:meth:`GroupTransport.post_receives`), ``isend``/``irecv``. Without an initialised process
+group, or with a group of one rank, everything runs locally with the same maths and no
+communication.
 """
 
 from __future__ import annotations
@@ -93,6 +95,32 @@ def all_gather_into(
 
 _PROBLEMS = (NonFiniteError, KernelMismatchError)  # codes 1, 2; 0 is none
 
+#: Tags of the messages posted ahead are this plus the message's place; far from the small
+#: tags a program's own point-to-point messages take.
+POSTED_TAG_BASE = 0x0B170000
+
+
+@dataclass
+class _Posted:
+    """A message whose receives are posted: its tag, the receives, the tensor they fill."""
+
+    tag: int
+    receives: list
+    output: Tensor
+
+
+class _Works:
+    """The sends and receives of one message, waited for together, each once (a gloo
+    receive waited for twice waits for a second message)."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
 
 class GroupTransport:
     """The collectives of the two-phase exchange over ``group`` (default: the world).
@@ -100,16 +128,60 @@ class GroupTransport:
     ``agree_on``, a second group whose ranks must all raise when any of them does (the
     hierarchical exchange's node), agrees on every check over it too, with one all-reduce
     of a small integer; the ranks of ``group`` itself see the same gathered values and so
-    raise alike without it."""
+    raise alike without it.
+
+    Over gloo, a message's bytes leave only once the receiver's notice that it has posted
+    the receive has arrived, and that notice waits behind the bytes already queued on the
+    link in its direction. :meth:`post_receives` posts the receives of messages to come, so
+    their notices travel before any bytes: those messages then go as point-to-point sends,
+    and every message posted must be sent (:meth:`settle` sends the rest)."""
 
     def __init__(
         self, group: dist.ProcessGroup | None, agree_on: dist.ProcessGroup | None = None
     ) -> None:
         self.group, self.agree_on = group, agree_on
         self.n = world_size(group)
+        self._posted: dict[int, _Posted] = {}  # by the address of the tensor it fills
+
+    def post_receives(self, outputs: list[Tensor]) -> None:
+        """Post now the receives of the messages that will fill ``outputs`` (``[n, M]`` each:
+        row ``i`` from rank ``i``), each to come from one :meth:`all_to_all` or
+        :meth:`all_gather`; every rank lists the same messages in the same order. Nothing is
+        posted but over a gloo group of CPU tensors (elsewhere the collectives run as ever)."""
+        if self.n == 1 or not outputs or outputs[0].device.type != "cpu":
+            return
+        if dist.get_backend(self.group) != dist.Backend.GLOO:
+            return
+        for place, output in enumerate(outputs):
+            tag = POSTED_TAG_BASE + place
+            receives = [
+                dist.irecv(output[i], src=self._global(i), group=self.group, tag=tag)
+                for i in self._peers()
+            ]
+            self._posted[output.data_ptr()] = _Posted(tag, receives, output)
+
+    def settle(self) -> None:
+        """Send every message posted and not sent yet (what the sending buffers hold, to be
+        dropped: every rank settles the same messages after a failure) and wait for all of
+        them, so no posted receive is left for a later message to land in."""
+        unsent, self._posted = self._posted, {}
+        rank = dist.get_rank(self.group) if unsent else 0
+        works = []
+        for posted in unsent.values():
+            works += posted.receives
+            works += [
+                dist.isend(
+                    posted.output[rank], dst=self._global(j), group=self.group, tag=posted.tag
+                )
+                for j in self._peers()
+            ]
+        _Works(works).wait()
 
     def all_gather(self, output: Tensor, local: Tensor, async_op: bool = False):
         """:func:`all_gather_into` over this transport's group."""
+        posted = self._posted.pop(output.data_ptr(), None)
+        if posted is not None:
+            return self._send_posted(posted, output, [local.reshape(-1)] * self.n, async_op)
         return all_gather_into(output, local, self.group, self.n, async_op)
 
     def all_to_all(self, output: Tensor, local: Tensor, async_op: bool = False):
@@ -118,9 +190,34 @@ class GroupTransport:
         if self.n == 1:
             output.copy_(local.view_as(output))
             return None
+        posted = self._posted.pop(output.data_ptr(), None)
+        if posted is not None:
+            return self._send_posted(posted, output, list(local.view(self.n, -1)), async_op)
         return dist.all_to_all_single(
             output.view(-1), local.reshape(-1), group=self.group, async_op=async_op
         )
+
+    def _send_posted(self, posted: _Posted, output: Tensor, rows: list[Tensor], async_op):
+        """Row ``j`` of ``rows`` to rank ``j`` (this rank's own into ``output``), for a message
+        whose receives are posted."""
+        rank = dist.get_rank(self.group)
+        output[rank].copy_(rows[rank])
+        sends = [
+            dist.isend(rows[j], dst=self._global(j), group=self.group, tag=posted.tag)
+            for j in self._peers()
+        ]
+        works = _Works(posted.receives + sends)
+        if async_op:
+            return works
+        works.wait()
+        return None
+
+    def _peers(self) -> list[int]:
+        rank = dist.get_rank(self.group)
+        return [i for i in range(self.n) if i != rank]
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def agree(self, problem: Exception | None, device: torch.device) -> None:
         """Raise ``problem``, or the worst problem any rank of ``agree_on`` found, on every
