@@ -416,6 +416,34 @@ def _messages_of_one_exchange(rank: int, world: int):
     return calls, len(exchange.buckets())
 
 
+def _two_in_flight(rank: int, world: int):
+    """Two exchanges over one group in flight at once, the second begun driven to its end
+    before the first sends anything, against the same two one after the other."""
+    exchanges = [BucketedExchange(None, BUCKET) for _ in range(4)]
+    for exchange in exchanges:
+        exchange.bind(
+            NUMELS,
+            torch.float32,
+            torch.device("cpu"),
+            kernels.select(torch.zeros(8)),
+            TrafficCounter(),
+        )
+    size = exchanges[0].buffer_size(NUMELS)
+    for call, exchange in enumerate(exchanges):
+        exchange.send_buffer().copy_(_inputs(world, size, call % 2)[rank])
+    first, second = (e.begin(e.send_buffer()) for e in exchanges[:2])
+    second_result, first_result = second.complete(), first.complete()
+    apart = [e.exchange(e.send_buffer()) for e in exchanges[2:]]
+    pairs = [(first_result, apart[0]), (second_result, apart[1])]
+    return all(
+        torch.equal(a.decode(torch.empty(size)), b.decode(torch.empty(size))) for a, b in pairs
+    )
+
+
+def test_exchanges_in_flight_together_keep_their_own_messages():
+    assert spawn_workers(_two_in_flight, 2, timeout_s=120) == [True, True]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_receive_is_posted_before_the_first_send(world):
     """Over gloo every message's receives (a worker and a server message per bucket, from

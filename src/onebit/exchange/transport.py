@@ -95,9 +95,23 @@ def all_gather_into(
 
 _PROBLEMS = (NonFiniteError, KernelMismatchError)  # codes 1, 2; 0 is none
 
-#: Tags of the messages posted ahead are this plus the message's place; far from the small
-#: tags a program's own point-to-point messages take.
+#: Tags of the messages posted ahead: ``POSTED_TAG_BASE + (e mod 2^14) 2^16 + place`` for the
+#: ``e``-th exchange that posted over its group and the message's place in it (every rank
+#: counts the same exchanges in the same order), so exchanges in flight together never take
+#: each other's messages; far from the small tags of a program's own messages.
 POSTED_TAG_BASE = 0x0B170000
+_PLACES, _SERIALS = 1 << 16, 1 << 14
+_posted_exchanges: dict[str, int] = {}  # by group name: exchanges that posted over it
+_posted_lock = threading.Lock()
+
+
+def _posted_serial(group: dist.ProcessGroup | None) -> int:
+    """The number of exchanges that posted over ``group`` before this one."""
+    name = (group or dist.group.WORLD).group_name
+    with _posted_lock:
+        serial = _posted_exchanges.get(name, 0)
+        _posted_exchanges[name] = serial + 1
+    return serial
 
 
 @dataclass
@@ -148,12 +162,13 @@ class GroupTransport:
         row ``i`` from rank ``i``), each to come from one :meth:`all_to_all` or
         :meth:`all_gather`; every rank lists the same messages in the same order. Nothing is
         posted but over a gloo group of CPU tensors (elsewhere the collectives run as ever)."""
-        if self.n == 1 or not outputs or outputs[0].device.type != "cpu":
+        if self.n == 1 or not 0 < len(outputs) <= _PLACES or outputs[0].device.type != "cpu":
             return
         if dist.get_backend(self.group) != dist.Backend.GLOO:
             return
+        first = POSTED_TAG_BASE + _posted_serial(self.group) % _SERIALS * _PLACES
         for place, output in enumerate(outputs):
-            tag = POSTED_TAG_BASE + place
+            tag = first + place
             receives = [
                 dist.irecv(output[i], src=self._global(i), group=self.group, tag=tag)
                 for i in self._peers()
