@@ -176,21 +176,17 @@ class GroupTransport:
             self._posted[output.data_ptr()] = _Posted(tag, receives, output)
 
     def settle(self) -> None:
-        """Send every message posted and not sent yet (what the sending buffers hold, to be
-        dropped: every rank settles the same messages after a failure) and wait for all of
-        them, so no posted receive is left for a later message to land in."""
+        """Send every message posted and not sent yet, its contents to be dropped (this rank's
+        own row of the tensor it would fill; every rank settles the same messages after a
+        failure), and wait for all of them, so no posted receive is left for a later message
+        to land in."""
         unsent, self._posted = self._posted, {}
-        rank = dist.get_rank(self.group) if unsent else 0
         works = []
         for posted in unsent.values():
-            works += posted.receives
-            works += [
-                dist.isend(
-                    posted.output[rank], dst=self._global(j), group=self.group, tag=posted.tag
-                )
-                for j in self._peers()
-            ]
-        _Works(works).wait()
+            own = posted.output[dist.get_rank(self.group)]
+            works.append(self._send_posted(posted, posted.output, [own] * self.n, async_op=True))
+        for work in works:
+            work.wait()
 
     def all_gather(self, output: Tensor, local: Tensor, async_op: bool = False):
         """:func:`all_gather_into` over this transport's group."""
