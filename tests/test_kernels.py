@@ -133,7 +133,7 @@ def test_worker_stages_match_the_reference(backend, dtype, numel):
 
 
 @pytest.mark.parametrize(("backend", "dtype"), _with_dtypes(DTYPES))
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_server_stages_and_decode_match_the_reference(backend, dtype, n):
     _check_server_stages(backend, dtype, n, chunk=(1 << 16) + 8 * 5)
 

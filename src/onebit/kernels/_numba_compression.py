@@ -43,39 +43,35 @@ def _error_feedback_sum(a, error, scale):
         error[i] = v - (scale if v >= 0 else -scale)
 
 
+@njit(inline="always")
+def _signed(weight, byte, j):
+    """``+weight`` where bit ``j`` of ``byte`` is set (MSB first), else ``-weight``: exact."""
+    return weight if (byte >> (7 - j)) & 1 else -weight
+
+
+# The server's average ``y = server_error + sum_i weights[i] sign_i`` is added in rank order,
+# two ranks a pass, the last two fused into the pass that packs or updates the error. With an
+# odd count a virtual rank of weight 0 and all bits 0 goes first: it adds ``-0.0``, which leaves
+# every value as it is (``+0.0`` included), so the sum rounds exactly as the reference's.
 @njit(cache=True)
-def _add_signs(y, weight, packed):
-    """``y += weight * sign`` from packed bits; ``+-weight`` is exact, one rounding per add."""
-    for k in range(packed.size):
-        byte = np.int32(packed[k])
+def _add_two(head, w0, signs0, w1, signs1, y):
+    """``y = (head + w0 sign_0) + w1 sign_1`` (``y`` may be ``head``)."""
+    for k in range(signs0.size):
+        b0, b1 = np.int32(signs0[k]), np.int32(signs1[k])
         for j in range(8):
-            y[8 * k + j] += weight if (byte >> (7 - j)) & 1 else -weight
-
-
-@njit(cache=True)
-def _server_sum(server_error, received, weights, y):
-    """``y = server_error + sum_i weights[i] * sign_i`` over all ranks but the last, added in
-    rank order; returns ``y``, or ``server_error`` itself when there is one rank."""
-    last = received.shape[0] - 1
-    if last == 0:
-        return server_error
-    for e in range(y.size):
-        y[e] = server_error[e]
-    for i in range(last):
-        _add_signs(y, weights[i], received[i])
-    return y
+            y[8 * k + j] = (head[8 * k + j] + _signed(w0, b0, j)) + _signed(w1, b1, j)
 
 
 @njit(fastmath=_SUM_FLAGS, cache=True)
-def _last_sumsq_pack(partial_sum, weight, received, packed):
-    """With the last rank's signs: ``y = partial_sum + weight * sign``; packs ``sign(y)``
-    and returns ``sum(y^2)``. (The only rounding in ``y`` is its one addition.)"""
+def _pack_two(head, w0, signs0, w1, signs1, packed):
+    """With the last two ranks' signs: packs ``sign(y)``, ``y = (head + w0 sign_0) + w1
+    sign_1``, and returns ``sum(y^2)``."""
     acc = 0.0
     for k in range(packed.size):
-        signs = np.int32(received[k])
+        b0, b1 = np.int32(signs0[k]), np.int32(signs1[k])
         byte = np.uint8(0)
         for j in range(8):
-            v = partial_sum[8 * k + j] + (weight if (signs >> (7 - j)) & 1 else -weight)
+            v = (head[8 * k + j] + _signed(w0, b0, j)) + _signed(w1, b1, j)
             w = np.float64(v)
             acc += w * w
             byte |= np.uint8(v >= 0) << np.uint8(7 - j)
@@ -84,25 +80,38 @@ def _last_sumsq_pack(partial_sum, weight, received, packed):
 
 
 @njit(cache=True)
-def _last_error_feedback(partial_sum, weight, received, scale, error):
-    """With the last rank's signs: ``y = partial_sum + weight * sign``;
-    ``error = y - scale * sign(y)``."""
-    for k in range(received.size):
-        signs = np.int32(received[k])
+def _feedback_two(head, w0, signs0, w1, signs1, scale, error):
+    """With the last two ranks' signs: ``error = y - scale * sign(y)``, ``y`` as in
+    :func:`_pack_two` (``error`` may be ``head``)."""
+    for k in range(signs0.size):
+        b0, b1 = np.int32(signs0[k]), np.int32(signs1[k])
         for j in range(8):
-            v = partial_sum[8 * k + j] + (weight if (signs >> (7 - j)) & 1 else -weight)
+            v = (head[8 * k + j] + _signed(w0, b0, j)) + _signed(w1, b1, j)
             error[8 * k + j] = v - (scale if v >= 0 else -scale)
 
 
-@njit(cache=True)
-def _only_error_feedback(weight, received, scale, error):
-    """:func:`_last_error_feedback` for a world of one rank, where ``partial_sum`` is
-    ``error`` itself (one array, so the loop vectorises)."""
-    for k in range(received.size):
-        signs = np.int32(received[k])
-        for j in range(8):
-            v = error[8 * k + j] + (weight if (signs >> (7 - j)) & 1 else -weight)
-            error[8 * k + j] = v - (scale if v >= 0 else -scale)
+@njit(inline="always")
+def _rank(received, weights, zeros, i, first, last):
+    """Rank ``i``'s weight and signs of bytes ``[first, last)``; rank ``-1`` is the virtual one."""
+    if i < 0:
+        return weights.dtype.type(0), zeros[: last - first]
+    return weights[i], received[i, first:last]
+
+
+@njit(inline="always")
+def _operands(head, received, weights, zeros, first, last, scratch):
+    """For the elements of signs bytes ``[first, last)``, ``head`` of the server error: the
+    sum of ``head`` and every rank's signs but the last two's (``head`` itself with two ranks
+    or fewer), then the last two ranks' weights and signs. Partial sums alternate between the
+    rows of ``scratch``, so that no pass writes the memory it reads (its loop vectorises)."""
+    n, row = received.shape[0], 0
+    for i in range(-(n % 2), n - 2, 2):
+        w0, s0 = _rank(received, weights, zeros, i, first, last)
+        y = scratch[row, : head.size]
+        _add_two(head, w0, s0, weights[i + 1], received[i + 1, first:last], y)
+        head, row = y, 1 - row
+    w0, s0 = _rank(received, weights, zeros, n - 2, first, last)
+    return head, w0, s0, weights[n - 1], received[n - 1, first:last]
 
 
 @njit(cache=True)
@@ -154,29 +163,32 @@ def server_compress(blocks, received, weights, server_error, packed):
     partial = np.zeros(blocks.shape[0], np.float64)
     for b in prange(blocks.shape[0]):
         t, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
-        y = np.empty(CHUNK, server_error.dtype)
+        scratch, zeros = np.empty((2, CHUNK), server_error.dtype), np.zeros(CHUNK // 8, np.uint8)
         for c in range(s, e, CHUNK):
             d = min(c + CHUNK, e)
-            rows = received[:, c // 8 : d // 8]
-            head = _server_sum(server_error[c:d], rows, weights[t], y[: d - c])
-            partial[b] += _last_sumsq_pack(head, weights[t, -1], rows[-1], packed[c // 8 : d // 8])
+            first, last = c // 8, d // 8
+            head = server_error[c:d]
+            operands = _operands(head, received, weights[t], zeros, first, last, scratch)
+            partial[b] += _pack_two(*operands, packed[first:last])
     return partial
 
 
 def server_error_update(blocks, received, weights, server_error, scales, out, in_place):
     """``out = y - scales[t] sign(y)`` with ``y`` as in :func:`server_compress`; ``out`` is
     ``server_error`` itself where ``in_place``, else memory apart from it."""
+    n = received.shape[0]
     for b in prange(blocks.shape[0]):
         t, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
-        y = np.empty(CHUNK, server_error.dtype)
+        scratch, zeros = np.empty((2, CHUNK), server_error.dtype), np.zeros(CHUNK // 8, np.uint8)
         for c in range(s, e, CHUNK):
             d = min(c + CHUNK, e)
-            rows = received[:, c // 8 : d // 8]
-            if rows.shape[0] == 1 and in_place:
-                _only_error_feedback(weights[t, 0], rows[0], scales[t], out[c:d])
-            else:
-                head = _server_sum(server_error[c:d], rows, weights[t], y[: d - c])
-                _last_error_feedback(head, weights[t, -1], rows[-1], scales[t], out[c:d])
+            first, last = c // 8, d // 8
+            head = server_error[c:d]
+            if in_place and n <= 2:  # the last pass then reads a copy, not what it writes
+                head = scratch[1, : d - c]
+                head[:] = server_error[c:d]
+            operands = _operands(head, received, weights[t], zeros, first, last, scratch)
+            _feedback_two(*operands, scales[t], out[c:d])
 
 
 def decode(pieces, gathered, scales, out):
