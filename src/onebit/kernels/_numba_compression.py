@@ -17,7 +17,11 @@ from numba import njit, prange
 
 BLOCK = 1 << 16  # elements per block: a multiple of 8, so blocks hold whole bytes of signs
 CHUNK = 1 << 10  # elements of the server's average kept in scratch at a time
-_SUM_FLAGS = {"reassoc", "contract"}  # only on functions whose sole float work is a sum
+# Fast-math flags for the functions that sum squares (their sums vectorise), and that do no
+# other float work than additions without products: LLVM reassociates additions only when
+# they also carry ``nsz``, so every other addition there keeps its order (numba applies the
+# flags to the functions those call too). The tests compare every bit with the reference.
+_SUM_FLAGS = {"reassoc", "contract"}
 
 
 @njit(fastmath=_SUM_FLAGS, cache=True)
