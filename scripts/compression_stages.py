@@ -90,9 +90,7 @@ def main() -> None:
             times = stage_times(name, n, args.log2, args.repeats)
             copy = (times["copy of the chunk"] + times["copy of the chunk, again"]) / 2
             for stage, seconds in times.items():
-                if stage.startswith("copy"):
-                    continue
-                elements = n if stage.startswith("worker") else 1
+                elements = n if stage.startswith("worker") or "n chunks" in stage else 1
                 print(
                     f"| {name} | {n} | {stage} | {seconds * 1e3:.1f} | "
                     f"{seconds / (copy * elements):.2f} |"
