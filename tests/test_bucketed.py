@@ -444,7 +444,7 @@ def test_exchanges_in_flight_together_keep_their_own_messages():
     assert spawn_workers(_two_in_flight, 2, timeout_s=120) == [True, True]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_receive_is_posted_before_the_first_send(world):
     """Over gloo every message's receives (a worker and a server message per bucket, from
     each peer) are posted before any bytes are sent, and the messages go point to point."""

@@ -185,7 +185,7 @@ def _exchange_against_simulation(rank: int, n: int):
     return runs
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_distributed_exchange_matches_simulation_in_two_collectives(n):
     outputs = spawn_workers(_exchange_against_simulation, n, timeout_s=120)
     numels = [math.prod(shape) for shape in SHAPES]
