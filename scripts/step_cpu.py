@@ -6,7 +6,9 @@ Per method: the timed block's wall time per step, and medians over its steps on 
 the step's wall time and, for its forward + backward and its ``optimizer.step()`` each, the
 wall time, the process's user and system CPU seconds and its minor page faults; with
 ``--kernels``, the wall time per step of every call into the selected compression and update
-kernels (:mod:`onebit.kernels`). By default all ranks meet before every timed step;
+kernels (:mod:`onebit.kernels`); with ``--exchange``, that of the exchange's steps (each
+bucket's worker and server phases, with their kernels, the collectives they issue and their
+waits) and of the overlap's hooks. By default all ranks meet before every timed step;
 ``--no-barrier`` runs the steps back to back, as in training. With more workers than cores,
 the ranks share the cores as on the emulated cluster, so the CPU a method adds to a step shows
 here without the network. The first method of a run also pays the
@@ -38,6 +40,22 @@ def _usage() -> tuple[float, float, float, int]:
     return time.perf_counter(), usage.ru_utime, usage.ru_stime, usage.ru_minflt
 
 
+def _time_calls(seconds: collections.Counter, owner: Any, name: str, label: str) -> None:
+    """Replace ``owner.name`` by a wrapper that adds each call's wall time to
+    ``seconds[label]``."""
+    method = getattr(owner, name)
+
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds[label] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+
+
 def _timed_kernels(seconds: collections.Counter) -> None:
     """Add every public kernel call's wall time to ``seconds`` under its name."""
     import torch
@@ -50,16 +68,27 @@ def _timed_kernels(seconds: collections.Counter) -> None:
             method = getattr(part, name)
             if name.startswith("_") or not callable(method) or name in ("supports", "scratch"):
                 continue
+            _time_calls(seconds, part, name, name)
 
-            @functools.wraps(method)
-            def timed(*args: Any, _method=method, _name=name, **kwargs: Any) -> Any:
-                start = time.perf_counter()
-                try:
-                    return _method(*args, **kwargs)
-                finally:
-                    seconds[_name] += time.perf_counter() - start
 
-            setattr(part, name, timed)
+#: The exchange's steps (each with its kernels, collectives issued and waits) and the
+#: overlap's hooks, timed by ``--exchange``.
+EXCHANGE_CALLS = {
+    "onebit.exchange.over_group.Round": ("send_workers", "send_servers", "finish", "drain"),
+    "onebit.optim._overlap.BackwardOverlap": ("_on_gradient", "complete"),
+}
+
+
+def _timed_exchange(seconds: collections.Counter) -> None:
+    """Add the wall time of every call in :data:`EXCHANGE_CALLS` to ``seconds``, as
+    ``Class.method`` (``Round.drain`` also runs inside ``send_servers`` and ``finish``)."""
+    import importlib
+
+    for path, names in EXCHANGE_CALLS.items():
+        module, cls = path.rsplit(".", 1)
+        owner = getattr(importlib.import_module(module), cls)
+        for name in names:
+            _time_calls(seconds, owner, name, f"{cls}.{name}")
 
 
 def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -71,6 +100,8 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     kernel_seconds: collections.Counter = collections.Counter()
     if cfg["kernels"]:
         _timed_kernels(kernel_seconds)
+    if cfg["exchange"]:
+        _timed_exchange(kernel_seconds)
     template = build_model(cfg["model"], cfg["seed"])
     batches = synthetic_batches(cfg["model"], 1, cfg["seq_len"], 8, rank, cfg["seed"])
     results = {}
@@ -134,6 +165,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--kernels", action="store_true", help="time the kernel calls too")
     parser.add_argument(
+        "--exchange", action="store_true", help="time the exchange's steps and hooks too"
+    )
+    parser.add_argument(
         "--barrier",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -155,6 +189,7 @@ def main() -> None:
         "steps": args.steps,
         "seq_len": args.seq_len,
         "kernels": args.kernels,
+        "exchange": args.exchange,
         "barrier": args.barrier,
         "seed": 0,
         "lr": 1e-3,
@@ -190,7 +225,7 @@ def main() -> None:
     for name, result in results.items():
         if result["kernels"]:
             calls = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in result["kernels"].items())
-            print(f"\n{name}: kernel wall time per step (ms): {calls}")
+            print(f"\n{name}: wall time per step of the calls timed (ms): {calls}")
 
 
 if __name__ == "__main__":
