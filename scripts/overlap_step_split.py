@@ -28,23 +28,12 @@ def rank_main(preset: str) -> None:
     from onebit.bench.bert import build_model, synthetic_batches
     from onebit.exchange import over_group
     from onebit.optim import _overlap
+    from onebit.timing import time_calls
 
     spent = defaultdict(float)
 
-    def timed(cls, name, key):
-        original = getattr(cls, name)
-
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - start
-
-        setattr(cls, name, wrapper)
-
-    timed(_overlap.BackwardOverlap, "_on_gradient", "hooks")
-    timed(over_group.Round, "send_workers", "worker phase")
+    time_calls(spent, _overlap.BackwardOverlap, "_on_gradient", "hooks")
+    time_calls(spent, over_group.Round, "send_workers", "worker phase")
     rank, out = dist.get_rank(), {}
     for mode in ("after", "overlap"):
         model = build_model(preset, 0)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import resource
 import statistics
 import time
@@ -40,27 +39,12 @@ def _usage() -> tuple[float, float, float, int]:
     return time.perf_counter(), usage.ru_utime, usage.ru_stime, usage.ru_minflt
 
 
-def _time_calls(seconds: collections.Counter, owner: Any, name: str, label: str) -> None:
-    """Replace ``owner.name`` by a wrapper that adds each call's wall time to
-    ``seconds[label]``."""
-    method = getattr(owner, name)
-
-    @functools.wraps(method)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            seconds[label] += time.perf_counter() - start
-
-    setattr(owner, name, timed)
-
-
 def _timed_kernels(seconds: collections.Counter) -> None:
     """Add every public kernel call's wall time to ``seconds`` under its name."""
     import torch
 
     from onebit import kernels
+    from onebit.timing import time_calls
 
     backend = kernels.select(torch.zeros(8))
     for part in (backend.compression, backend.updates):
@@ -68,7 +52,7 @@ def _timed_kernels(seconds: collections.Counter) -> None:
             method = getattr(part, name)
             if name.startswith("_") or not callable(method) or name in ("supports", "scratch"):
                 continue
-            _time_calls(seconds, part, name, name)
+            time_calls(seconds, part, name, name)
 
 
 #: The exchange's steps (each with its kernels, collectives issued and waits) and the
@@ -84,11 +68,13 @@ def _timed_exchange(seconds: collections.Counter) -> None:
     ``Class.method`` (``Round.drain`` also runs inside ``send_servers`` and ``finish``)."""
     import importlib
 
+    from onebit.timing import time_calls
+
     for path, names in EXCHANGE_CALLS.items():
         module, cls = path.rsplit(".", 1)
         owner = getattr(importlib.import_module(module), cls)
         for name in names:
-            _time_calls(seconds, owner, name, f"{cls}.{name}")
+            time_calls(seconds, owner, name, f"{cls}.{name}")
 
 
 def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:

@@ -8,10 +8,11 @@ the result, not absolute times.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "interleaved",
     "optimizer_step_times",
     "rank_step_times",
+    "time_calls",
 ]
 
 
@@ -40,6 +42,22 @@ def interleaved(
             if round_index:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def time_calls(seconds: MutableMapping[str, float], owner: Any, name: str, label: str) -> None:
+    """Replace ``owner.name`` (a method or function attribute) by a wrapper that adds the wall
+    time of each call to ``seconds[label]`` (a ``defaultdict(float)`` or a ``Counter``)."""
+    method = getattr(owner, name)
+
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds[label] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
 
 
 def copy_fn(numel: int, device: torch.device | str = "cpu") -> Callable[[], Any]:
