@@ -124,7 +124,7 @@ def _decode(packed, scale, out):
     for k in range(packed.size):
         byte = np.int32(packed[k])
         for j in range(8):
-            out[8 * k + j] = scale if (byte >> (7 - j)) & 1 else -scale
+            out[8 * k + j] = _signed(scale, byte, j)
 
 
 @njit(cache=True)
@@ -134,7 +134,7 @@ def _decode_count(packed, scale, out):
     _decode(packed[:whole], scale, out[: 8 * whole])
     byte = np.int32(packed[whole]) if out.size & 7 else 0
     for j in range(out.size & 7):
-        out[8 * whole + j] = scale if (byte >> (7 - j)) & 1 else -scale
+        out[8 * whole + j] = _signed(scale, byte, j)
 
 
 # Drivers: every one works on *segments* compressed alone, in blocks of at most BLOCK

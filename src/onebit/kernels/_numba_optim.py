@@ -28,6 +28,7 @@ from onebit.coefficients import compression_factor, momentum_rebuild, trust_rati
 from onebit.exchange.protocol import Layout
 from onebit.kernels._numba import Compiled, _decode_pieces
 from onebit.kernels._numba import to_numpy as _np
+from onebit.kernels._numba_compression import _signed
 
 _SUM_FLAGS = {"reassoc", "contract"}
 CHUNK = 1 << 10  # elements whose ratios are kept in scratch at a time
@@ -58,7 +59,7 @@ def _decode_chunk(signs, first, count, value, wide):
     for k in range(((first + count + 7) >> 3) - start_byte):
         byte = np.int32(signs[start_byte + k])
         for j in range(8):
-            wide[8 * k + j] = value if (byte >> (7 - j)) & 1 else -value
+            wide[8 * k + j] = _signed(value, byte, j)
     return first & 7
 
 
