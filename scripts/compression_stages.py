@@ -51,14 +51,13 @@ def stage_times(backend_name: str, n: int, log2: int, repeats: int) -> dict[str,
         server_error.copy_(original_server_error)
         stages.update_server_errors(view, worker_scales, server_error, server_packed, server_scales)
 
-    restore_worker, restore_server = copy_fn(numel), copy_fn(chunk)
     fns = {
         "copy of the chunk": copy_fn(chunk),
         "worker compression": lambda: stages.compress_worker(
             [buffer], [x], worker_error, worker_packed, scales
         ),
         "worker error update (+ a copy of n chunks)": worker_update,
-        "copy of n chunks": restore_worker,
+        "copy of n chunks": copy_fn(numel),
         "server compression": lambda: stages.compress_server(
             view, worker_scales, server_error, server_packed, server_scales
         ),
@@ -66,7 +65,7 @@ def stage_times(backend_name: str, n: int, log2: int, repeats: int) -> dict[str,
         "server error update into out": lambda: stages.update_server_errors(
             view, worker_scales, server_error, server_packed, server_scales, next_server_error
         ),
-        "copy of the chunk, again": restore_server,
+        "copy of the chunk, again": copy_fn(chunk),
     }
     return interleaved(fns, repeats, sync=lambda: None)
 
