@@ -84,7 +84,7 @@ def _run(
             grad = torch.randn(p.shape, generator=gen, dtype=torch.float64) * (0.1 + index)
             p.grad = None if index == 1 and t >= 3 else grad.to(device, dtype)  # one stops
         optimizer.step()
-        flat = optimizer._flat  # every buffer the step wrote
+        flat = optimizer.flat_state  # every buffer the step wrote
         buffers = {"p": flat.weights, "m": flat.exp_avg, "v": flat.exp_avg_sq}
         if flat.exp_avg_sq_fresh is not None:
             buffers["v_fresh"] = flat.exp_avg_sq_fresh

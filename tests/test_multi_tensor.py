@@ -124,7 +124,7 @@ def test_parameters_and_state_are_views_of_the_flat_buffers():
     for p in params:
         p.grad = torch.ones_like(p)
     optimizer.step()
-    flat = optimizer._flat
+    flat = optimizer.flat_state
     for index, p in enumerate(params):
         assert p.data.data_ptr() == flat.view(flat.weights, index).data_ptr()
         state = optimizer.state[p]

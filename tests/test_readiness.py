@@ -132,7 +132,7 @@ def test_auto_resumes_exactly_from_a_checkpoint_taken_before_the_decision():
     run(straight, params, 100, "ends")
     first_params, first = build(freeze_step="auto", max_freeze_step=200)
     run(first, first_params, 35, "ends")  # after the peak's first check, before the decision
-    assert first._readiness.peak > READY_RATIO and first.freeze_step == 200
+    assert first._readiness.statistic.peak > READY_RATIO and first.freeze_step == 200
     saved = first.state_dict()
     resumed_params, resumed = build(freeze_step="auto", max_freeze_step=200)
     for p, q in zip(resumed_params, first_params, strict=True):

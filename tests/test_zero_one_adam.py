@@ -500,7 +500,7 @@ def test_the_first_exchanging_step_is_found_without_walking_the_schedule(pre_fre
             pre_freeze_exchange=pre_freeze_exchange,
             var_warmup_steps=None,
         )
-        return optimizer, optimizer._first_local_exchange
+        return optimizer, optimizer.schedule.first_local_exchange
 
     for freeze in (1, 2, 3, 5, 16, 17, 18, 100):
         for kappa in (1, 2, 3, 4, 15, 16, 17, 200):

@@ -41,8 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from onebit.optim import OneBitOptimizer, ZeroOneAdam
-from onebit.optim._base import FlatOptimizer
+from onebit.optim import Lamb, OneBitOptimizer, ZeroOneAdam
 from onebit.optim._common import PER_ELEMENT_STATE, params_in_order
 from onebit.optim._sharding import local_tensor
 
@@ -135,7 +134,7 @@ def _is_optimizer(key: str, value: Any) -> bool:
             "synchronisations, which DCP would save once for all; save each rank's "
             "optimizer.state_dict() with torch.save"
         )
-    if isinstance(value, FlatOptimizer):
+    if isinstance(value, Lamb | OneBitOptimizer):
         return True
     if isinstance(value, torch.optim.Optimizer):
         raise ValueError(
@@ -149,7 +148,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _error_layout(optimizer: FlatOptimizer) -> dict[str, Any] | None:
+def _error_layout(optimizer: Lamb | OneBitOptimizer) -> dict[str, Any] | None:
     """What fixes where this rank's error values belong (``None``: no error feedback): the
     optimizer's layout of them, and the number of processes."""
     if not isinstance(optimizer, OneBitOptimizer):
@@ -158,7 +157,7 @@ def _error_layout(optimizer: FlatOptimizer) -> dict[str, Any] | None:
     return {**optimizer.error_feedback_layout(), "processes": processes}
 
 
-def _optimizer_entries(key: str, optimizer: FlatOptimizer) -> dict[str, Any]:
+def _optimizer_entries(key: str, optimizer: Lamb | OneBitOptimizer) -> dict[str, Any]:
     """The flat DCP entries of ``optimizer`` (see the module's docstring)."""
     state_dict = optimizer.state_dict()
     params = params_in_order(optimizer.param_groups)
@@ -198,7 +197,7 @@ def _optimizer_entries(key: str, optimizer: FlatOptimizer) -> dict[str, Any]:
 
 
 def _check_optimizers(
-    optimizers: Mapping[str, FlatOptimizer],
+    optimizers: Mapping[str, Lamb | OneBitOptimizer],
     metadata: Metadata,
     storage_reader: dcp.StorageReader,
     process_group: dist.ProcessGroup | None,
@@ -224,7 +223,9 @@ def _check_optimizers(
         )
 
 
-def _optimizer_template(key: str, optimizer: FlatOptimizer, metadata: Metadata) -> dict[str, Any]:
+def _optimizer_template(
+    key: str, optimizer: Lamb | OneBitOptimizer, metadata: Metadata
+) -> dict[str, Any]:
     """Entries for ``dcp.load`` to fill: what the checkpoint holds of ``optimizer`` and of
     this rank, shaped as it was saved; sharded state placed like its parameter here."""
     saved = metadata.state_dict_metadata
@@ -269,7 +270,7 @@ def _state_template(fqn: str, md: Any, params: list[Tensor]) -> Any:
     )
 
 
-def _load_optimizer(key: str, optimizer: FlatOptimizer, loaded: Mapping[str, Any]) -> None:
+def _load_optimizer(key: str, optimizer: Lamb | OneBitOptimizer, loaded: Mapping[str, Any]) -> None:
     """Give ``optimizer`` the state :func:`_optimizer_template`'s entries were loaded with;
     its own ``load_state_dict`` checks everything before it changes anything."""
     shared = loaded[f"{key}.onebit"].value

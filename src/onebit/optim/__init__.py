@@ -1,7 +1,7 @@
 """The optimizers: :class:`Lamb`, :class:`OneBitLamb`, :class:`OneBitAdam` and
 :class:`ZeroOneAdam`."""
 
-from onebit.optim._communicating import CommunicationError
+from onebit.optim._data_parallel import CommunicationError
 from onebit.optim._onebit import OneBitOptimizer
 from onebit.optim.lamb import Lamb
 from onebit.optim.onebit_adam import OneBitAdam

@@ -1,13 +1,24 @@
-"""The machinery 1-bit LAMB, 1-bit Adam and 0/1 Adam share: a schedule of step kinds, dense
-gradient averaging, the warm-up and exchanged steps, the exchange overlapped with backward,
-checkpoints. Below it: the compression stage's state and local momentum
-(:mod:`onebit.optim._compression_stage`) and the data-parallel side, the exchange, DDP,
-accounting and collectives (:mod:`onebit.optim._communicating`)."""
+"""The 1-bit optimizer: one ``step()`` over the parts it owns.
+
+:class:`OneBitOptimizer` is 1-bit LAMB, 1-bit Adam and 0/1 Adam; they differ by their
+:mod:`schedule <onebit.optim._schedule>` (the kind of every step) and their
+:mod:`update rule <onebit.optim._rules>`, which their classes choose. The parts:
+
+- :class:`~onebit.optim._parameters.FlatParameters`: the flat state and the update kernels;
+- the schedule, and :class:`~onebit.optim._readiness.ReadinessMonitor`, which watches the
+  variance's readiness over the dense steps and takes the schedule's ``"auto"`` decisions;
+- :class:`~onebit.optim._data_parallel.DataParallel`: the group, the exchange (which owns the
+  error feedback), DDP, the bytes sent;
+- :class:`~onebit.optim._compression_stage.CompressionStage`: the exchange buffer and masks;
+- :class:`~onebit.optim._overlap.BackwardOverlap`: the exchange started during backward;
+- :class:`~onebit.optim._guard.StepGuard`: replica checks and non-finite gradients.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -15,71 +26,123 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim import Optimizer
 
 from onebit.collectives import allreduce_mean_
-from onebit.exchange import (
-    NodeGroups,
-    NonFiniteError,
-    PackedResult,
-)
+from onebit.exchange import Exchange, NodeGroups, NonFiniteError
+from onebit.exchange.bucketed import bucket_elements
+from onebit.kernels import Backend, UpdateKernels
 from onebit.optim import _common
-from onebit.optim._compression_stage import COMPRESSION, CompressionStage
+from onebit.optim._compression_stage import (
+    CompressionStage,
+    check_group_masks,
+    scaling_coefficients_,
+)
+from onebit.optim._data_parallel import COMPRESSIONS, DataParallel
 from onebit.optim._flat import FlatState
-from onebit.optim._overlap import BackwardOverlap
-from onebit.optim._readiness import ReadinessChecks, VarianceReadiness
+from onebit.optim._guard import StepGuard
+from onebit.optim._overlap import BackwardOverlap, bucket_members
+from onebit.optim._parameters import FlatParameters, trainable
+from onebit.optim._readiness import ReadinessMonitor
+from onebit.optim._rules import UpdateRule, ZeroOneAdamRule
+from onebit.optim._schedule import COMPRESSION, GRADIENT_1BIT, SYNC, WARMUP, Schedule
+from onebit.optim._sharding import ShardGroup
+from onebit.optim.functional import _active_indices, _pick
+
+__all__ = [
+    "COMPRESSION",
+    "DEFAULT_BUCKET_CAP_MB",
+    "WARMUP",
+    "OneBitOptimizer",
+    "choose_compression",
+]
 
 logger = logging.getLogger("onebit")
 
-WARMUP = "warmup"
-NONFINITE_POLICIES = ("skip", "raise")
 #: The buckets of ``overlap_backward`` when no ``bucket_cap_mb`` is given (DDP's default).
 DEFAULT_BUCKET_CAP_MB = 25.0
+#: The layout of ``state_dict()["onebit"]``. Format 1 (no ``"format"`` key) differs only in
+#: that it recorded ``compression="fused"`` for 0/1 Adam, which exchanges each tensor alone.
+CHECKPOINT_FORMAT = 2
 
 
-class OneBitOptimizer(ReadinessChecks, CompressionStage):
-    """Base class of :class:`OneBitLamb`, :class:`OneBitAdam` and :class:`ZeroOneAdam`.
+def _saved_compression(extra: dict[str, Any]) -> str:
+    """The compression a checkpoint's error feedback was laid out for."""
+    if extra.get("format", 1) == 1 and extra.get("optimizer") == "ZeroOneAdam":
+        return "per_tensor"
+    return extra.get("compression", "fused")
 
-    Every step has a *kind* from the optimizer's schedule (:meth:`kind_of_step`;
-    :attr:`stage` is the kind of the next step). On the kinds in ``DENSE_KINDS`` the
-    gradients are averaged over ranks at full precision (by this optimizer with one dense
-    allreduce of a flat buffer, or by ``DistributedDataParallel`` when
-    :func:`onebit.ddp.register_comm_hook` is used) and the subclass applies its uncompressed
-    update (``_warmup_update``). Every other kind is a step of ``_exchanged_step``: here the
-    two-kind case of 1-bit LAMB and 1-bit Adam, steps ``1 .. freeze_step`` dense
-    (``"warmup"``) and the later ones ``"compression"``: each rank folds its *local* gradient
-    into the momentum, the scaled momenta of all tensors go through :attr:`exchange`, and the
-    subclass applies its update (``_compressed_update``) with the exchanged momentum, which
-    is identical on every rank. :class:`ZeroOneAdam` has four kinds.
 
-    The exchange (:class:`onebit.exchange.Exchange`) is built once from the arguments (flat
-    over ``process_group``, in buckets with ``bucket_cap_mb``, hierarchical over
-    ``node_groups``, or per tensor), or given with
-    :meth:`use_exchange` (the simulation of many workers); it owns the error-feedback state.
-    State lives in a :class:`~onebit.optim._flat.FlatState` (built at the first step) and is
-    updated in whole-buffer passes by :attr:`updates`; ``self.state[p]`` holds views of it.
-    Subclasses set ``_SCALARS`` (per-parameter scalar state and its initial value).
+def choose_compression(
+    compression: str | None,
+    node_groups: NodeGroups | None,
+    bucket_cap_mb: float | None,
+    overlap_backward: bool,
+) -> tuple[str, bool]:
+    """``(compression, left to the default)``: ``None`` is ``"per_tensor"``, or ``"fused"``
+    where the exchange asked for (hierarchical, bucketed or overlapped) carries only the
+    fused buffer."""
+    fused_only = node_groups is not None or bucket_cap_mb is not None or overlap_backward
+    chosen = compression is None
+    if compression is None:
+        compression = "fused" if fused_only else "per_tensor"
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"Invalid compression={compression!r}: use None or one of {COMPRESSIONS}")
+    if compression == "per_tensor" and node_groups is not None:
+        raise ValueError(
+            "compression='per_tensor' does not support node_groups (the hierarchical "
+            "exchange is fused only); use compression='fused' or node_groups=None"
+        )
+    return compression, chosen
+
+
+class OneBitOptimizer(Optimizer):
+    """The optimizer of 1-bit LAMB, 1-bit Adam and 0/1 Adam (ALGORITHM.md).
+
+    Each ``step()`` has the kind its ``schedule`` gives (:attr:`stage` is the next one's):
+
+    - a dense kind (the warm-up, 0/1 Adam's variance updates): the gradients are averaged
+      over the ranks at full precision (by this optimizer, one allreduce of a flat buffer
+      with a flag per parameter, or by ``DistributedDataParallel`` with
+      :func:`onebit.ddp.register_comm_hook`), then the ``rule``'s dense update;
+    - ``"compression"``: each rank's momentum ``s_p (b1 m + (1 - b1) g_local)`` goes through
+      the 1-bit exchange (during backward with ``overlap_backward``), then the rule's update
+      with the exchanged momentum, identical on every rank;
+    - ``"gradient_1bit"`` (0/1 Adam): the local gradients through the exchange, then a
+      momentum step;
+    - ``"local"`` and ``"sync"`` (0/1 Adam): a momentum step on the rank's own gradients; at
+      a synchronisation the update accumulated since the last one goes through the exchange
+      and sets momentum and weights on every rank alike.
+
+    The flat state (:mod:`onebit.optim._flat`) is laid out at the first step; ``self.state``
+    holds views of it.
     """
 
-    DENSE_KINDS: frozenset[str] = frozenset({WARMUP})
-
-    _SCALARS: dict[str, float] = {"scaling_coeff": 1.0}
+    # torch.amp.GradScaler calls step() on every rank with `grad_scale` set instead of
+    # unscaling and skipping the step itself on the ranks that saw an Inf: a local skip would
+    # leave the other ranks waiting in a collective. The step unscales, and its own check of
+    # non-finite gradients agrees across ranks.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         defaults: dict[str, Any],
         *,
-        freeze_step: int | str,
-        max_freeze_step: int | None = None,
+        schedule: Schedule,
+        rule: UpdateRule,
         process_group: dist.ProcessGroup | None,
         on_nonfinite: str,
         verify_every: int,
         kernels: str | None,
+        compression: str | None = "per_tensor",
         node_groups: NodeGroups | None = None,
         max_grad_norm: float = 0.0,
         bucket_cap_mb: float | None = None,
         overlap_backward: bool = False,
+        simulatable: bool = True,
     ) -> None:
+        name = type(self).__name__
         _common.check_max_grad_norm(max_grad_norm)
         if not isinstance(overlap_backward, bool):
             raise ValueError(f"overlap_backward must be True or False, got {overlap_backward!r}")
@@ -92,42 +155,505 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
                 )
             if bucket_cap_mb is None:
                 bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
-
-        _common.check_bucket_cap_mb("bucket_cap_mb", bucket_cap_mb)
-        if bucket_cap_mb is not None:
-            if node_groups is not None or self.compression != "fused":
-                raise ValueError(
-                    "bucket_cap_mb and overlap_backward bucket the flat fused exchange: not "
-                    f"with node_groups or compression={self.compression!r}"
-                )
-        if on_nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"Invalid on_nonfinite={on_nonfinite!r}: use 'skip' or 'raise'")
-        self._init_freeze(freeze_step, max_freeze_step)
-        self.on_nonfinite = on_nonfinite
-        self.max_grad_norm = max_grad_norm
-        self._exchange_buffer: Tensor | None = None
-        self._mask: Tensor | None = None
-        super().__init__(
-            params,
-            defaults,
-            kernels=kernels,
-            process_group=process_group,
-            verify_every=verify_every,
-            node_groups=node_groups,
-            bucket_cap_mb=bucket_cap_mb,
+        compression, chosen = choose_compression(
+            compression, node_groups, bucket_cap_mb, overlap_backward
         )
-        self._counters["bytes_sent"] = {WARMUP: 0, COMPRESSION: 0}
-        self._overlap = None
-        if overlap_backward and self.shards is not None:
+        _common.check_bucket_cap_mb("bucket_cap_mb", bucket_cap_mb)
+        if bucket_cap_mb is not None and (node_groups is not None or compression != "fused"):
             raise ValueError(
-                "overlap_backward=True with FSDP-sharded parameters: FSDP reduce-scatters "
-                "their gradients during backward itself; construct the optimizer with "
-                "overlap_backward=False"
+                "bucket_cap_mb and overlap_backward bucket the flat fused exchange: not "
+                f"with node_groups or compression={compression!r}"
             )
-        if overlap_backward:
-            self._overlap = BackwardOverlap(
-                _common.trainable_params(self), self._overlaps_this_step, self._begin_overlap
+        self.schedule = schedule
+        self.rule = rule
+        self.max_grad_norm = max_grad_norm
+        self.bucket_cap_mb = bucket_cap_mb
+        self._step = 0
+        self._guard = StepGuard(on_nonfinite, verify_every)
+        self._parameters = FlatParameters(rule.scalars, kernels, takes_fsdp_hsdp=False)
+        self._stage = CompressionStage()
+        self._readiness = ReadinessMonitor(name)
+        self._overlap = (
+            BackwardOverlap(self._overlaps_this_step, self._begin_overlap)
+            if overlap_backward
+            else None
+        )
+        super().__init__(params, defaults)  # each group through add_param_group
+        params = trainable(self.param_groups)
+        dtypes = {_common.state_dtype(p) for p in params}
+        self._data_parallel = DataParallel(
+            name,
+            schedule.kinds,
+            process_group,
+            compression=compression,
+            compression_chosen=chosen,
+            node_groups=node_groups,
+            bucket_elements=None
+            if bucket_cap_mb is None
+            else bucket_elements(bucket_cap_mb, 8 if dtypes == {torch.float64} else 4),
+            simulatable=simulatable,
+        )
+        if self.shards is not None:
+            if overlap_backward:
+                raise ValueError(
+                    "overlap_backward=True with FSDP-sharded parameters: FSDP reduce-scatters "
+                    "their gradients during backward itself; construct the optimizer with "
+                    "overlap_backward=False"
+                )
+            self._data_parallel.take_replicate_group(self.shards)
+
+    # ----------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step of the kind the schedule gives it; ``closure`` re-evaluates the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        flat = self._parameters.build(self.param_groups, self.state)
+        self._unscale_for_grad_scaler(flat.params)
+        step = self._step + 1
+        kind = self.schedule.kind(step)
+        with self._data_parallel.counting(kind):
+            try:
+                if not self._overlaps_this_step():  # else after the exchange: one order
+                    self._verify_replicas_if_due(flat)
+                grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
+                if kind in self.schedule.dense_kinds:
+                    applied = self._dense_step(step, kind, flat, grads)
+                else:
+                    self._clip_own_gradients(grads)
+                    if kind == COMPRESSION:
+                        applied = self._compressed_step(step, flat, grads)
+                    elif kind == GRADIENT_1BIT:
+                        applied = self._gradient_1bit_step(step, flat, grads)
+                    else:
+                        applied = self._local_step(step, kind, flat, grads)
+            finally:
+                if self._overlap is not None:
+                    self._overlap.cancel()  # nothing stays in flight after a step
+        if applied:
+            flat.refresh_half_params()
+            self._step = step
+        return loss
+
+    def _dense_step(
+        self, step: int, kind: str, flat: FlatState, grads: list[Tensor | None]
+    ) -> bool:
+        """Average the gradients (unless DDP did), clip them, then the rule's dense update.
+
+        One dense allreduce carries every gradient and one flag per parameter that says
+        whether a rank had a gradient for it; a parameter no rank has a gradient for is left
+        alone, and a gradient missing on some ranks counts as zero."""
+        data_parallel = self._data_parallel
+        if not data_parallel.gradients_averaged_by_ddp and data_parallel.world_size > 1:
+            flat.load_grads(grads)
+            with data_parallel.collective(step, kind):
+                allreduce_mean_(
+                    flat.grad_and_flags, data_parallel.process_group, traffic=data_parallel.traffic
+                )
+            present = (flat.grad_flags > 0).tolist()
+            grads = flat.views(flat.grad)
+        else:
+            present = [grad is not None for grad in grads]
+        if self.max_grad_norm:
+            present_grads = [g for g, has in zip(grads, present, strict=True) if has]
+            _common.clip_by_total_norm_(present_grads, self.max_grad_norm, self.shards)
+        self._parameters.expose_new(self.state, present)
+        if not self.rule.dense(self.updates, flat, grads, present):
+            return self._guard.skip("warm-up gradients", step)
+        self._readiness.after_dense_step(
+            step, self.schedule, flat, grads, present, data_parallel.is_logging_rank()
+        )
+        return True
+
+    def _compressed_step(self, step: int, flat: FlatState, grads: list[Tensor | None]) -> bool:
+        """The local momentum through the exchange, then the rule's update with the exchanged
+        momentum. With ``overlap_backward`` (after the stage's first step) the exchange
+        started during backward, and the replica check comes after it, so that every rank's
+        collectives keep one order."""
+        buffer = self._momentum_buffer(step, flat)
+        data_parallel = self._data_parallel
+        try:
+            if self._overlaps_this_step():
+                with data_parallel.collective(step, COMPRESSION):
+                    packed = self._overlap.complete()
+                self._verify_replicas_if_due(flat)
+            else:
+                self._scaled_local_momentum(flat, grads, buffer)
+                self._check_gradients_once(step, COMPRESSION, buffer)
+                with data_parallel.collective(step, COMPRESSION):
+                    packed = data_parallel.exchange.exchange(buffer)
+            nonfinite = False
+        except NonFiniteError:
+            nonfinite = True
+        if self.shards is not None:  # the other slices' replicas skip the step too
+            nonfinite = self.shards.any_(nonfinite, flat.device)
+        if nonfinite:
+            return self._guard.skip("a rank's local momentum", step)
+        per_tensor = data_parallel.compression == "per_tensor"
+        self.rule.compressed(
+            self.updates, flat, packed, buffer, self._stage.mask, self._has_state, per_tensor
+        )
+        return True
+
+    def _gradient_1bit_step(self, step: int, flat: FlatState, grads: list[Tensor | None]) -> bool:
+        """0/1 Adam before the freeze: the local gradients (zeros where a rank has none)
+        averaged by the 1-bit exchange, then a momentum step with the variance unchanged."""
+        self._accumulator(step, flat)
+        flat.load_grads(grads)
+        try:
+            self._exchange_per_tensor(step, GRADIENT_1BIT, flat.grad)
+        except NonFiniteError:
+            return self._guard.skip("a rank's local gradients", step)
+        self.rule.momentum_step(self.updates, flat, flat.views(flat.grad), self._has_state)
+        return True
+
+    def _local_step(
+        self, step: int, kind: str, flat: FlatState, grads: list[Tensor | None]
+    ) -> bool:
+        """0/1 Adam's local or synchronisation step (of the interval that starts at the last
+        synchronisation, or at the weights of step ``t - 1`` for every step ``t <= T + 1``):
+        a momentum step on this rank's gradients (ignored on this rank where they are not
+        finite); at a synchronisation the accumulated update through the exchange."""
+        rule: ZeroOneAdamRule = self.rule
+        buffer = self._accumulator(step, flat)
+        if step - 1 <= self.schedule.freeze_step:
+            self._start_interval(step, flat)
+        local = [
+            torch.zeros(t.shape, dtype=flat.dtype, device=flat.device) if g is None else g
+            for t, g in zip(flat.tensors, grads, strict=True)
+        ]
+        indices = _active_indices(self._has_state)
+        if _common.all_finite(_pick(local, indices)):
+            rule.momentum_step(self.updates, flat, local, self._has_state)
+        else:
+            self._guard.ignore_local(step, kind)
+        lr_sum = flat.scalars["lr_sum"]
+        lr_sum[indices] += flat.segment_values(lambda group: group["lr"])[indices]
+        if kind == SYNC:
+            rule.accumulated_update(self.updates, flat, self._has_state, buffer)
+            self._exchange_per_tensor(step, SYNC, buffer)
+            rule.synchronised_update(self.updates, flat, buffer, self._has_state)
+        return True
+
+    # ----------------------------------------------------------------- step helpers
+    @property
+    def _has_state(self) -> list[bool]:
+        return self._parameters.has_state
+
+    def _unscale_for_grad_scaler(self, params: list[Tensor]) -> None:
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
+        if grad_scale is None:
+            return
+        if self._overlap is not None:
+            self._overlap.cancel()
+            raise RuntimeError(
+                "overlap_backward=True reads the gradients while backward produces them, "
+                "before GradScaler's scale could be taken out: construct the optimizer with "
+                "overlap_backward=False to train with a GradScaler"
             )
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, grad_scale.to(grads[0].device))
+
+    def _verify_replicas_if_due(self, flat: FlatState) -> None:
+        with self._data_parallel.collective(self._step + 1, self.stage):
+            self._guard.verify_if_due(
+                self._step,
+                self.schedule.replicas_agree(self._step),
+                lambda: flat.tensors + [master for _, master in flat.half_params],
+                self._data_parallel.process_group,
+            )
+
+    def _clip_own_gradients(self, grads: Sequence[Tensor | None]) -> None:
+        """With ``max_grad_norm``: this rank's own gradients clipped at ``max_grad_norm·√W``
+        (W workers of the exchange; ALGORITHM.md, "Gradient clipping")."""
+        if self.max_grad_norm:
+            threshold = self.max_grad_norm * math.sqrt(self.exchange.world_size)
+            _common.clip_by_total_norm_([g for g in grads if g is not None], threshold, self.shards)
+
+    def _check_gradients_once(self, step: int, kind: str, values: Tensor) -> None:
+        """At the first step that exchanges each rank's own values (not on a resume later)."""
+        data_parallel = self._data_parallel
+        if not data_parallel.gradients_checked and step == self.schedule.first_local_exchange:
+            with data_parallel.collective(step, kind):
+                data_parallel.check_gradients_are_local(values, step)
+
+    def _momentum_buffer(self, step: int, flat: FlatState) -> Tensor:
+        """The buffer the momentum is exchanged in; at the stage's first step (or the first
+        after a load) also the masks, and at the switch itself the scaling coefficients."""
+        if self._stage.ready:
+            return self._stage.buffer
+        exchange = self._data_parallel.bind(flat, self.backend)
+        buffer = self._stage.set_up(flat, self._has_state, exchange, self.param_groups, self.shards)
+        if step == self.schedule.freeze_step + 1:  # not when resuming later in the stage
+            self._start_compression(flat)
+        return buffer
+
+    def _start_compression(self, flat: FlatState) -> None:
+        """The switch: ``s_p`` of the fused exchange, what the rule keeps from here on."""
+        if self.compression == "fused":
+            scaling_coefficients_(flat, self._has_state)
+        self.rule.start_compression(flat)
+        self._parameters.expose_all(self.state)
+        if self._data_parallel.is_logging_rank():
+            logger.info(
+                "%s: switching to 1-bit compressed momentum at step %d (%d tensors, %d "
+                "elements, %d ranks)",
+                type(self).__name__,
+                self._step + 1,
+                sum(self._has_state),
+                sum(t.numel() for t, has in zip(flat.tensors, self._has_state, strict=True) if has),
+                self.world_size,
+            )
+
+    def _scaled_local_momentum(
+        self,
+        flat: FlatState,
+        grads: Sequence[Tensor | None],
+        buffer: Tensor,
+        only: Sequence[int] | None = None,
+    ) -> None:
+        """``buffer = s_p (b1 m_p + (1 - b1) g_p)`` of this rank's gradients, padded; with
+        ``only``, just those tensors' ranges (the padding untouched)."""
+        selected = set(range(len(grads)) if only is None else only)
+        local = [  # a parameter without a gradient on this rank contributes zeros
+            torch.zeros(t.shape, dtype=flat.dtype, device=flat.device)
+            if g is None and index in selected
+            else g
+            for index, (t, g) in enumerate(zip(flat.tensors, grads, strict=True))
+        ]
+        self.updates.scaled_momentum(
+            flat, local, flat.scalars["scaling_coeff"], buffer, self._has_state, only
+        )
+        if only is None:
+            buffer[flat.numel :].zero_()
+
+    def _overlaps_this_step(self) -> bool:
+        """Whether the next step's exchange starts during backward: ``overlap_backward``, in
+        the compression stage, after its first step (which sets the stage up) or the first
+        after a checkpoint load. The same on every rank."""
+        return self._overlap is not None and self._stage.ready and self.stage == COMPRESSION
+
+    def _begin_overlap(self):
+        """The step's bucketed exchange, for :class:`~onebit.optim._overlap.BackwardOverlap`:
+        its pipeline, the tensors in each bucket, how to form their momenta, and which
+        tensors need no gradient (those left out of the stage)."""
+        flat, buffer, exchange = self._parameters.flat, self._stage.buffer, self.exchange
+        buffer[flat.numel :].zero_()
+        members = bucket_members(flat.offsets, exchange.buckets())
+
+        def form(only: Sequence[int]) -> None:
+            grads = [None] * len(flat.params)
+            for index in only:
+                grads[index] = _common.dense_grad(flat.params[index], flat.dtype)
+            self._scaled_local_momentum(flat, grads, buffer, only)
+
+        ready = [not has for has in self._has_state]
+        return exchange.begin(buffer), members, form, ready
+
+    def _accumulator(self, step: int, flat: FlatState) -> Tensor:
+        """0/1 Adam's exchange buffer (``N`` elements) with the masks (anew at every step up
+        to the freeze: the variance may have changed); the exchange bound."""
+        refresh = step - 1 < self.schedule.freeze_step
+        self._stage.set_up_accumulator(
+            flat, self._has_state, self.param_groups, self.shards, refresh
+        )
+        self._data_parallel.bind(flat, self.backend)
+        return self._stage.buffer
+
+    def _exchange_per_tensor(self, step: int, kind: str, buffer: Tensor) -> None:
+        """``buffer`` (every parameter's values, one after another) replaced by its per-tensor
+        1-bit average over the ranks, times the masks; the gradient check first, once."""
+        self._check_gradients_once(step, kind, buffer)
+        with self._data_parallel.collective(step, kind):
+            self.exchange.exchange(buffer).decode(buffer)
+        if self._stage.mask is not None:
+            buffer.mul_(self._stage.mask)
+
+    def _start_interval(self, step: int, flat: FlatState) -> None:
+        """Before a synchronised step ``t <= T + 1``: ``p_synced = p`` (a variance update may
+        have moved the weights since the last synchronisation) and ``lr_sum = 0``. At the
+        freeze after 1-bit gradient steps the error buffers, which held the gradients' error,
+        restart from zero for the accumulated updates."""
+        if flat.synced_param is None:
+            flat.enable_synced_param()
+            self._parameters.expose_all(self.state)
+        flat.copy_weights_into(flat.synced_param)
+        flat.scalars["lr_sum"].zero_()
+        schedule = self.schedule
+        if step - 1 == schedule.freeze_step and schedule.pre_freeze_exchange == "gradient":
+            self.exchange.reset_errors()
+
+    # ----------------------------------------------------------------- what users see
+    @property
+    def step_count(self) -> int:
+        """Steps applied so far (skipped steps are not counted)."""
+        return self._step
+
+    def kind_of_step(self, step: int) -> str:
+        """The kind of step ``step`` (counted from 1), from the schedule."""
+        return self.schedule.kind(step)
+
+    @property
+    def stage(self) -> str:
+        """The kind of the next ``step()``, the key its bytes are counted under in
+        :attr:`bytes_sent`."""
+        return self.schedule.kind(self._step + 1)
+
+    @property
+    def needs_averaged_gradients(self) -> bool:
+        """Whether the next ``step()`` works on gradients averaged over the ranks at full
+        precision (the warm-up, 0/1 Adam's variance updates): the DDP hook and a training
+        loop that averages gradients itself do so exactly then."""
+        return self.stage in self.schedule.dense_kinds
+
+    @property
+    def freeze_step(self) -> int:
+        """The last step that may update the variance; with ``"auto"`` the bound until the
+        variance has caught up, then the step it froze after."""
+        return self.schedule.freeze_step
+
+    @property
+    def auto_freeze(self) -> bool:
+        return self.schedule.auto_freeze
+
+    def variance_updates(self, step: int) -> int:
+        """How many steps up to ``step`` updated the variance."""
+        return self.schedule.variance_updates(step)
+
+    def variance_readiness(self) -> Tensor | None:
+        """The readiness statistic ``R_j`` of every parameter over the last 10 observed dense
+        steps (ALGORITHM.md, "Variance readiness"), or ``None`` before a step that observed
+        them: every dense step with ``freeze_step="auto"``, the 20 before the freeze with a
+        fixed one."""
+        flat = self._parameters.flat
+        return self._readiness.ratios(flat, self.schedule.variance_updates(self._step))
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because some rank's gradients were not finite."""
+        return self._guard.skipped_steps
+
+    @property
+    def on_nonfinite(self) -> str:
+        return self._guard.on_nonfinite
+
+    @property
+    def verify_every(self) -> int:
+        return self._guard.verify_every
+
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes this rank has sent for this optimizer in each kind of step (a copy), as a
+        bandwidth-optimal implementation sends them (:mod:`onebit.collectives`): the dense
+        allreduce of averaged gradients and the 1-bit exchange of ``step()``, the dense
+        allreduces of :func:`onebit.ddp.register_comm_hook`, and the one-time gradient check.
+        Not counted: the replica checks (a few bytes per tensor, at the first step and every
+        ``verify_every``) and traffic the optimizer does not make, such as the dense
+        allreduce of a ``DistributedDataParallel`` model without onebit's hook (``step()``
+        warns when it finds the gradients averaged already)."""
+        return dict(self._data_parallel.bytes_sent)
+
+    @property
+    def traffic_by_kind(self) -> dict[str, int]:
+        """Bytes this rank has sent in ``step()`` per kind of collective (a copy):
+        ``"allreduce"``, ``"compressed_allreduce"`` (or ``"intra_node"`` and ``"inter_node"``
+        with ``node_groups``) and ``"gradient_check"``."""
+        return dict(self._data_parallel.traffic.bytes_sent)
+
+    def count_bytes_sent(self, stage: str, nbytes: int) -> None:
+        """Add traffic sent on this optimizer's behalf outside ``step()`` (the DDP hook)."""
+        self._data_parallel.bytes_sent[stage] += nbytes
+
+    @property
+    def gradients_averaged_by_ddp(self) -> bool:
+        """Whether ``DistributedDataParallel`` averages the gradients of the dense steps
+        (:meth:`attach_to_ddp`); otherwise ``step()`` averages them itself."""
+        return self._data_parallel.gradients_averaged_by_ddp
+
+    def attach_to_ddp(self, process_group: dist.ProcessGroup | None) -> None:
+        """Let DDP (over ``process_group``) average the gradients of the dense steps; called
+        by :func:`onebit.ddp.register_comm_hook`, whose hook does it. The optimizer's group
+        becomes DDP's (it must be the same if one was given)."""
+        self._data_parallel.attach_to_ddp(process_group)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group (``None``: the world)."""
+        return self._data_parallel.process_group
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        self._data_parallel.process_group = group
+
+    @property
+    def world_size(self) -> int:
+        return self._data_parallel.world_size
+
+    @property
+    def compression(self) -> str:
+        """How the momentum is exchanged: ``"per_tensor"`` or ``"fused"``."""
+        return self._data_parallel.compression
+
+    @property
+    def node_groups(self) -> NodeGroups | None:
+        return self._data_parallel.node_groups
+
+    @property
+    def exchange(self) -> Exchange:
+        """The exchange of the steps that do not average densely (it owns the error state)."""
+        return self._data_parallel.exchange
+
+    def use_exchange(self, exchange: Exchange) -> None:
+        """Exchange through ``exchange`` instead of the one the arguments ask for (a
+        :class:`onebit.exchange.SimulatedExchange` simulates many workers in one process).
+        Only before the first exchange, in one process, for the fused exchange (which the
+        simulated optimizer uses where its compression was left to the default)."""
+        self._data_parallel.use_exchange(exchange)
+
+    @property
+    def topology(self) -> tuple[int, int]:
+        """``(ranks per node, nodes)`` of the exchange: ``(1, world_size)`` when flat."""
+        return self.exchange.topology
+
+    @property
+    def error_feedback(self) -> tuple[Tensor | None, Tensor | None]:
+        """``(worker_error, server_error)`` of :attr:`exchange`, created at its first use:
+        this rank's, or with a simulated exchange every simulated worker's, rank after rank."""
+        return self.exchange.worker_error, self.exchange.server_error
+
+    def error_feedback_layout(self) -> dict[str, Any]:
+        """Where each of this rank's error values belongs: the exchange, its data-parallel
+        world size and ranks per node, its buckets (``None``: one buffer) and the elements of
+        each tensor on this rank. Error buffers saved with one layout are only valid in it."""
+        return self._data_parallel.error_feedback_layout(self._local_numels())
+
+    @property
+    def kernels(self) -> str | None:
+        return self._parameters.kernels
+
+    @property
+    def flat_state(self) -> FlatState | None:
+        """The flat state the steps update (:mod:`onebit.optim._flat`), read-only for tools
+        and tests; ``None`` before the first step and after a checkpoint load."""
+        return self._parameters.flat
+
+    @property
+    def backend(self) -> Backend | None:
+        """The backend the steps run on (:mod:`onebit.kernels`), selected at the first step."""
+        return self._parameters.backend
+
+    @property
+    def updates(self) -> UpdateKernels:
+        """The update kernels: the backend's, or the torch reference."""
+        return self._parameters.updates
+
+    @property
+    def shards(self) -> ShardGroup | None:
+        """The FSDP2 shard group of the parameters, or ``None`` when they are not sharded."""
+        return self._parameters.shards
 
     @property
     def overlap_backward(self) -> bool:
@@ -146,182 +672,112 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
         ``DistributedDataParallel.no_sync``). Without it, nothing to do."""
         return contextlib.nullcontext() if self._overlap is None else self._overlap.no_sync()
 
-    # ----------------------------------------------------------------- what users see
-
-    def kind_of_step(self, step: int) -> str:
-        """The kind of step ``step`` (counted from 1): ``"warmup"`` up to ``freeze_step``,
-        then ``"compression"``."""
-        return WARMUP if step <= self.freeze_step else COMPRESSION
-
-    @property
-    def stage(self) -> str:
-        """The kind of the next ``step()`` (:meth:`kind_of_step`), the key its bytes are
-        counted under in :attr:`bytes_sent`."""
-        return self.kind_of_step(self._counters["step"] + 1)
-
-    @property
-    def needs_averaged_gradients(self) -> bool:
-        """Whether the next ``step()`` works on gradients averaged over the ranks at full
-        precision (a kind in ``DENSE_KINDS``: the warm-up, 0/1 Adam's variance updates): the
-        DDP hook and a training loop that averages gradients itself do so exactly then."""
-        return self.stage in self.DENSE_KINDS
-
-    # ----------------------------------------------------------------- the step
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One optimizer step; in the compression stage, one compressed exchange."""
-        loss = self._evaluate(closure)
-        flat = self._flat_state()
-        if self._overlap is not None and getattr(self, "grad_scale", None) is not None:
-            self._overlap.cancel()
+    def local_momentum(self) -> Tensor:
+        """In the compression stage: the momentum the next ``step()`` would send for the
+        gradients in ``.grad``, ``s_p (b1 m_p + (1 - b1) g_p)`` in the padded exchange buffer
+        (overwritten by the next call and by ``step()``), from the gradients clipped as
+        ``step()`` clips them (``max_grad_norm``). Nothing else changes, except that the first
+        call of the stage sets up its state, as its first ``step()`` would."""
+        if self.stage != COMPRESSION:
             raise RuntimeError(
-                "overlap_backward=True reads the gradients while backward produces them, "
-                "before GradScaler's scale could be taken out: construct the optimizer with "
-                "overlap_backward=False to train with a GradScaler"
+                f"local_momentum() is for the compression stage; step {self._step + 1} "
+                f"is in the warm-up (freeze_step={self.freeze_step})"
             )
-        self._unscale_for_grad_scaler(flat.params)
-        stage = self.stage
-        traffic_before = self._traffic.total()
-        try:
-            if not self._overlaps_this_step():  # else after the exchange (_exchanged_step)
-                self._verify_replicas_if_due(flat)
-            grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
-            if stage in self.DENSE_KINDS:
-                applied = self._warmup_step(flat, grads)
-            else:
-                self._clip_own_gradients(grads)
-                applied = self._exchanged_step(stage, flat, grads)
-        finally:
-            if self._overlap is not None:
-                self._overlap.cancel()  # nothing stays in flight after a step, even a failed one
-            self.count_bytes_sent(stage, self._traffic.total() - traffic_before)
-        if applied:
-            flat.refresh_half_params()
-            self._counters["step"] += 1
-        return loss
+        if self._overlap is not None and self._overlap.in_flight:
+            raise RuntimeError(
+                "local_momentum() would overwrite the momentum whose exchange started during "
+                "backward (overlap_backward=True); call it before backward or after step()"
+            )
+        flat = self._parameters.build(self.param_groups, self.state)
+        grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
+        buffer = self._momentum_buffer(self._step + 1, flat)
+        self._clip_own_gradients(grads)
+        self._scaled_local_momentum(flat, grads, buffer)
+        return buffer
 
-    # torch.amp.GradScaler calls step() on every rank with `grad_scale` set instead of
-    # unscaling and skipping the step itself on the ranks that saw an Inf: a local skip would
-    # leave the other ranks waiting in a collective. The step unscales, and its own check of
-    # non-finite gradients agrees across ranks.
-    _step_supports_amp_scaling = True
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the optimizer holds now: ``"state"`` (moments, fp32 master weights of
+        low-precision parameters, per-tensor scalars), ``"scratch"`` (buffers every step
+        reuses: the gathered gradients, the exchange buffer and the exchange's own) and
+        ``"error_feedback"`` (the exchange's worker and server errors, once created)."""
+        memory = self._parameters.memory_bytes()
+        errors, exchange_scratch = self._data_parallel.memory_bytes()
+        memory["error_feedback"] = errors
+        memory["scratch"] += self._stage.nbytes() + exchange_scratch
+        return memory
 
-    def _unscale_for_grad_scaler(self, params: list[Tensor]) -> None:
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is None:
-            return
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_div_(grads, grad_scale.to(grads[0].device))
+    def _local_numels(self) -> list[int]:
+        return self._parameters.local_numels(self.param_groups)
 
-    def _skip(self, reason: str) -> bool:
-        message = f"non-finite gradients at step {self.step_count + 1} ({reason})"
-        if self.on_nonfinite == "raise":
-            raise NonFiniteError(message + "; raising on every rank (on_nonfinite='raise')")
-        self._counters["skipped_steps"] += 1
-        warnings.warn(
-            f"{message}: step skipped on every rank, state unchanged "
-            f"({self.skipped_steps} skipped so far)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-
-    def _warmup_step(self, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
-        """Average the gradients (unless DDP did), then the subclass's uncompressed update.
-
-        In the plain loop one dense allreduce carries every gradient and one flag per
-        parameter that says whether a rank had a gradient for it; a parameter no rank has a
-        gradient for is left alone, and a gradient missing on some ranks counts as zero."""
-        if not self.gradients_averaged_by_ddp and self.world_size > 1:
-            flat.load_grads(grads)
-            with self._collective():
-                allreduce_mean_(flat.grad_and_flags, self.process_group, traffic=self._traffic)
-            present = (flat.grad_flags > 0).tolist()
-            grads = flat.views(flat.grad)
-        else:
-            present = [grad is not None for grad in grads]
-        if self.max_grad_norm:
-            present_grads = [g for g, has in zip(grads, present, strict=True) if has]
-            _common.clip_by_total_norm_(present_grads, self.max_grad_norm, self.shards)
-        self._expose_new_state(flat, present)
-        if not self._warmup_update(flat, grads, present):
-            return self._skip("warm-up gradients")
-        self._check_readiness(flat, grads, present)
-        return True
-
-    def _exchanged_step(self, kind: str, flat: FlatState, grads: Sequence[Tensor | None]) -> bool:
-        """A step of a kind that does not average densely; here ``"compression"``: the local
-        momentum through :attr:`exchange`, then ``_compressed_update``. With
-        ``overlap_backward`` (after the stage's first step) the exchange started during
-        backward, and the replica check comes after it, so that every rank's collectives
-        keep one order."""
-        buffer = self._exchange_buffer_for(flat)
-        try:
-            if self._overlaps_this_step():
-                with self._collective():
-                    packed = self._overlap.complete()
-                self._verify_replicas_if_due(flat)
-            else:
-                self._scaled_local_momentum(flat, grads, buffer)
-                if not self._gradients_checked and self.step_count == self.freeze_step:
-                    with self._collective():  # the first compression step only (not on resume)
-                        self._check_gradients_are_local(buffer)
-                with self._collective():
-                    packed = self.exchange.exchange(buffer)
-            nonfinite = False
-        except NonFiniteError:
-            nonfinite = True
-        if self.shards is not None:  # the other slices' replicas skip the step too
-            nonfinite = self.shards.any_(nonfinite, flat.device)
-        if nonfinite:
-            return self._skip("a rank's local momentum")
-        self._compressed_update(flat, packed, buffer, self._mask, self._has_state)
-        return True
-
-    def _overlaps_this_step(self) -> bool:
-        """Whether the next step's exchange starts during backward: ``overlap_backward``, in
-        the compression stage, after its first step (which sets the stage up) or the first
-        after a checkpoint load. The same on every rank."""
-        return (
-            self._overlap is not None
-            and self._exchange_buffer is not None
-            and self.stage == COMPRESSION
-        )
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, before the first step, after checking the group's ``exp_avg_mask``
+        (nothing is added when it is wrong); the overlap's hooks go on its parameters."""
+        self._parameters.check_can_add()
+        param_group = check_group_masks(param_group)
+        super().add_param_group(param_group)
+        self._parameters.regroup(self.param_groups)
+        if self._overlap is not None:
+            self._overlap.watch([p for p in self.param_groups[-1]["params"] if p.requires_grad])
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state (per parameter) plus ``"onebit"``: the step, this rank's
-        error-feedback buffers, the world size they belong to, and the traffic counters."""
+        error-feedback buffers, the world size they belong to, the traffic counters and the
+        schedule's decisions. Where the replicas differ by design (inside 0/1 Adam's local
+        intervals) each parameter's state also holds this rank's own weights
+        (``local_param``)."""
         state = super().state_dict()
+        data_parallel = self._data_parallel
         state["onebit"] = {
+            "format": CHECKPOINT_FORMAT,
             "optimizer": type(self).__name__,
-            "step": self._counters["step"],
-            "skipped_steps": self._counters["skipped_steps"],
-            "bytes_sent": dict(self._counters["bytes_sent"]),
-            "compression": self.compression,
-            "freeze_step": self.freeze_step,
+            "step": self._step,
+            "skipped_steps": self._guard.skipped_steps,
+            "bytes_sent": dict(data_parallel.bytes_sent),
+            "compression": data_parallel.compression,
             "readiness": self._readiness.state_dict(),
-            **self.exchange.state_dict(self._local_numels()),
+            **self.schedule.state_dict(),
+            **data_parallel.exchange.state_dict(self._local_numels()),
         }
+        if not self.schedule.replicas_agree(self._step):
+            self._save_own_weights(state)
         return state
+
+    def _save_own_weights(self, state: dict[str, Any]) -> None:
+        params = trainable(self.param_groups)
+        flat = self._parameters.flat
+        if flat is not None:
+            weights = flat.weight_views()
+        else:  # loaded, not stepped since: the parameters (or their fp32 masters) hold them
+            weights = [self.state[p].get("master_param", p.detach()) for p in params]
+        index_of = {id(p): i for i, p in enumerate(_common.params_in_order(self.param_groups))}
+        for param, own in zip(params, weights, strict=True):
+            key = index_of[id(param)]
+            state["state"][key] = {**state["state"].get(key, {}), "local_param": own}
 
     def check_checkpoint(self, state_dict: dict[str, Any]) -> None:
         """Raise ``ValueError`` naming the first thing in ``state_dict`` that does not fit: a
         checkpoint of another optimizer, of another compression, or of another model."""
+        name = type(self).__name__
         extra = state_dict.get("onebit")
-        if not isinstance(extra, dict) or extra.get("optimizer") != type(self).__name__:
+        if not isinstance(extra, dict) or extra.get("optimizer") != name:
             found = extra.get("optimizer") if isinstance(extra, dict) else "a non-onebit optimizer"
-            raise ValueError(f"checkpoint was saved by {found}, not by {type(self).__name__}")
-        saved_compression = extra.get("compression", "fused")
+            raise ValueError(f"checkpoint was saved by {found}, not by {name}")
+        if extra.get("format", 1) > CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"checkpoint has format {extra['format']}, newer than this onebit reads "
+                f"({CHECKPOINT_FORMAT}): upgrade onebit to load it"
+            )
+        saved_compression = _saved_compression(extra)
         if saved_compression != self.compression:
             raise ValueError(
                 f"checkpoint was saved with compression={saved_compression!r}, this "
-                f"{type(self).__name__} uses compression={self.compression!r}: their error-"
-                "feedback states have different layouts; construct the optimizer with "
+                f"{name} uses compression={self.compression!r}: their error-feedback states "
+                "have different layouts; construct the optimizer with "
                 f"compression={saved_compression!r} to resume"
             )
-        super().check_checkpoint(state_dict)
+        _common.validate_checkpoint(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint; with another world size the error buffers restart from zero.
@@ -334,18 +790,17 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
         if self._overlap is not None:
             self._overlap.cancel()
         numels = self._local_numels()
-        errors_fit = self.exchange.check_state(extra, numels)
-        restart = self.exchange.restart_reason(extra, numels)
+        exchange = self.exchange
+        errors_fit = exchange.check_state(extra, numels)
+        restart = exchange.restart_reason(extra, numels)
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
         _common.restore_state_precision(self, state_dict)
-        self._counters = {
-            "step": int(extra["step"]),
-            "skipped_steps": int(extra["skipped_steps"]),
-            "bytes_sent": dict(extra["bytes_sent"]),
-        }
-        self._forget_flat_state()
-        self._exchange_buffer = None
-        self._replicas_verified = False
+        self._step = int(extra["step"])
+        self._guard.skipped_steps = int(extra["skipped_steps"])
+        self._data_parallel.bytes_sent = dict(extra["bytes_sent"])
+        self._parameters.forget()
+        self._stage.reset()
+        self._guard.restart()
         if extra["worker_error"] is not None and not errors_fit:
             warnings.warn(
                 f"checkpoint was {restart}: the error-feedback buffers are reset to zero",
@@ -353,30 +808,10 @@ class OneBitOptimizer(ReadinessChecks, CompressionStage):
                 stacklevel=2,
             )
         device = next(iter(_common.params_in_order(self.param_groups))).device
-        self.exchange.load_state_dict(extra if errors_fit else None, device)
-        self._readiness = VarianceReadiness()
-        if "readiness" in extra:
-            self._readiness.load_state_dict(extra["readiness"], device)
-        if self.auto_freeze and extra.get("freeze_step", self.freeze_step) < self.freeze_step:
-            self.freeze_step = int(extra["freeze_step"])  # where "auto" froze (or will)
-
-    # ----------------------------------------------------------------- subclass hooks
-    def _warmup_update(
-        self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
-    ) -> bool:
-        """The uncompressed update with the averaged gradients ``grads``; False (and
-        nothing changed) if a gradient is not finite."""
-        raise NotImplementedError
-
-    def _compressed_update(
-        self,
-        flat: FlatState,
-        packed: PackedResult,
-        scratch: Tensor,
-        mask: Tensor | None,
-        active: Sequence[bool],
-    ) -> None:
-        """The update with the exchanged (scaled) momentum ``packed``, decoded on the fly or
-        into ``scratch`` (the exchange buffer, free now); ``flat.exp_avg`` still holds the
-        previous momentum."""
-        raise NotImplementedError
+        exchange.load_state_dict(extra if errors_fit else None, device)
+        self._readiness.load_state_dict(extra.get("readiness"), device)
+        self.schedule.load_state_dict(extra)
+        for param in _common.params_in_order(self.param_groups):
+            own = self.state[param].pop("local_param", None)
+            if own is not None:
+                param.data.copy_(own)

@@ -90,7 +90,6 @@ class BackwardOverlap:
 
     def __init__(
         self,
-        params: Sequence[Tensor],
         due: Callable[[], bool],
         begin: Callable[[], tuple[BucketPipeline, list[list[int]], FormMomentum, list[bool]]],
     ) -> None:
@@ -103,11 +102,9 @@ class BackwardOverlap:
         self._hook = functools.partial(_on_gradient, weakref.ref(self))
         self._handles: list[RemovableHandle] = []
         weakref.finalize(self, _remove, self._handles)
-        self.watch(params)
 
     def watch(self, params: Sequence[Tensor]) -> None:
-        """Hook ``params`` too: the optimizer's next tensors, in its order (a parameter group
-        added after construction)."""
+        """Hook ``params``: the optimizer's next tensors, in its order (each group's)."""
         for param in params:
             self._index[id(param)] = len(self._index)
             self._handles.append(param.register_post_accumulate_grad_hook(self._hook))

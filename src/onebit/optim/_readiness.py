@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from onebit.optim import _common
 from onebit.optim._flat import FlatState
 
 logger = logging.getLogger("onebit")
@@ -102,128 +101,80 @@ class VarianceReadiness:
         self.peak, self.last = float(state["peak"]), float(state["last"])
 
 
-class ReadinessChecks:
-    """The variance-readiness side of :class:`onebit.optim._onebit.OneBitOptimizer`: its
-    ``freeze_step`` (a step or ``"auto"``), the statistic and the checks after each dense
-    step. Subclasses with another schedule of dense steps override :meth:`variance_updates`,
-    :meth:`_readiness_checks` and the decision hooks. (It uses the optimizer's ``step_count``,
-    ``_flat`` and ``_is_logging_rank``.)"""
+class ReadinessMonitor:
+    """Watches the variance's readiness over the dense steps of a ``schedule`` (a
+    :class:`~onebit.optim._schedule.Schedule`): observes the averaged gradients where the
+    statistic needs them, warns after a check that finds the variance falling behind, and
+    takes the schedule's pending decision (``"auto"``) once it has caught up. ``owner``
+    names the optimizer in messages."""
 
-    #: The name of the argument ``freeze_step`` in the subclass's signature.
-    _FREEZE_ARGUMENT = "freeze_step"
-    step_count: int
-    _flat: FlatState | None
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.statistic = VarianceReadiness()
+        self._checks: tuple[tuple[int, ...], dict[int, tuple[str, str]]] | None = None
 
-    def _init_freeze(self, freeze_step: int | str, max_freeze_step: int | None) -> None:
-        """Check and set ``freeze_step`` (an int, or ``"auto"`` bounded by
-        ``max_freeze_step``, default :data:`DEFAULT_MAX_FREEZE_STEP`)."""
-        name = self._FREEZE_ARGUMENT
-        self.auto_freeze = freeze_step == AUTO
-        if self.auto_freeze:
-            freeze_step = DEFAULT_MAX_FREEZE_STEP if max_freeze_step is None else max_freeze_step
-            _common.check_positive_int(
-                f"max_{name}", freeze_step, f"the last step {name}='auto' may freeze after"
-            )
-        elif max_freeze_step is not None:
-            raise ValueError(
-                f"max_{name}={max_freeze_step!r} bounds {name}='auto'; with {name}="
-                f"{freeze_step!r} the variance freezes there: give one of them"
-            )
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(
-                f"Invalid {name}={freeze_step!r}: it must be an int >= 1 (the last step that "
-                "updates the variance before it is frozen) or 'auto'"
-            )
-        #: The last step of the warm-up; with ``"auto"`` the bound until the variance has
-        #: caught up, then the step it froze after.
-        self.freeze_step = freeze_step
-        self._readiness = VarianceReadiness()
-        self._readiness_checks_of: tuple[tuple[int, ...], dict[int, tuple[str, str]]] | None = None
-
-    def variance_updates(self, step: int) -> int:
-        """How many steps up to ``step`` updated the variance (the warm-up's steps)."""
-        return min(step, self.freeze_step)
-
-    def variance_readiness(self) -> Tensor | None:
-        """The readiness statistic ``R_j`` of every parameter over the last 10 observed dense
-        steps (ALGORITHM.md, "Variance readiness"), or ``None`` before a step that observed
-        them: every dense step with ``freeze_step="auto"``, the 20 before the freeze with a
-        fixed one."""
-        if self._flat is None or not self._readiness.observed:
+    def ratios(self, flat: FlatState | None, variance_updates: int) -> Tensor | None:
+        """``R_j`` of every parameter, or ``None`` before a step that observed them."""
+        if flat is None or not self.statistic.observed:
             return None
-        return self._readiness.ratios(self._flat, self.variance_updates(self.step_count))
+        return self.statistic.ratios(flat, variance_updates)
 
-    def _readiness_checks(self) -> dict[int, tuple[str, str]]:
-        """The dense steps (counted as :meth:`variance_updates`) after which an unready
-        variance is warned about: what happens there and what to do."""
-        name = self._FREEZE_ARGUMENT
-        return {
-            self.variance_updates(self.freeze_step): (
-                f"freezes the variance (exp_avg_sq) after step {self.freeze_step}",
-                f"Freeze later (a larger {name}) or pass {name}='auto', which freezes once the "
-                "variance has caught up",
-            )
-        }
+    def _checks_of(self, schedule) -> dict[int, tuple[str, str]]:
+        key = (schedule.freeze_step, schedule.first_local_exchange)
+        if self._checks is None or self._checks[0] != key:
+            self._checks = (key, schedule.readiness_checks())
+        return self._checks[1]
 
-    def _readiness_schedule(self) -> tuple[int, ...]:
-        """What :meth:`_readiness_checks` depends on (they are rebuilt when it changes)."""
-        return (self.freeze_step,)
-
-    def _cached_readiness_checks(self) -> dict[int, tuple[str, str]]:
-        schedule = self._readiness_schedule()
-        if self._readiness_checks_of is None or self._readiness_checks_of[0] != schedule:
-            self._readiness_checks_of = (schedule, self._readiness_checks())
-        return self._readiness_checks_of[1]
-
-    def _check_readiness(
-        self, flat: FlatState, grads: Sequence[Tensor | None], present: Sequence[bool]
+    def after_dense_step(
+        self,
+        step: int,
+        schedule,
+        flat: FlatState,
+        grads: Sequence[Tensor | None],
+        present: Sequence[bool],
+        warn: bool,
     ) -> None:
-        """After a dense step: observe its gradients where the statistic needs them (every
-        step while a readiness decision is pending, else the two windows of
-        :data:`READINESS_WINDOW` dense steps before each of :meth:`_readiness_checks`); every
-        window, update the largest ``R_j``; at a check, warn if the variance is still falling
-        behind; once it has caught up, take the pending decision (ALGORITHM.md, "Variance
-        readiness")."""
-        step = self.step_count + 1
-        if step > self.freeze_step or not any(present):
+        """After dense step ``step``: observe its gradients where the statistic needs them
+        (every step while a readiness decision is pending, else the two windows of
+        :data:`READINESS_WINDOW` dense steps before each check); every window, update the
+        largest ``R_j``; at a check, warn (where ``warn``) if the variance is still falling
+        behind; once it has caught up, take the pending decision."""
+        if step > schedule.freeze_step or not any(present):
             return
-        dense = self.variance_updates(step)
-        checks = self._cached_readiness_checks()
+        dense = schedule.variance_updates(step)
+        checks = self._checks_of(schedule)
         window = READINESS_WINDOW
-        pending = self._readiness_decision_pending(step)
+        pending = schedule.decision_pending(step)
         if not pending and not any(0 <= c - dense < 2 * window for c in checks):
             return
-        self._readiness.observe(flat, grads, present)
+        self.statistic.observe(flat, grads, present)
         at_check = dense in checks
         due = at_check or any(c - dense == window for c in checks)
         if not (due or (pending and dense % window == 0)):
             return
-        ratios = self._readiness.ratios(flat, dense)
-        readiness = self._readiness.update(float(ratios.max()))
-        if at_check and readiness == FALLING_BEHIND and self._is_logging_rank():
-            warn_not_ready(type(self).__name__, *checks[dense], ratios, flat)
+        ratios = self.statistic.ratios(flat, dense)
+        readiness = self.statistic.update(float(ratios.max()))
+        if at_check and readiness == FALLING_BEHIND and warn:
+            warn_not_ready(self.owner, *checks[dense], ratios, flat)
         if pending and readiness == CAUGHT_UP:
-            self._variance_caught_up(step, ratios, flat)
+            what = schedule.caught_up(step)
+            logger.info(
+                "%s: the variance has caught up after step %d: %s (the largest R was %.3g; now %s)",
+                self.owner,
+                step,
+                what,
+                self.statistic.peak,
+                describe(ratios, flat),
+            )
 
-    def _readiness_decision_pending(self, step: int) -> bool:
-        """Whether the readiness of the variance after dense step ``step`` decides something:
-        with ``freeze_step="auto"``, whether to freeze after it."""
-        return self.auto_freeze and step < self.freeze_step
+    def state_dict(self) -> dict[str, Any]:
+        return self.statistic.state_dict()
 
-    def _variance_caught_up(self, step: int, ratios: Tensor, flat: FlatState) -> None:
-        """The pending decision, taken after ``step``: the variance freezes."""
-        self.freeze_step = step
-        self._log_caught_up(step, "it freezes", ratios, flat)
-
-    def _log_caught_up(self, step: int, what: str, ratios: Tensor, flat: FlatState) -> None:
-        logger.info(
-            "%s: the variance has caught up after step %d: %s (the largest R was %.3g; now %s)",
-            type(self).__name__,
-            step,
-            what,
-            self._readiness.peak,
-            describe(ratios, flat),
-        )
+    def load_state_dict(self, state: dict[str, Any] | None, device: torch.device) -> None:
+        """Restore the statistic (``None``: start it anew)."""
+        self.statistic = VarianceReadiness()
+        if state is not None:
+            self.statistic.load_state_dict(state, device)
 
 
 def describe(ratios: Tensor, flat: FlatState) -> str:

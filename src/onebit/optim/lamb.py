@@ -2,36 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
+from onebit.kernels import Backend, UpdateKernels
 from onebit.optim import _common
-from onebit.optim._base import FlatOptimizer
 from onebit.optim._flat import FlatState
+from onebit.optim._parameters import FlatParameters
+from onebit.optim._rules import LambRule, last_coefficients
+from onebit.optim._sharding import ShardGroup
 
-__all__ = ["Lamb", "last_coefficients", "record_coefficients"]
-
-
-def record_coefficients(flat: FlatState, coeff: Tensor, present: Sequence[bool]) -> None:
-    """Store the step's per-parameter coefficient (``lamb_coeff``) for the parameters that
-    took part."""
-    last = flat.scalars["lamb_coeff"]
-    taking_part = torch.tensor(list(present), device=coeff.device)
-    last.copy_(torch.where(taking_part, coeff, last))
+__all__ = ["Lamb"]
 
 
-def last_coefficients(flat: FlatState | None, has_state: Sequence[bool]) -> list[float]:
-    """The last step's per-parameter coefficients of the parameters that have state."""
-    if flat is None:
-        return []
-    values = flat.scalars["lamb_coeff"].tolist()
-    return [value for value, has in zip(values, has_state, strict=True) if has]
-
-
-class Lamb(FlatOptimizer):
+class Lamb(Optimizer):
     r"""LAMB (You et al., 2019) in the form 1-bit LAMB uses for its warm-up stage.
 
     For each parameter tensor ``p`` with gradient ``g``:
@@ -62,8 +50,6 @@ class Lamb(FlatOptimizer):
             ``torch.nn.utils.clip_grad_norm_`` clips them); 0 (default): no clipping.
     """
 
-    _TAKES_FSDP_HSDP = True
-
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -80,6 +66,8 @@ class Lamb(FlatOptimizer):
         _common.check_coeff_bounds(min_coeff, max_coeff)
         _common.check_max_grad_norm(max_grad_norm)
         self.max_grad_norm = max_grad_norm
+        self.rule = LambRule()
+        self._parameters = FlatParameters(self.rule.scalars, kernels, takes_fsdp_hsdp=True)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -88,33 +76,74 @@ class Lamb(FlatOptimizer):
             max_coeff=max_coeff,
             min_coeff=min_coeff,
         )
-        super().__init__(params, defaults, kernels)
+        super().__init__(params, defaults)
 
-    _SCALARS = {"lamb_coeff": 1.0}
+    @property
+    def kernels(self) -> str | None:
+        return self._parameters.kernels
+
+    @property
+    def flat_state(self) -> FlatState | None:
+        """The flat state the steps update (:mod:`onebit.optim._flat`), read-only for tools
+        and tests; ``None`` before the first step and after a checkpoint load."""
+        return self._parameters.flat
+
+    @property
+    def backend(self) -> Backend | None:
+        """The backend the steps run on (:mod:`onebit.kernels`), selected at the first step."""
+        return self._parameters.backend
+
+    @property
+    def updates(self) -> UpdateKernels:
+        return self._parameters.updates
+
+    @property
+    def shards(self) -> ShardGroup | None:
+        """The FSDP2 shard group of the parameters, or ``None`` when they are not sharded."""
+        return self._parameters.shards
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, before the first step."""
+        self._parameters.check_can_add()
+        super().add_param_group(param_group)
+        self._parameters.regroup(self.param_groups)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the optimizer holds now: ``"state"`` and ``"scratch"`` (0 before the first
+        step)."""
+        return self._parameters.memory_bytes()
+
+    def check_checkpoint(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming the first thing in ``state_dict`` that does not fit
+        this optimizer (its parameter groups, the shapes of its state); nothing changes."""
+        _common.validate_checkpoint(self, state_dict)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = self._evaluate(closure)
-        flat = self._flat_state()
+        """One LAMB step on the gradients as they are (no communication)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        flat = self._parameters.build(self.param_groups, self.state)
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
         present = [grad is not None for grad in grads]
         if self.max_grad_norm:
             present_grads = [g for g in grads if g is not None]
             _common.clip_by_total_norm_(present_grads, self.max_grad_norm, self.shards)
         if any(present):
-            self._expose_new_state(flat, present)
-            coeff, _ = self.updates.lamb_step_(flat, grads, present, False)
-            record_coefficients(flat, coeff, present)
+            self._parameters.expose_new(self.state, present)
+            self.rule.dense(self.updates, flat, grads, present)
             flat.refresh_half_params()
         return loss
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratio each parameter got at its last step, in parameter order, for the
         parameters that have state (one host read)."""
-        return last_coefficients(self._flat, self._has_state)
+        return last_coefficients(self._parameters.flat, self._parameters.has_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.check_checkpoint(state_dict)
         super().load_state_dict(state_dict)
         _common.restore_state_precision(self, state_dict)
-        self._forget_flat_state()
+        self._parameters.forget()

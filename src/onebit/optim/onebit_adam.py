@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.exchange import NodeGroups, PackedResult
+from onebit.exchange import NodeGroups
 from onebit.optim import _common
-from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
+from onebit.optim._rules import AdamRule
+from onebit.optim._schedule import FreezeSchedule
 
 __all__ = ["OneBitAdam"]
 
@@ -64,39 +65,18 @@ class OneBitAdam(OneBitOptimizer):
         max_freeze_step: int | None = None,
     ) -> None:
         _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        self._choose_compression(compression, node_groups, bucket_cap_mb, overlap_backward)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,
-            defaults,
-            freeze_step=freeze_step,
-            max_freeze_step=max_freeze_step,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            schedule=FreezeSchedule(freeze_step, max_freeze_step),
+            rule=AdamRule(),
             process_group=process_group,
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,
             kernels=kernels,
+            compression=compression,
             node_groups=node_groups,
             max_grad_norm=max_grad_norm,
             bucket_cap_mb=bucket_cap_mb,
             overlap_backward=overlap_backward,
-        )
-
-    def _warmup_update(
-        self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
-    ) -> bool:
-        return self.updates.adam_step_(flat, grads, active, True)
-
-    def _compressed_update(
-        self,
-        flat: FlatState,
-        packed: PackedResult,
-        scratch: Tensor,
-        mask: Tensor | None,
-        active: Sequence[bool],
-    ) -> None:
-        if self.compression == "per_tensor":
-            self.updates.onebit_adam_per_tensor_step_(flat, packed, scratch, mask, active)
-            return
-        self.updates.onebit_adam_compressed_step_(
-            flat, packed, scratch, flat.scalars["scaling_coeff"], mask, active
         )

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.exchange import NodeGroups, PackedResult
+from onebit.exchange import NodeGroups
 from onebit.optim import _common
-from onebit.optim._flat import FlatState
 from onebit.optim._onebit import OneBitOptimizer
-from onebit.optim.lamb import last_coefficients, record_coefficients
+from onebit.optim._rules import OneBitLambRule, last_coefficients
+from onebit.optim._schedule import FreezeSchedule
 
 __all__ = ["OneBitLamb"]
 
@@ -141,7 +140,6 @@ class OneBitLamb(OneBitOptimizer):
         _common.check_unit_interval("coeff_beta", coeff_beta)
         _common.check_factor_bounds(factor_min, factor_max)
         _common.check_non_negative("factor_threshold", factor_threshold)
-        self._choose_compression(compression, node_groups, bucket_cap_mb, overlap_backward)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -157,69 +155,20 @@ class OneBitLamb(OneBitOptimizer):
         super().__init__(
             params,
             defaults,
-            freeze_step=freeze_step,
-            max_freeze_step=max_freeze_step,
+            schedule=FreezeSchedule(freeze_step, max_freeze_step),
+            rule=OneBitLambRule(),
             process_group=process_group,
             on_nonfinite=on_nonfinite,
             verify_every=verify_every,
             kernels=kernels,
+            compression=compression,
             node_groups=node_groups,
             max_grad_norm=max_grad_norm,
             bucket_cap_mb=bucket_cap_mb,
             overlap_backward=overlap_backward,
         )
 
-    _SCALARS = {
-        "scaling_coeff": 1.0,
-        "lamb_coeff": 1.0,  # the last step's coefficient: c, or c_frz * f
-        "lamb_coeff_freeze": 0.0,  # c_frz
-        "last_factor": 1.0,  # f_last
-    }
-
     def get_lamb_coeffs(self) -> list[float]:
         """Each parameter's last step coefficient (``c``, then ``c_frz * f``), in parameter
         order, for the parameters that have state (one host read)."""
-        return last_coefficients(self._flat, self._has_state)
-
-    def _warmup_update(
-        self, flat: FlatState, grads: Sequence[Tensor | None], active: Sequence[bool]
-    ) -> bool:
-        result = self.updates.lamb_step_(flat, grads, active, True)
-        if result is None:
-            return False
-        coeff, defined = result
-        # c_frz: an EMA of c where both norms were positive (c = 1 was used elsewhere).
-        beta_c = flat.segment_values(lambda group: group["coeff_beta"])
-        frozen = flat.scalars["lamb_coeff_freeze"]
-        frozen.copy_(torch.where(defined, beta_c * frozen + (1 - beta_c) * coeff, frozen))
-        record_coefficients(flat, coeff, active)
-        return True
-
-    def _start_compression(self, flat: FlatState) -> None:
-        super()._start_compression(flat)
-        flat.enable_fresh_variance()
-        for index, has_state in enumerate(self._has_state):
-            if has_state:
-                flat.expose(self.state[flat.params[index]], index)
-
-    def _compressed_update(
-        self,
-        flat: FlatState,
-        packed: PackedResult,
-        scratch: Tensor,
-        mask: Tensor | None,
-        active: Sequence[bool],
-    ) -> None:
-        scalars = flat.scalars
-        factor = self.updates.onebit_lamb_compressed_step_(
-            flat,
-            packed,
-            scratch,
-            scalars["scaling_coeff"],
-            mask,
-            active,
-            scalars["lamb_coeff_freeze"],
-            scalars["last_factor"],
-        )
-        scalars["last_factor"].copy_(factor)
-        scalars["lamb_coeff"].copy_(scalars["lamb_coeff_freeze"] * factor)
+        return last_coefficients(self._parameters.flat, self._parameters.has_state)

@@ -18,7 +18,7 @@ from onebit.optim._common import (
     check_positive,
     check_unit_interval,
 )
-from onebit.optim._communicating import COMPRESSIONS
+from onebit.optim._data_parallel import COMPRESSIONS
 from onebit.optim._readiness import AUTO
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
 from onebit.train.exchange_options import check_exchange_options

@@ -1,0 +1,110 @@
+"""The parameters an optimizer updates, as one :class:`~onebit.optim._flat.FlatState` laid out at
+the first step, and the backend its update passes run on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from onebit.kernels import BACKENDS, Backend, UpdateKernels, select
+from onebit.optim import functional
+from onebit.optim._flat import FlatState
+from onebit.optim._sharding import ShardGroup, local_tensor
+
+__all__ = ["FlatParameters", "check_kernels"]
+
+
+def check_kernels(kernels: str | None) -> None:
+    if kernels not in (None, "auto", *BACKENDS):
+        raise ValueError(f"Invalid kernels={kernels!r}: use None, 'auto' or one of {BACKENDS}")
+
+
+def trainable(param_groups: Iterable[Mapping[str, Any]]) -> list[Tensor]:
+    """The parameters that take gradients, group by group."""
+    return [p for group in param_groups for p in group["params"] if p.requires_grad]
+
+
+class FlatParameters:
+    """The trainable parameters of ``param_groups`` and their flat state.
+
+    The state is laid out at the first step (:meth:`build`), from ``requires_grad`` then, with
+    the per-parameter scalars ``scalars`` (name: initial value); the backend
+    (:mod:`onebit.kernels`, chosen by ``kernels``) is selected with it. ``has_state[i]`` says
+    whether parameter ``i`` has had a gradient (and so state). With FSDP2-sharded parameters
+    :attr:`shards` is their shard group (``takes_fsdp_hsdp``: also FSDP's own HSDP on a 2-D
+    mesh, for optimizers that use the averaged gradient).
+    """
+
+    def __init__(self, scalars: Mapping[str, float], kernels: str | None, takes_fsdp_hsdp: bool):
+        check_kernels(kernels)
+        self.kernels = kernels
+        self._scalars = dict(scalars)
+        self._takes_fsdp_hsdp = takes_fsdp_hsdp
+        self.flat: FlatState | None = None
+        self.has_state: list[bool] = []
+        self.backend: Backend | None = None
+        self.shards: ShardGroup | None = None
+
+    def check_can_add(self) -> None:
+        """Refuse a new parameter group once the state is laid out."""
+        if self.flat is not None:
+            raise RuntimeError(
+                "cannot add a parameter group after the first step: the flat state (and a 1-bit "
+                "optimizer's momentum buffer and error-feedback state) is laid out then"
+            )
+
+    def regroup(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
+        """Take the optimizer's groups as they are now (a group was added)."""
+        self.shards = ShardGroup.of(trainable(param_groups), self._takes_fsdp_hsdp)
+
+    def build(
+        self, param_groups: Sequence[Mapping[str, Any]], states: Mapping[Tensor, dict]
+    ) -> FlatState:
+        """The flat state (laid out on the first call, adopting whatever per-parameter state
+        ``states`` already holds, e.g. loaded from a checkpoint)."""
+        if self.flat is None:
+            pairs = [(g, p) for g in param_groups for p in g["params"] if p.requires_grad]
+            flat = FlatState(pairs, self._scalars, self.shards)
+            self.has_state = flat.adopt([states[p] for _, p in pairs])
+            self.backend = select(flat.exp_avg, self.kernels)
+            self.flat = flat
+        return self.flat
+
+    def forget(self) -> None:
+        """Lay the state out anew at the next step (after a checkpoint load)."""
+        self.flat = None
+
+    @property
+    def updates(self) -> UpdateKernels:
+        """The update kernels: the backend's, or the torch reference where it has none or
+        the parameters are sharded (the fused kernels update a flat weights buffer)."""
+        if self.shards is not None or self.backend is None or self.backend.updates is None:
+            return functional.REFERENCE
+        return self.backend.updates
+
+    def expose_new(self, states: Mapping[Tensor, dict], present: Sequence[bool]) -> None:
+        """Give the parameters that got their first gradient their state views."""
+        for index, has_grad in enumerate(present):
+            if has_grad and not self.has_state[index]:
+                self.flat.expose(states[self.flat.params[index]], index)
+                self.has_state[index] = True
+
+    def expose_all(self, states: Mapping[Tensor, dict]) -> None:
+        """Point every parameter with state at the flat buffers again (one was added)."""
+        for index, has_state in enumerate(self.has_state):
+            if has_state:
+                self.flat.expose(states[self.flat.params[index]], index)
+
+    def local_numels(self, param_groups: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Elements of each trainable parameter on this rank (its slice when sharded)."""
+        return [local_tensor(p).numel() for p in trainable(param_groups)]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """``"state"`` (moments, fp32 masters, per-tensor scalars) and ``"scratch"`` (buffers
+        every step reuses); both 0 before the first step."""
+        if self.flat is None:
+            return {"state": 0, "scratch": 0}
+        state, scratch = self.flat.nbytes()
+        return {"state": state, "scratch": scratch}

@@ -1,0 +1,285 @@
+"""Schedules: the kind of every step of a 1-bit optimizer, and when its variance freezes.
+
+A schedule answers, for a step ``t`` counted from 1, what kind of step it is (:meth:`kind`):
+a *dense* kind (gradients averaged at full precision, the variance updated) or one that
+exchanges 1-bit values or nothing. It also owns the freeze: ``freeze_step`` (the last step
+that may update the variance; with ``"auto"``, the bound until the variance has caught up,
+then the step it froze after), the dense steps after which an unready variance is warned
+about, and what a readiness decision does (ALGORITHM.md, "Variance readiness").
+
+:class:`FreezeSchedule` is 1-bit LAMB's and 1-bit Adam's (``"warmup"``, then
+``"compression"``); :class:`ZeroOneSchedule` is 0/1 Adam's four kinds (ALGORITHM.md, "0/1 Adam").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from onebit.optim import _common
+from onebit.optim._readiness import AUTO, DEFAULT_MAX_FREEZE_STEP
+from onebit.optim._zero_one_schedule import (
+    GRADIENT_1BIT,
+    LOCAL,
+    PRE_FREEZE_EXCHANGES,
+    STEP_KINDS,
+    SYNC,
+    VARIANCE_UPDATE,
+    step_kind,
+    variance_updates_until,
+)
+
+__all__ = [
+    "COMPRESSION",
+    "WARMUP",
+    "FreezeSchedule",
+    "Schedule",
+    "ZeroOneSchedule",
+    "GRADIENT_1BIT",
+    "LOCAL",
+    "SYNC",
+    "VARIANCE_UPDATE",
+]
+
+#: 1-bit LAMB's and 1-bit Adam's kinds: dense steps, then the momentum exchanged at 1 bit.
+WARMUP = "warmup"
+COMPRESSION = "compression"
+
+#: A check of the variance's readiness: what happens after that dense step, what to do.
+Check = tuple[str, str]
+
+
+class Schedule(Protocol):
+    """What a 1-bit optimizer asks of its schedule."""
+
+    #: The argument that sets ``freeze_step`` (named in messages).
+    argument: str
+    #: Every kind of step, the keys of ``bytes_sent``.
+    kinds: tuple[str, ...]
+    #: The kinds whose gradients are averaged at full precision.
+    dense_kinds: frozenset[str]
+    freeze_step: int
+    auto_freeze: bool
+
+    def kind(self, step: int) -> str: ...
+
+    def variance_updates(self, step: int) -> int:
+        """How many steps up to ``step`` updated the variance."""
+
+    def readiness_checks(self) -> dict[int, Check]:
+        """The dense steps (counted as :meth:`variance_updates`) after which an unready
+        variance is warned about."""
+
+    def decision_pending(self, step: int) -> bool:
+        """Whether the variance's readiness after dense step ``step`` decides something."""
+
+    def caught_up(self, step: int) -> str:
+        """Take the pending decision after ``step``; returns what it does."""
+
+    def replicas_agree(self, last_step: int) -> bool:
+        """Whether every rank's weights are bit-identical by design after ``last_step``."""
+
+    @property
+    def first_local_exchange(self) -> int:
+        """The first step that exchanges each rank's own values (checked once for them)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None: ...
+
+
+def checked_freeze(argument: str, freeze_step: int | str, max_freeze_step: int | None) -> int:
+    """``freeze_step`` as a step (with ``"auto"``: its bound ``max_freeze_step``, default
+    :data:`DEFAULT_MAX_FREEZE_STEP`); ``ValueError`` naming the argument otherwise."""
+    if freeze_step == AUTO:
+        bound = DEFAULT_MAX_FREEZE_STEP if max_freeze_step is None else max_freeze_step
+        _common.check_positive_int(
+            f"max_{argument}", bound, f"the last step {argument}='auto' may freeze after"
+        )
+        return bound
+    if max_freeze_step is not None:
+        raise ValueError(
+            f"max_{argument}={max_freeze_step!r} bounds {argument}='auto'; with {argument}="
+            f"{freeze_step!r} the variance freezes there: give one of them"
+        )
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+        raise ValueError(
+            f"Invalid {argument}={freeze_step!r}: it must be an int >= 1 (the last step that "
+            "updates the variance before it is frozen) or 'auto'"
+        )
+    return freeze_step
+
+
+def _freeze_check(argument: str, freeze_step: int) -> Check:
+    return (
+        f"freezes the variance (exp_avg_sq) after step {freeze_step}",
+        f"Freeze later (a larger {argument}) or pass {argument}='auto', which freezes once the "
+        "variance has caught up",
+    )
+
+
+class FreezeSchedule:
+    """Steps ``1 .. freeze_step`` are ``"warmup"`` (dense), the later ones ``"compression"``."""
+
+    argument = "freeze_step"
+    kinds = (WARMUP, COMPRESSION)
+    dense_kinds = frozenset({WARMUP})
+
+    def __init__(self, freeze_step: int | str, max_freeze_step: int | None) -> None:
+        self.auto_freeze = freeze_step == AUTO
+        self.freeze_step = checked_freeze(self.argument, freeze_step, max_freeze_step)
+
+    def kind(self, step: int) -> str:
+        return WARMUP if step <= self.freeze_step else COMPRESSION
+
+    def variance_updates(self, step: int) -> int:
+        return min(step, self.freeze_step)
+
+    def readiness_checks(self) -> dict[int, Check]:
+        return {self.freeze_step: _freeze_check(self.argument, self.freeze_step)}
+
+    def decision_pending(self, step: int) -> bool:
+        return self.auto_freeze and step < self.freeze_step
+
+    def caught_up(self, step: int) -> str:
+        self.freeze_step = step
+        return "it freezes"
+
+    def replicas_agree(self, last_step: int) -> bool:
+        return True
+
+    @property
+    def first_local_exchange(self) -> int:
+        return self.freeze_step + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"freeze_step": self.freeze_step}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if self.auto_freeze and saved.get("freeze_step", self.freeze_step) < self.freeze_step:
+            self.freeze_step = int(saved["freeze_step"])  # where "auto" froze
+
+
+class ZeroOneSchedule:
+    """0/1 Adam's: up to ``freeze_step`` (T) variance updates on exponentially spaced steps
+    (the first ``first_interval`` steps all dense), 1-bit steps between them; after T local
+    steps with a synchronisation every ``H_t`` steps (ALGORITHM.md, "0/1 Adam")."""
+
+    argument = "var_freeze_step"
+    kinds = STEP_KINDS
+    dense_kinds = frozenset({VARIANCE_UPDATE})
+
+    def __init__(
+        self,
+        var_freeze_step: int | str,
+        max_var_freeze_step: int | None,
+        var_update_scaler: int,
+        local_step_scaler: int,
+        local_step_clipper: int,
+        pre_freeze_exchange: str,
+        var_warmup_steps: int | str | None,
+    ) -> None:
+        if var_warmup_steps not in (None, AUTO):
+            _common.check_positive_int(
+                "var_warmup_steps",
+                var_warmup_steps,
+                "the first steps, each a variance update; or 'auto', or None for var_update_scaler",
+            )
+        for name, value, meaning in (
+            ("var_update_scaler", var_update_scaler, "variance updates at each interval"),
+            ("local_step_scaler", local_step_scaler, "steps at each local interval"),
+            ("local_step_clipper", local_step_clipper, "the longest local interval"),
+        ):
+            _common.check_positive_int(name, value, meaning)
+        if pre_freeze_exchange not in PRE_FREEZE_EXCHANGES:
+            raise ValueError(
+                f"pre_freeze_exchange must be one of {list(PRE_FREEZE_EXCHANGES)}, "
+                f"got {pre_freeze_exchange!r}"
+            )
+        self.auto_freeze = var_freeze_step == AUTO
+        self.freeze_step = checked_freeze(self.argument, var_freeze_step, max_var_freeze_step)
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+        self.pre_freeze_exchange = pre_freeze_exchange
+        self.warmup_auto = var_warmup_steps == AUTO
+        #: The variance updates at interval 1 (steps 1..first_interval): ``var_warmup_steps``,
+        #: kappa where it is None; with ``"auto"`` the freeze's bound until the variance has
+        #: caught up, then the step it did.
+        self.first_interval = self.freeze_step if self.warmup_auto else var_warmup_steps
+
+    def kind(self, step: int) -> str:
+        return step_kind(
+            step,
+            self.freeze_step,
+            self.var_update_scaler,
+            self.local_step_scaler,
+            self.local_step_clipper,
+            self.pre_freeze_exchange,
+            self.first_interval,
+        )
+
+    def variance_updates(self, step: int) -> int:
+        return variance_updates_until(
+            min(step, self.freeze_step), self.var_update_scaler, self.first_interval
+        )
+
+    @property
+    def first_local_exchange(self) -> int:
+        """The first step up to the freeze that is not a variance update (steps 1..k are, k
+        the first interval's updates, so it is k + 1 or, where that starts the interval of
+        2, k + 2), else the first step after the freeze (a synchronisation)."""
+        first = self.var_update_scaler if self.first_interval is None else self.first_interval
+        return next(
+            (
+                t
+                for t in (first + 1, first + 2)
+                if t <= self.freeze_step and self.kind(t) != VARIANCE_UPDATE
+            ),
+            self.freeze_step + 1,
+        )
+
+    def readiness_checks(self) -> dict[int, Check]:
+        """At the freeze, and before the first 1-bit step."""
+        freeze = self.freeze_step
+        checks = {self.variance_updates(freeze): _freeze_check(self.argument, freeze)}
+        last_dense = self.first_local_exchange - 1
+        if not self.warmup_auto and last_dense < self.freeze_step:
+            checks.setdefault(
+                self.variance_updates(last_dense),
+                (
+                    f"starts its 1-bit steps after step {last_dense}, updating the variance on "
+                    "every 2nd step from there on and then ever more rarely,",
+                    "Pass var_warmup_steps='auto', which keeps every step dense until the "
+                    "variance has caught up, or a larger var_warmup_steps",
+                ),
+            )
+        return checks
+
+    def decision_pending(self, step: int) -> bool:
+        """With ``var_freeze_step="auto"`` or ``var_warmup_steps="auto"``: whether to freeze
+        or to end the first interval after ``step``."""
+        warmup = self.warmup_auto and step < self.first_interval
+        return step < self.freeze_step and (self.auto_freeze or warmup)
+
+    def caught_up(self, step: int) -> str:
+        """``var_freeze_step="auto"``: the variance freezes after ``step``; else
+        ``var_warmup_steps="auto"``: the first interval ends there."""
+        if self.auto_freeze:
+            self.freeze_step = step
+            return "it freezes"
+        self.first_interval = step
+        return "the 1-bit steps start"
+
+    def replicas_agree(self, last_step: int) -> bool:
+        """Up to the freeze and right after a synchronisation; not inside a local interval."""
+        return last_step <= self.freeze_step or self.kind(last_step) == SYNC
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"freeze_step": self.freeze_step, "first_interval": self.first_interval}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if self.auto_freeze and saved.get("freeze_step", self.freeze_step) < self.freeze_step:
+            self.freeze_step = int(saved["freeze_step"])
+        interval = saved.get("first_interval")
+        if self.warmup_auto and interval is not None and interval < self.first_interval:
+            self.first_interval = int(interval)  # where "auto" ended the first interval
