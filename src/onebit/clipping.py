@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from torch import Tensor
 from torch.optim import Optimizer
 
-from onebit.optim._common import clip_by_total_norm_
+from onebit.optim import clip_by_total_norm_
 
 
 def clip_grad_norm_(

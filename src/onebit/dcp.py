@@ -41,9 +41,14 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from onebit.optim import Lamb, OneBitOptimizer, ZeroOneAdam
-from onebit.optim._common import PER_ELEMENT_STATE, params_in_order
-from onebit.optim._sharding import local_tensor
+from onebit.optim import (
+    PER_ELEMENT_STATE,
+    Lamb,
+    OneBitOptimizer,
+    ZeroOneAdam,
+    local_tensor,
+    params_in_order,
+)
 
 __all__ = ["load", "save"]
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit.collectives import allreduce_bytes, world_size
-from onebit.optim._onebit import OneBitOptimizer
+from onebit.optim import OneBitOptimizer
 
 __all__ = ["OneBitHookState", "onebit_hook", "register_comm_hook"]
 

@@ -49,7 +49,7 @@ from torch import Tensor
 from onebit.clipping import clip_grad_norm_
 from onebit.collectives import TrafficCounter, allreduce_bytes
 from onebit.exchange import SimulatedExchange, SimulationDiverged
-from onebit.optim._onebit import COMPRESSION, OneBitOptimizer
+from onebit.optim import COMPRESSION, OneBitOptimizer
 from onebit.optim.onebit_adam import OneBitAdam
 from onebit.optim.onebit_lamb import OneBitLamb
 

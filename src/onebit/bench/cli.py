@@ -16,7 +16,7 @@ from typing import Any
 
 from onebit.bench.settings import ComparisonSettings
 from onebit.cli import add_options, checked_type, given_options
-from onebit.optim._common import check_bucket_cap_mb
+from onebit.optim.checks import check_bucket_cap_mb
 from onebit.units import rate_option
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from onebit.estimate.model import (
     estimate,
 )
 from onebit.estimate.models import model_parameters, model_tail_share
-from onebit.optim._onebit import DEFAULT_BUCKET_CAP_MB
+from onebit.optim import DEFAULT_BUCKET_CAP_MB
 from onebit.units import parse_bandwidth, parse_latency, rate_option
 
 __all__ = ["EstimateSettings", "register"]

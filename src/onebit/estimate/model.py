@@ -19,7 +19,7 @@ import torch
 from onebit.collectives import allreduce_bytes, compressed_allreduce_bytes, padded_size
 from onebit.exchange.bucketed import bucket_elements, bucket_size
 from onebit.exchange.hierarchical import hierarchical_bytes
-from onebit.optim._onebit import DEFAULT_BUCKET_CAP_MB
+from onebit.optim import DEFAULT_BUCKET_CAP_MB
 
 __all__ = [
     "COMPRESSION_THROUGHPUT",

@@ -1,8 +1,8 @@
-"""What every onebit optimizer shares: argument checks, state creation, checkpoint loading."""
+"""What the optimizers share beyond their parts: gradients in state precision, clipping, the
+finiteness check, and checkpoints checked and loaded per parameter."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -11,14 +11,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from onebit.optim._sharding import ShardGroup, local_tensor
-
-
-def check_max_grad_norm(max_grad_norm: float) -> None:
-    if not (max_grad_norm >= 0.0 and math.isfinite(max_grad_norm)):
-        raise ValueError(
-            f"Invalid max_grad_norm={max_grad_norm}: it must be a finite number >= 0 "
-            "(0: no clipping)"
-        )
 
 
 def clip_by_total_norm_(
@@ -42,78 +34,6 @@ def clip_by_total_norm_(
     return total
 
 
-def check_lr(lr: float) -> None:
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate lr={lr}: it must be >= 0")
-
-
-def check_betas(betas: tuple[float, float]) -> None:
-    if len(betas) != 2:
-        raise ValueError(f"Invalid betas={betas}: expected a pair (beta1, beta2)")
-    for index, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid betas[{index}]={beta}: it must be in [0, 1)")
-
-
-def check_non_negative(name: str, value: float) -> None:
-    if not value >= 0.0:
-        raise ValueError(f"Invalid {name}={value}: it must be >= 0")
-
-
-def check_positive(name: str, value: float) -> None:
-    if not value > 0.0:
-        raise ValueError(f"Invalid {name}={value}: it must be > 0")
-
-
-def check_bucket_cap_mb(name: str, value: float | None) -> None:
-    """MiB per bucket of the bucketed exchange: a finite number > 0, or ``None`` (the whole
-    buffer in one exchange)."""
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise ValueError(
-            f"Invalid {name}={value}: it must be a finite number of MiB > 0 (or None: the "
-            "whole buffer in one exchange)"
-        )
-
-
-def check_positive_int(name: str, value: int, meaning: str) -> None:
-    """``value`` an int >= 1 (not a bool); the error says what the argument ``means``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid {name}={value!r}: it must be an int >= 1 ({meaning})")
-
-
-def check_adam_hyperparameters(
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
-) -> None:
-    """The checks every onebit optimizer makes of its Adam-style arguments."""
-    check_lr(lr)
-    check_betas(betas)
-    check_positive("eps", eps)
-    check_non_negative("weight_decay", weight_decay)
-
-
-def check_unit_interval(name: str, value: float) -> None:
-    """``value`` in ``[0, 1)`` (an EMA factor)."""
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"Invalid {name}={value}: it must be in [0, 1)")
-
-
-def check_factor_bounds(factor_min: float, factor_max: float) -> None:
-    """1-bit LAMB's factor bounds: ``0 < factor_min <= factor_max``."""
-    check_positive("factor_min", factor_min)
-    if not factor_min <= factor_max:
-        raise ValueError(
-            f"Invalid factor bounds: factor_min={factor_min} > factor_max={factor_max}"
-        )
-
-
-def check_coeff_bounds(min_coeff: float, max_coeff: float) -> None:
-    check_positive("min_coeff", min_coeff)
-    if not min_coeff <= max_coeff:
-        raise ValueError(
-            f"Invalid coefficient bounds: min_coeff={min_coeff} > max_coeff={max_coeff}"
-        )
-
-
 def state_dtype(param: Tensor) -> torch.dtype:
     """Optimizer state is float32, or float64 for float64 parameters."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
@@ -131,10 +51,6 @@ def dense_grad(param: Tensor, dtype: torch.dtype) -> Tensor | None:
             "need dense gradients (e.g. nn.Embedding(sparse=False))"
         )
     return grad.to(dtype)
-
-
-def trainable_params(optimizer: Optimizer) -> list[Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
 
 #: Per-parameter state of the parameter's shape (checked against it when a checkpoint loads).

@@ -32,7 +32,7 @@ from onebit.collectives import allreduce_mean_
 from onebit.exchange import Exchange, NodeGroups, NonFiniteError
 from onebit.exchange.bucketed import bucket_elements
 from onebit.kernels import Backend, UpdateKernels
-from onebit.optim import _common
+from onebit.optim import _common, checks
 from onebit.optim._compression_stage import (
     CompressionStage,
     check_group_masks,
@@ -143,7 +143,7 @@ class OneBitOptimizer(Optimizer):
         simulatable: bool = True,
     ) -> None:
         name = type(self).__name__
-        _common.check_max_grad_norm(max_grad_norm)
+        checks.check_max_grad_norm(max_grad_norm)
         if not isinstance(overlap_backward, bool):
             raise ValueError(f"overlap_backward must be True or False, got {overlap_backward!r}")
         if overlap_backward:
@@ -158,7 +158,7 @@ class OneBitOptimizer(Optimizer):
         compression, chosen = choose_compression(
             compression, node_groups, bucket_cap_mb, overlap_backward
         )
-        _common.check_bucket_cap_mb("bucket_cap_mb", bucket_cap_mb)
+        checks.check_bucket_cap_mb("bucket_cap_mb", bucket_cap_mb)
         if bucket_cap_mb is not None and (node_groups is not None or compression != "fused"):
             raise ValueError(
                 "bucket_cap_mb and overlap_backward bucket the flat fused exchange: not "

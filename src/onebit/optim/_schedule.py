@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from onebit.optim import _common
+from onebit.optim import checks
 from onebit.optim._readiness import AUTO, DEFAULT_MAX_FREEZE_STEP
 from onebit.optim._zero_one_schedule import (
     GRADIENT_1BIT,
@@ -92,7 +92,7 @@ def checked_freeze(argument: str, freeze_step: int | str, max_freeze_step: int |
     :data:`DEFAULT_MAX_FREEZE_STEP`); ``ValueError`` naming the argument otherwise."""
     if freeze_step == AUTO:
         bound = DEFAULT_MAX_FREEZE_STEP if max_freeze_step is None else max_freeze_step
-        _common.check_positive_int(
+        checks.check_positive_int(
             f"max_{argument}", bound, f"the last step {argument}='auto' may freeze after"
         )
         return bound
@@ -179,7 +179,7 @@ class ZeroOneSchedule:
         var_warmup_steps: int | str | None,
     ) -> None:
         if var_warmup_steps not in (None, AUTO):
-            _common.check_positive_int(
+            checks.check_positive_int(
                 "var_warmup_steps",
                 var_warmup_steps,
                 "the first steps, each a variance update; or 'auto', or None for var_update_scaler",
@@ -189,7 +189,7 @@ class ZeroOneSchedule:
             ("local_step_scaler", local_step_scaler, "steps at each local interval"),
             ("local_step_clipper", local_step_clipper, "the longest local interval"),
         ):
-            _common.check_positive_int(name, value, meaning)
+            checks.check_positive_int(name, value, meaning)
         if pre_freeze_exchange not in PRE_FREEZE_EXCHANGES:
             raise ValueError(
                 f"pre_freeze_exchange must be one of {list(PRE_FREEZE_EXCHANGES)}, "

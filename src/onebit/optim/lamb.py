@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from onebit.kernels import Backend, UpdateKernels
-from onebit.optim import _common
+from onebit.optim import _common, checks
 from onebit.optim._flat import FlatState
 from onebit.optim._parameters import FlatParameters
 from onebit.optim._rules import LambRule, last_coefficients
@@ -62,9 +62,9 @@ class Lamb(Optimizer):
         kernels: str | None = None,
         max_grad_norm: float = 0.0,
     ) -> None:
-        _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        _common.check_coeff_bounds(min_coeff, max_coeff)
-        _common.check_max_grad_norm(max_grad_norm)
+        checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        checks.check_coeff_bounds(min_coeff, max_coeff)
+        checks.check_max_grad_norm(max_grad_norm)
         self.max_grad_norm = max_grad_norm
         self.rule = LambRule()
         self._parameters = FlatParameters(self.rule.scalars, kernels, takes_fsdp_hsdp=True)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.exchange import NodeGroups
-from onebit.optim import _common
+from onebit.optim import checks
 from onebit.optim._onebit import OneBitOptimizer
 from onebit.optim._rules import AdamRule
 from onebit.optim._schedule import FreezeSchedule
@@ -64,7 +64,7 @@ class OneBitAdam(OneBitOptimizer):
         overlap_backward: bool = False,
         max_freeze_step: int | None = None,
     ) -> None:
-        _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(
             params,
             dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.exchange import NodeGroups
-from onebit.optim import _common
+from onebit.optim import checks
 from onebit.optim._onebit import OneBitOptimizer
 from onebit.optim._rules import OneBitLambRule, last_coefficients
 from onebit.optim._schedule import FreezeSchedule
@@ -135,11 +135,11 @@ class OneBitLamb(OneBitOptimizer):
         overlap_backward: bool = False,
         max_freeze_step: int | None = None,
     ) -> None:
-        _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        _common.check_coeff_bounds(min_coeff, max_coeff)
-        _common.check_unit_interval("coeff_beta", coeff_beta)
-        _common.check_factor_bounds(factor_min, factor_max)
-        _common.check_non_negative("factor_threshold", factor_threshold)
+        checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        checks.check_coeff_bounds(min_coeff, max_coeff)
+        checks.check_unit_interval("coeff_beta", coeff_beta)
+        checks.check_factor_bounds(factor_min, factor_max)
+        checks.check_non_negative("factor_threshold", factor_threshold)
         defaults = dict(
             lr=lr,
             betas=betas,

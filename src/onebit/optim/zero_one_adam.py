@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from onebit.optim import _common
+from onebit.optim import checks
 from onebit.optim._onebit import OneBitOptimizer
 from onebit.optim._readiness import AUTO
 from onebit.optim._rules import ZeroOneAdamRule
@@ -134,7 +134,7 @@ class ZeroOneAdam(OneBitOptimizer):
         max_var_freeze_step: int | None = None,
         var_warmup_steps: int | str | None = AUTO,
     ) -> None:
-        _common.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         schedule = ZeroOneSchedule(
             var_freeze_step,
             max_var_freeze_step,

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from onebit.cli import check_choice, check_positive_int_option, int_or_auto, option
-from onebit.optim import registry
-from onebit.optim._common import (
+from onebit.optim import AUTO, COMPRESSIONS, registry
+from onebit.optim.checks import (
     check_betas,
     check_coeff_bounds,
     check_factor_bounds,
@@ -18,8 +18,6 @@ from onebit.optim._common import (
     check_positive,
     check_unit_interval,
 )
-from onebit.optim._data_parallel import COMPRESSIONS
-from onebit.optim._readiness import AUTO
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
 from onebit.train.exchange_options import check_exchange_options
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onebit.cli import check_choice, check_positive_int_option, option
-from onebit.optim._common import check_non_negative, check_positive
+from onebit.optim.checks import check_non_negative, check_positive
 
 #: The tasks of `onebit finetune` and `onebit probe`.
 FINETUNE_TASKS = ("sentiment", "spelling", "replaced-letter")

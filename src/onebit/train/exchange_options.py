@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from onebit.cli import check_positive_int_option
-from onebit.optim._common import check_bucket_cap_mb
+from onebit.optim.checks import check_bucket_cap_mb
 
 #: A :class:`onebit.train.config.TrainConfig` (which calls these checks).
 TrainConfig = Any

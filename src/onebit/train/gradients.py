@@ -14,7 +14,7 @@ from torch import nn
 import onebit
 from onebit.collectives import TrafficCounter, allreduce_bytes
 from onebit.exchange import NodeGroups
-from onebit.optim._readiness import AUTO
+from onebit.optim import AUTO
 from onebit.optim.registry import optimizer_spec
 from onebit.train.config import TrainConfig
 

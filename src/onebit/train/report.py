@@ -18,9 +18,7 @@ from typing import Any
 
 from onebit.atomic import write_json_atomic
 from onebit.collectives import ring_allreduce_bytes
-from onebit.optim._onebit import WARMUP
-from onebit.optim._readiness import AUTO
-from onebit.optim._zero_one_schedule import VARIANCE_UPDATE
+from onebit.optim import AUTO, VARIANCE_UPDATE, WARMUP
 from onebit.train.config import ZERO_ONE_ADAM, TrainConfig
 from onebit.train.run_dir import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE
 

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 from onebit import dcp
 from onebit.collectives import TrafficCounter, ring_allreduce_bytes
-from onebit.optim._sharding import local_tensor
+from onebit.optim import local_tensor
 from onebit.train import checkpoint
 from onebit.train.gradients import build_optimizer
 from onebit.train.trainer import EVAL_BATCH, Trainer

@@ -1,0 +1,100 @@
+"""Checks of the optimizers' arguments, each raising ``ValueError`` that names the argument and
+the value that was wrong (also used by the tools that take the same arguments)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = [
+    "check_max_grad_norm",
+    "check_lr",
+    "check_betas",
+    "check_non_negative",
+    "check_positive",
+    "check_bucket_cap_mb",
+    "check_positive_int",
+    "check_adam_hyperparameters",
+    "check_unit_interval",
+    "check_factor_bounds",
+    "check_coeff_bounds",
+]
+
+
+def check_max_grad_norm(max_grad_norm: float) -> None:
+    if not (max_grad_norm >= 0.0 and math.isfinite(max_grad_norm)):
+        raise ValueError(
+            f"Invalid max_grad_norm={max_grad_norm}: it must be a finite number >= 0 "
+            "(0: no clipping)"
+        )
+
+
+def check_lr(lr: float) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate lr={lr}: it must be >= 0")
+
+
+def check_betas(betas: tuple[float, float]) -> None:
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas={betas}: expected a pair (beta1, beta2)")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid betas[{index}]={beta}: it must be in [0, 1)")
+
+
+def check_non_negative(name: str, value: float) -> None:
+    if not value >= 0.0:
+        raise ValueError(f"Invalid {name}={value}: it must be >= 0")
+
+
+def check_positive(name: str, value: float) -> None:
+    if not value > 0.0:
+        raise ValueError(f"Invalid {name}={value}: it must be > 0")
+
+
+def check_bucket_cap_mb(name: str, value: float | None) -> None:
+    """MiB per bucket of the bucketed exchange: a finite number > 0, or ``None`` (the whole
+    buffer in one exchange)."""
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"Invalid {name}={value}: it must be a finite number of MiB > 0 (or None: the "
+            "whole buffer in one exchange)"
+        )
+
+
+def check_positive_int(name: str, value: int, meaning: str) -> None:
+    """``value`` an int >= 1 (not a bool); the error says what the argument ``means``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Invalid {name}={value!r}: it must be an int >= 1 ({meaning})")
+
+
+def check_adam_hyperparameters(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """The checks every onebit optimizer makes of its Adam-style arguments."""
+    check_lr(lr)
+    check_betas(betas)
+    check_positive("eps", eps)
+    check_non_negative("weight_decay", weight_decay)
+
+
+def check_unit_interval(name: str, value: float) -> None:
+    """``value`` in ``[0, 1)`` (an EMA factor)."""
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"Invalid {name}={value}: it must be in [0, 1)")
+
+
+def check_factor_bounds(factor_min: float, factor_max: float) -> None:
+    """1-bit LAMB's factor bounds: ``0 < factor_min <= factor_max``."""
+    check_positive("factor_min", factor_min)
+    if not factor_min <= factor_max:
+        raise ValueError(
+            f"Invalid factor bounds: factor_min={factor_min} > factor_max={factor_max}"
+        )
+
+
+def check_coeff_bounds(min_coeff: float, max_coeff: float) -> None:
+    check_positive("min_coeff", min_coeff)
+    if not min_coeff <= max_coeff:
+        raise ValueError(
+            f"Invalid coefficient bounds: min_coeff={min_coeff} > max_coeff={max_coeff}"
+        )
