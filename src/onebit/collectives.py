@@ -23,6 +23,7 @@ from onebit.exchange.flat import padded_segments, per_tensor_error_sizes
 from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
     Layout,
+    check_buffer_size,
     check_error_state,
     exchange_bytes,
     padded_size,
@@ -103,11 +104,7 @@ def _validate(buffer: Tensor, worker_error: Tensor, server_error: Tensor, n: int
     numel = buffer.numel()
     if not buffer.is_floating_point():
         raise TypeError(f"buffer must be a floating-point tensor, got {buffer.dtype}")
-    if numel == 0 or numel % (8 * n):
-        raise ValueError(
-            f"buffer has {numel} elements; it must be a positive multiple of 8 * world_size = "
-            f"{8 * n} (pad it to onebit.padded_size({numel}, {n}) = {padded_size(numel, n)})"
-        )
+    check_buffer_size(numel, n, "world_size")
     if worker_error.numel() != numel:
         raise ValueError(
             f"worker_error has {worker_error.numel()} elements; it must match the buffer's {numel}"

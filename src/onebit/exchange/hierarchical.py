@@ -23,6 +23,7 @@ from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
     Layout,
     PackedResult,
+    check_buffer_size,
     check_error_state,
     exchange_bytes,
     padded_size,
@@ -251,12 +252,7 @@ def hierarchical_compressed_allreduce(
     groups = (intra_group, inter_group)
     local, nodes = node_topology(groups)
     numel = buffer.numel()
-    if numel == 0 or numel % (8 * local * nodes):
-        raise ValueError(
-            f"buffer has {numel} elements; it must be a positive multiple of 8 * L * M = "
-            f"{8 * local * nodes} (pad it to onebit.padded_size({numel}, {local * nodes}) = "
-            f"{padded_size(numel, local * nodes)})"
-        )
+    check_buffer_size(numel, local * nodes, "L * M")
     for name, tensor, expected in (
         ("worker_error", worker_error, numel // local),
         ("server_error", server_error, numel // (local * nodes)),

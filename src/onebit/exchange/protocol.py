@@ -38,6 +38,7 @@ __all__ = [
     "Layout",
     "PackedResult",
     "Stages",
+    "check_buffer_size",
     "check_error_state",
     "exchange_bytes",
     "padded_size",
@@ -56,6 +57,16 @@ def check_error_state(
         )
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def check_buffer_size(numel: int, n: int, ranks: str) -> None:
+    """Raise ``ValueError`` unless a buffer of ``numel`` elements splits into ``n`` chunks of
+    whole bytes of signs (a positive multiple of ``8 n``); ``ranks`` names ``n``."""
+    if numel == 0 or numel % (8 * n):
+        raise ValueError(
+            f"buffer has {numel} elements; it must be a positive multiple of 8 * {ranks} = "
+            f"{8 * n} (pad it to onebit.padded_size({numel}, {n}) = {padded_size(numel, n)})"
+        )
 
 
 def padded_size(numel: int, world_size: int) -> int:
