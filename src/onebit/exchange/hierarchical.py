@@ -192,14 +192,14 @@ class HierarchicalExchange(Exchange):
     """The hierarchical exchange over ``(intra_group, inter_group)`` (:func:`node_groups`):
     one fused buffer padded to a multiple of ``8 L M``; error buffers of ``N / L`` and
     ``N / (L M)``. With ``L = 1`` it is the flat exchange over the inter-node group, bit for
-    bit."""
+    bit. The buffer is left as it is. Scratch: ``workspace``, or one of its own."""
 
-    def __init__(self, groups: NodeGroups) -> None:
+    def __init__(self, groups: NodeGroups, workspace: HierarchicalWorkspace | None = None) -> None:
         super().__init__()
         if len(groups) != 2:
             raise ValueError("node_groups must be the pair (intra_group, inter_group)")
         self.groups = tuple(groups)
-        self.workspace = HierarchicalWorkspace()
+        self.workspace = HierarchicalWorkspace() if workspace is None else workspace
 
     @property
     def topology(self) -> tuple[int, int]:
