@@ -265,15 +265,6 @@ def hierarchical_compressed_allreduce(
         check_error_state(name, tensor, buffer)
     if out is None:
         out = torch.empty_like(buffer)
-    backend = select(buffer, kernels)
-    packed = hierarchical_exchange(
-        buffer,
-        worker_error.view(-1),
-        server_error.view(-1),
-        groups,
-        workspace or HierarchicalWorkspace(),
-        backend,
-    )
-    if traffic is not None:
-        traffic.record_all(hierarchical_bytes(numel, local, nodes, buffer.dtype))
-    return packed.decode(out)
+    exchange = HierarchicalExchange(groups, workspace)
+    exchange.carry_errors([numel], worker_error, server_error, select(buffer, kernels), traffic)
+    return exchange.exchange(buffer).decode(out)
