@@ -1,13 +1,13 @@
 """The collectives as functions over ``torch.distributed``: the 1-bit compressed allreduce
 (whole buffer or tensor by tensor) with caller-held error state, and a dense mean.
 
-They run the two-phase protocol of :mod:`onebit.exchange.protocol`, the same code the
-optimizers' exchanges (:mod:`onebit.exchange`) run. Traffic is counted in a
-:class:`TrafficCounter` the caller passes: the bytes this rank sends, modelled as a
-bandwidth-optimal implementation sends them (a ring allreduce sends ``2 (n-1)/n`` times the
-buffer; an all-gather sends this rank's part to ``n-1`` peers; an all-to-all sends
-``(n-1)/n`` of the buffer). Scratch memory lives in a :class:`CompressionWorkspace` the
-caller passes, or is allocated for the one call.
+Each checks its arguments, then runs the exchange the optimizers run (:mod:`onebit.exchange`:
+:class:`~onebit.exchange.FlatExchange`, :class:`~onebit.exchange.PerTensorExchange`) over the
+caller's error buffers. Traffic is counted in a :class:`TrafficCounter` the caller passes:
+the bytes this rank sends, modelled as a bandwidth-optimal implementation sends them (a ring
+allreduce sends ``2 (n-1)/n`` times the buffer; an all-gather sends this rank's part to
+``n-1`` peers; an all-to-all sends ``(n-1)/n`` of the buffer). Scratch memory lives in a
+:class:`CompressionWorkspace` the caller passes, or is allocated for the one call.
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit import kernels as backends
-from onebit.exchange.flat import padded_segments, per_tensor_error_sizes
-from onebit.exchange.over_group import exchange_over_group
+from onebit.exchange.flat import FlatExchange, PerTensorExchange, per_tensor_error_sizes
 from onebit.exchange.protocol import (
     Layout,
+    check_buffer_size,
     check_error_state,
     exchange_bytes,
     padded_size,
 )
 from onebit.exchange.transport import (
-    GroupTransport,
     KernelMismatchError,
     NonFiniteError,
     TrafficCounter,
@@ -103,11 +102,7 @@ def _validate(buffer: Tensor, worker_error: Tensor, server_error: Tensor, n: int
     numel = buffer.numel()
     if not buffer.is_floating_point():
         raise TypeError(f"buffer must be a floating-point tensor, got {buffer.dtype}")
-    if numel == 0 or numel % (8 * n):
-        raise ValueError(
-            f"buffer has {numel} elements; it must be a positive multiple of 8 * world_size = "
-            f"{8 * n} (pad it to onebit.padded_size({numel}, {n}) = {padded_size(numel, n)})"
-        )
+    check_buffer_size(numel, n, "world_size")
     if worker_error.numel() != numel:
         raise ValueError(
             f"worker_error has {worker_error.numel()} elements; it must match the buffer's {numel}"
@@ -177,20 +172,10 @@ def compressed_allreduce(
         )
     if out.data_ptr() in (worker_error.data_ptr(), server_error.data_ptr()):
         raise ValueError("the output buffer must not be worker_error or server_error")
+    exchange = FlatExchange(group, workspace)
     backend = backends.select(buffer, kernels)
-    layout = Layout.flat(numel, n)
-    ws = (workspace or CompressionWorkspace()).prepare(layout, buffer.dtype, buffer.device, backend)
-    packed = exchange_over_group(
-        [buffer.view(-1)],
-        [out.view(-1)],
-        worker_error.view(-1),
-        server_error.view(-1),
-        GroupTransport(group),
-        ws,
-    )
-    if traffic is not None:
-        traffic.record_all({"compressed_allreduce": exchange_bytes(layout, buffer.dtype)})
-    return packed.decode(out)
+    exchange.carry_errors([numel], worker_error, server_error, backend, traffic)
+    return exchange.exchange_into(buffer, out).decode(out)
 
 
 def _validate_per_tensor(
@@ -260,17 +245,8 @@ def compressed_allreduce_per_tensor(
     n = world_size(group)
     tensors = list(tensors)
     _validate_per_tensor(tensors, worker_error, server_error, n)
-    dtype, device = worker_error.dtype, worker_error.device
+    exchange = PerTensorExchange(group)
     backend = backends.select(worker_error, kernels)
-    layout = Layout.per_tensor([t.numel() for t in tensors], n)
-    ws = CompressionWorkspace().prepare(layout, dtype, device, backend)
-    segments, _ = padded_segments(tensors, layout, ws)
-    xs = ws.buffer("x", layout.width, dtype, device).split(layout.sizes)
-    transport = GroupTransport(group)
-    packed = exchange_over_group(segments, xs, worker_error, server_error, transport, ws)
-    packed.decode_segments(segments)  # the segments are spent
-    for tensor, segment in zip(tensors, segments, strict=True):
-        if segment.data_ptr() != tensor.data_ptr():
-            tensor.copy_(segment[: tensor.numel()].view_as(tensor))
-    if traffic is not None:
-        traffic.record_all({"compressed_allreduce": exchange_bytes(layout, dtype)})
+    numels = [tensor.numel() for tensor in tensors]
+    exchange.carry_errors(numels, worker_error, server_error, backend, traffic)
+    exchange.exchange_tensors(tensors)

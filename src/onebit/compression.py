@@ -1,7 +1,8 @@
 """Pure tensor maths of 1-bit compression with error feedback.
 
 Everything here is local to one process: signs, bit packing, scales, the error-feedback
-compression step and the padding of the per-tensor exchange. The exchange itself
+compression step, the padding of the per-tensor exchange and the layout of a buffer in
+segments compressed alone (:class:`Layout`, which the kernels read too). The exchange itself
 (:mod:`onebit.exchange`) is built from these pieces through the backends' kernels; the
 single-process models it is tested against live with the tests (``tests/oracle.py``).
 
@@ -17,6 +18,8 @@ Conventions (ALGORITHM.md):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,6 +35,7 @@ __all__ = [
     "update_error",
     "server_average",
     "per_tensor_padded_size",
+    "Layout",
 ]
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -188,3 +192,41 @@ def per_tensor_padded_size(numel: int, n: int) -> int:
         raise ValueError(f"need numel >= 0 and n >= 1, got numel={numel}, n={n}")
     unit = n * math.lcm(n, 8)
     return max(unit, -(-numel // unit) * unit)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Segments compressed alone over ``n`` ranks: segment ``t`` carries ``numels[t]``
+    values in ``sizes[t]`` elements (a multiple of ``8 n``; the rest is zero padding)."""
+
+    numels: tuple[int, ...]
+    sizes: tuple[int, ...]
+    n: int
+
+    @classmethod
+    def flat(cls, numel: int, n: int) -> Layout:
+        """One segment of ``numel`` elements (a multiple of ``8 n``)."""
+        return cls((numel,), (numel,), n)
+
+    @classmethod
+    def per_tensor(cls, numels: Sequence[int], n: int) -> Layout:
+        """A segment per tensor, each padded alone (:func:`per_tensor_padded_size`)."""
+        return cls(tuple(numels), tuple(per_tensor_padded_size(x, n) for x in numels), n)
+
+    @property
+    def segments(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def width(self) -> int:
+        """Elements of all segments, padding included (the worker error's size)."""
+        return sum(self.sizes)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """Each segment's chunk on one server, ``P_t / n`` (the server error holds these)."""
+        return tuple(size // self.n for size in self.sizes)
+
+    @property
+    def chunk_bytes(self) -> tuple[int, ...]:
+        return tuple(chunk // 8 for chunk in self.chunks)

@@ -96,6 +96,30 @@ class Exchange(ABC):
         self.numels, self.dtype, self.device = numels, dtype, device
         self.backend, self.traffic = backend, traffic
 
+    def carry_errors(
+        self,
+        numels: Sequence[int],
+        worker_error: Tensor,
+        server_error: Tensor,
+        backend: Backend,
+        traffic: TrafficCounter | None = None,
+    ) -> None:
+        """:meth:`bind` to tensors of ``numels`` elements of the error buffers' dtype and
+        device, and take the caller's error buffers (contiguous, of :meth:`error_sizes`) as
+        the error state: every exchange updates them in place (the collectives over
+        caller-held error state, :mod:`onebit.collectives`). Bytes are counted in ``traffic``
+        (nowhere if ``None``)."""
+        counter = TrafficCounter() if traffic is None else traffic
+        self.bind(numels, worker_error.dtype, worker_error.device, backend, counter)
+        sizes = self.error_sizes(self.numels)
+        names = ("worker_error", "server_error")
+        for name, tensor, size in zip(names, (worker_error, server_error), sizes, strict=True):
+            if tensor.numel() != size:
+                raise ValueError(
+                    f"{name} has {tensor.numel()} elements; this exchange needs {size}"
+                )
+        self.worker_error, self.server_error = worker_error.view(-1), server_error.view(-1)
+
     def errors(self) -> tuple[Tensor, Tensor]:
         """The error buffers, created (zero) at the first call."""
         self._require_bound()
@@ -138,7 +162,12 @@ class Exchange(ABC):
         packed form; ``buffer`` is scratch afterwards. Raises
         :class:`~onebit.exchange.transport.NonFiniteError` on every rank, error state
         unchanged, when any rank's buffer is not finite."""
-        result = self._exchange(self._checked(buffer), *self.errors())
+        return self._counted(self._exchange, self._checked(buffer))
+
+    def _counted(self, step, *buffers: Tensor):
+        """``step(*buffers, worker_error, server_error)``, one exchange with the error buffers
+        (:meth:`errors`), its bytes counted once it has run."""
+        result = step(*buffers, *self.errors())
         self.traffic.record_all(self.bytes_per_call())
         return result
 

@@ -129,15 +129,25 @@ class BucketedExchange(FlatExchange):
         pipeline.on_complete = on_complete
         return pipeline
 
-    def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
+    def _exchange_into(
+        self, buffer: Tensor, scratch: Tensor, worker_error: Tensor, server_error: Tensor
+    ):
         """Every bucket's exchange, pipelined (:class:`BucketPipeline`), started in order."""
-        return self._pipeline(buffer, worker_error, server_error).complete()
+        return self._pipeline(buffer, worker_error, server_error, scratch).complete()
 
-    def _pipeline(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
-        """The pipeline of every bucket's exchange, its error updates computed ahead where
-        ``buffer`` is the exchange's own (taken as the error state when it completes)."""
+    def _pipeline(
+        self,
+        buffer: Tensor,
+        worker_error: Tensor,
+        server_error: Tensor,
+        scratch: Tensor | None = None,
+    ):
+        """The pipeline of every bucket's exchange, its intermediates in ``scratch`` (default
+        ``buffer``), its error updates computed ahead where ``buffer`` is the exchange's own
+        and its own scratch (taken as the error state when it completes)."""
         buckets, n = self.buckets(), self.world_size
-        ahead = self._errors_ahead(buffer)
+        in_place = scratch is None or scratch is buffer
+        ahead = self._errors_ahead(buffer) if in_place else None
         while len(self._workspaces) < len(buckets):
             self._workspaces.append(CompressionWorkspace())
         server_starts = np.concatenate([[0], np.cumsum([(e - s) // n for s, e in buckets])])
@@ -150,12 +160,13 @@ class BucketedExchange(FlatExchange):
                 Layout.flat(end - start, n), self.dtype, self.device, self.backend
             )
             segment = buffer[start:end]
+            x = segment if in_place else scratch[start:end]
             chunk = slice(int(server_starts[k]), int(server_starts[k + 1]))
             next_server = None if ahead is None else ahead[chunk]
             rounds.append(
                 Round(
                     [segment],
-                    [segment],
+                    [x],
                     worker_error[start:end],
                     server_error[chunk],
                     transport,

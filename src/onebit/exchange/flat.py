@@ -31,12 +31,17 @@ def per_tensor_error_sizes(numels: Sequence[int], n: int) -> tuple[int, int]:
 
 
 class GroupExchange(Exchange):
-    """An exchange over the ranks of ``group`` (default: the world), flat, with its workspace."""
+    """An exchange over the ranks of ``group`` (default: the world), flat, with its workspace
+    (``workspace``, or one of its own)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        workspace: CompressionWorkspace | None = None,
+    ) -> None:
         super().__init__()
         self.group = group
-        self.workspace = CompressionWorkspace()
+        self.workspace = CompressionWorkspace() if workspace is None else workspace
 
     @property
     def topology(self) -> tuple[int, int]:
@@ -50,10 +55,15 @@ class FlatExchange(GroupExchange):
     """All tensors in one buffer, padded to a multiple of ``8 n``, exchanged as one segment
     over ``group`` (one worker scale, a server scale per chunk). The result is decoded on the
     fly by the update kernels. An exchange of :meth:`send_buffer` computes its error updates
-    while the bytes travel (ALGORITHM.md, "Error updates while the bytes travel")."""
+    while the bytes travel (ALGORITHM.md, "Error updates while the bytes travel");
+    :meth:`exchange_into` leaves the buffer as it is."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(group)
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        workspace: CompressionWorkspace | None = None,
+    ) -> None:
+        super().__init__(group, workspace)
         self._next_server_error: Tensor | None = None
 
     def nbytes(self) -> int:
@@ -93,12 +103,25 @@ class FlatExchange(GroupExchange):
     def bytes_per_call(self) -> dict[str, int]:
         return {"compressed_allreduce": exchange_bytes(self._layout(), self.dtype)}
 
+    def exchange_into(self, buffer: Tensor, scratch: Tensor) -> PackedResult:
+        """:meth:`exchange` of ``buffer``, left as it is, with the intermediates in ``scratch``
+        (as many elements; it may be ``buffer``), where the caller may decode the result
+        (:func:`onebit.compressed_allreduce`)."""
+        return self._counted(self._exchange_into, self._checked(buffer), self._checked(scratch))
+
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
+        return self._exchange_into(buffer, buffer, worker_error, server_error)
+
+    def _exchange_into(
+        self, buffer: Tensor, scratch: Tensor, worker_error: Tensor, server_error: Tensor
+    ) -> PackedResult:
+        """One exchange of the flat ``buffer``, its intermediates in ``scratch`` (``buffer``
+        itself, which it leaves as scratch, or memory apart from it)."""
         ws = self.workspace.prepare(self._layout(), self.dtype, self.device, self.backend)
         transport = GroupTransport(self.group)
-        ahead = self._errors_ahead(buffer)
+        ahead = self._errors_ahead(buffer) if scratch is buffer else None
         result = exchange_over_group(
-            [buffer], [buffer], worker_error, server_error, transport, ws, ahead
+            [buffer], [scratch], worker_error, server_error, transport, ws, ahead
         )
         if ahead is not None:
             self._take_errors_ahead()
@@ -110,7 +133,7 @@ class PerTensorExchange(GroupExchange):
     ``P_t`` (:func:`~onebit.compression.per_tensor_padded_size`) with its own worker scale,
     per-chunk server scales and slices of the error buffers; all tensors travel in the same
     two collectives. The buffer holds the tensors one after another, unpadded; the result
-    decodes into the same layout."""
+    decodes into the same layout. :meth:`exchange_tensors` takes the tensors where they are."""
 
     def buffer_size(self, numels: Sequence[int]) -> int:
         return sum(numels)
@@ -124,16 +147,41 @@ class PerTensorExchange(GroupExchange):
     def bytes_per_call(self) -> dict[str, int]:
         return {"compressed_allreduce": exchange_bytes(self._layout(), self.dtype)}
 
+    def exchange_tensors(self, tensors: Sequence[Tensor]) -> None:
+        """Replace each of ``tensors`` (any shapes, of the bound sizes, dtype and device) by
+        its exchanged average, in place, with no copy into one buffer
+        (:func:`onebit.compressed_allreduce_per_tensor`). Raises like :meth:`exchange`, the
+        tensors and the error state unchanged."""
+        self._require_bound()
+        tensors = list(tensors)
+        numels = tuple(tensor.numel() for tensor in tensors)
+        if numels != self.numels:
+            raise ValueError(
+                f"the tensors have {list(numels)} elements; this exchange takes {list(self.numels)}"
+            )
+        result, segments = self._counted(self._exchange_tensors, tensors)
+        result.decode_segments(segments)  # the segments are spent
+        for tensor, segment in zip(tensors, segments, strict=True):
+            if segment.data_ptr() != tensor.data_ptr():
+                tensor.copy_(segment[: tensor.numel()].view_as(tensor))
+
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
+        result, _ = self._exchange_tensors(buffer.split(self.numels), worker_error, server_error)
+        return result
+
+    def _exchange_tensors(
+        self, tensors: Sequence[Tensor], worker_error: Tensor, server_error: Tensor
+    ) -> tuple[PackedResult, list[Tensor]]:
+        """One exchange of ``tensors``: the result, and the segments it was made of (each
+        tensor flat, or its zero-padded copy in the workspace)."""
         layout = self._layout()
         ws = self.workspace.prepare(layout, self.dtype, self.device, self.backend)
-        tensors = buffer.split(layout.numels)
         segments, padding = padded_segments(tensors, layout, ws)
         xs = ws.buffer("x", layout.width, self.dtype, self.device).split(layout.sizes)
         transport = GroupTransport(self.group)
         result = exchange_over_group(segments, xs, worker_error, server_error, transport, ws)
         result.padding = padding
-        return result
+        return result, segments
 
 
 def padded_segments(

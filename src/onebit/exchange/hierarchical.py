@@ -23,6 +23,7 @@ from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
     Layout,
     PackedResult,
+    check_buffer_size,
     check_error_state,
     exchange_bytes,
     padded_size,
@@ -191,14 +192,14 @@ class HierarchicalExchange(Exchange):
     """The hierarchical exchange over ``(intra_group, inter_group)`` (:func:`node_groups`):
     one fused buffer padded to a multiple of ``8 L M``; error buffers of ``N / L`` and
     ``N / (L M)``. With ``L = 1`` it is the flat exchange over the inter-node group, bit for
-    bit."""
+    bit. The buffer is left as it is. Scratch: ``workspace``, or one of its own."""
 
-    def __init__(self, groups: NodeGroups) -> None:
+    def __init__(self, groups: NodeGroups, workspace: HierarchicalWorkspace | None = None) -> None:
         super().__init__()
         if len(groups) != 2:
             raise ValueError("node_groups must be the pair (intra_group, inter_group)")
         self.groups = tuple(groups)
-        self.workspace = HierarchicalWorkspace()
+        self.workspace = HierarchicalWorkspace() if workspace is None else workspace
 
     @property
     def topology(self) -> tuple[int, int]:
@@ -251,12 +252,7 @@ def hierarchical_compressed_allreduce(
     groups = (intra_group, inter_group)
     local, nodes = node_topology(groups)
     numel = buffer.numel()
-    if numel == 0 or numel % (8 * local * nodes):
-        raise ValueError(
-            f"buffer has {numel} elements; it must be a positive multiple of 8 * L * M = "
-            f"{8 * local * nodes} (pad it to onebit.padded_size({numel}, {local * nodes}) = "
-            f"{padded_size(numel, local * nodes)})"
-        )
+    check_buffer_size(numel, local * nodes, "L * M")
     for name, tensor, expected in (
         ("worker_error", worker_error, numel // local),
         ("server_error", server_error, numel // (local * nodes)),
@@ -269,15 +265,6 @@ def hierarchical_compressed_allreduce(
         check_error_state(name, tensor, buffer)
     if out is None:
         out = torch.empty_like(buffer)
-    backend = select(buffer, kernels)
-    packed = hierarchical_exchange(
-        buffer,
-        worker_error.view(-1),
-        server_error.view(-1),
-        groups,
-        workspace or HierarchicalWorkspace(),
-        backend,
-    )
-    if traffic is not None:
-        traffic.record_all(hierarchical_bytes(numel, local, nodes, buffer.dtype))
-    return packed.decode(out)
+    exchange = HierarchicalExchange(groups, workspace)
+    exchange.carry_errors([numel], worker_error, server_error, select(buffer, kernels), traffic)
+    return exchange.exchange(buffer).decode(out)

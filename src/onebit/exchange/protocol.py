@@ -1,8 +1,9 @@
 """The two-phase 1-bit exchange with error feedback, written once (ALGORITHM.md).
 
-A buffer is laid out as *segments* (:class:`Layout`), each compressed alone: one segment for
-the fused exchange of a flat buffer, one per tensor in DeepSpeed's per-tensor scheme. Over
-``n`` ranks, for every segment ``t`` of ``P_t`` elements (a multiple of ``8 n``):
+A buffer is laid out as *segments* (:class:`~onebit.compression.Layout`), each compressed
+alone: one segment for the fused exchange of a flat buffer, one per tensor in DeepSpeed's
+per-tensor scheme. Over ``n`` ranks, for every segment ``t`` of ``P_t`` elements (a multiple
+of ``8 n``):
 
 1. worker side (:meth:`Stages.compress_worker`, :meth:`Stages.update_worker_errors`):
    ``x = buffer + worker_error``, its packed signs and scale ``a = ||x|| / sqrt(P_t)``,
@@ -30,13 +31,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from onebit.compression import per_tensor_padded_size, scale_dtype
+from onebit.compression import Layout, scale_dtype
 from onebit.kernels import Backend
 
 __all__ = [
     "Layout",
     "PackedResult",
     "Stages",
+    "check_buffer_size",
     "check_error_state",
     "exchange_bytes",
     "padded_size",
@@ -57,6 +59,16 @@ def check_error_state(
         raise ValueError(f"{name} must be contiguous")
 
 
+def check_buffer_size(numel: int, n: int, ranks: str) -> None:
+    """Raise ``ValueError`` unless a buffer of ``numel`` elements splits into ``n`` chunks of
+    whole bytes of signs (a positive multiple of ``8 n``); ``ranks`` names ``n``."""
+    if numel == 0 or numel % (8 * n):
+        raise ValueError(
+            f"buffer has {numel} elements; it must be a positive multiple of 8 * {ranks} = "
+            f"{8 * n} (pad it to onebit.padded_size({numel}, {n}) = {padded_size(numel, n)})"
+        )
+
+
 def padded_size(numel: int, world_size: int) -> int:
     """Smallest multiple of ``8 * world_size`` that is ``>= numel`` (and at least one multiple).
 
@@ -68,44 +80,6 @@ def padded_size(numel: int, world_size: int) -> int:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     unit = 8 * world_size
     return max(unit, -(-numel // unit) * unit)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Segments compressed alone over ``n`` ranks: segment ``t`` carries ``numels[t]``
-    values in ``sizes[t]`` elements (a multiple of ``8 n``; the rest is zero padding)."""
-
-    numels: tuple[int, ...]
-    sizes: tuple[int, ...]
-    n: int
-
-    @classmethod
-    def flat(cls, numel: int, n: int) -> Layout:
-        """One segment of ``numel`` elements (a multiple of ``8 n``)."""
-        return cls((numel,), (numel,), n)
-
-    @classmethod
-    def per_tensor(cls, numels: Sequence[int], n: int) -> Layout:
-        """A segment per tensor, each padded alone (:func:`per_tensor_padded_size`)."""
-        return cls(tuple(numels), tuple(per_tensor_padded_size(x, n) for x in numels), n)
-
-    @property
-    def segments(self) -> int:
-        return len(self.sizes)
-
-    @property
-    def width(self) -> int:
-        """Elements of all segments, padding included (the worker error's size)."""
-        return sum(self.sizes)
-
-    @property
-    def chunks(self) -> tuple[int, ...]:
-        """Each segment's chunk on one server, ``P_t / n`` (the server error holds these)."""
-        return tuple(size // self.n for size in self.sizes)
-
-    @property
-    def chunk_bytes(self) -> tuple[int, ...]:
-        return tuple(chunk // 8 for chunk in self.chunks)
 
 
 def exchange_bytes(layout: Layout, dtype: torch.dtype) -> int:

@@ -117,7 +117,7 @@ class CompressionKernels(Protocol):
 
 class SegmentedCompressionKernels(CompressionKernels, Protocol):
     """Compression kernels that also run each stage once for all segments of a layout
-    (:class:`~onebit.exchange.protocol.Layout`; a segment per tensor, each compressed alone),
+    (:class:`~onebit.compression.Layout`; a segment per tensor, each compressed alone),
     giving what compressing each segment alone gives. Worker-side buffers are flat over the
     layout's ``width`` (segment after segment; ``segments`` the tensors themselves),
     server-side ones over this rank's chunks; scales are one per segment (``[n, K]`` where

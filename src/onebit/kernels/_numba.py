@@ -18,7 +18,7 @@ import torch
 from numba import typed
 from torch import Tensor
 
-from onebit.exchange.protocol import Layout
+from onebit.compression import Layout
 from onebit.kernels import _numba_compression as compression
 from onebit.kernels._reference import ReferenceKernels
 

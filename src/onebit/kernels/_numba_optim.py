@@ -25,7 +25,7 @@ from numba import njit, prange, typed
 from torch import Tensor
 
 from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
-from onebit.exchange.protocol import Layout
+from onebit.compression import Layout
 from onebit.kernels._numba import Compiled, _decode_pieces
 from onebit.kernels._numba import to_numpy as _np
 from onebit.kernels._numba_compression import _signed
