@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -230,3 +231,28 @@ class Layout:
     @property
     def chunk_bytes(self) -> tuple[int, ...]:
         return tuple(chunk // 8 for chunk in self.chunks)
+
+
+class ExchangeResult(Protocol):
+    """An exchange's result before decoding, as the update reads it: the whole buffer's, or
+    its buckets' one after another (:class:`onebit.exchange.PackedResult`,
+    :class:`onebit.exchange.BucketedResult`). Element ``e`` is ``+-b`` of its chunk's scale
+    ``b``. In the flat layout (``in_flat_layout``) chunk ``c`` holds elements
+    ``[chunk_bounds[c], chunk_bounds[c + 1])`` with scale ``chunk_scales[c]``, and element
+    ``e``'s sign is bit ``e`` of ``flat_signs`` (MSB first, 1 is ``+``); any result decodes
+    into a buffer with :meth:`decode`."""
+
+    @property
+    def in_flat_layout(self) -> bool: ...
+
+    @property
+    def flat_signs(self) -> Tensor: ...
+
+    @property
+    def chunk_bounds(self) -> np.ndarray: ...
+
+    @property
+    def chunk_scales(self) -> Tensor: ...
+
+    def decode(self, out: Tensor) -> Tensor:
+        """The result, every element, into ``out``; returns ``out``."""

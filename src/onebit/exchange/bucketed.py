@@ -47,8 +47,9 @@ def bucket_ranges(numel: int, bucket_elements: int, n: int) -> list[tuple[int, i
 
 @dataclass
 class BucketedResult:
-    """The buckets' results in the flat layout: bucket ``k``'s
-    :class:`~onebit.exchange.protocol.PackedResult` covers elements ``[start_k, end_k)``."""
+    """The buckets' results in the flat layout (an :class:`~onebit.compression.ExchangeResult`,
+    as a whole buffer's is): bucket ``k``'s :class:`~onebit.exchange.protocol.PackedResult`
+    covers elements ``[start_k, end_k)``."""
 
     parts: list[tuple[int, PackedResult]]  # (start, result), in element order
     in_flat_layout = True

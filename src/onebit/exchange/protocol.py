@@ -110,8 +110,9 @@ class Stages:
     ) -> None:
         self.layout, self.backend = layout, backend
         self.kernels = backend.compression
-        self.together = layout.segments > 1 and hasattr(self.kernels, "worker_compress_segments")
-        sizes = (layout.width,) if self.together else layout.sizes
+        #: The backend's kernels that compress every segment in one call, where it has them.
+        self.segmented = backend.segmented if layout.segments > 1 else None
+        sizes = (layout.width,) if self.segmented is not None else layout.sizes
         self.scratch = [self.kernels.scratch(size, layout.n, dtype, device) for size in sizes]
 
     def _worker_parts(self, worker_error: Tensor, packed: Tensor):
@@ -132,8 +133,8 @@ class Stages:
     ) -> None:
         """Per segment: ``x = segment + error`` (in ``xs``, which may be the segments),
         its packed signs into ``packed`` and ``scales[t] = ||x|| / sqrt(P_t)``."""
-        if self.together:
-            scales[: self.layout.segments] = self.kernels.worker_compress_segments(
+        if self.segmented is not None:
+            scales[: self.layout.segments] = self.segmented.worker_compress_segments(
                 segments, worker_error, packed, self.layout
             )
             return
@@ -152,8 +153,8 @@ class Stages:
         scales: Tensor,
     ) -> None:
         """Per segment: ``error = x - scales[t] sign(x)``."""
-        if self.together:
-            self.kernels.worker_error_update_segments(
+        if self.segmented is not None:
+            self.segmented.worker_error_update_segments(
                 segments, worker_error, packed, scales[: self.layout.segments], self.layout
             )
             return
@@ -169,8 +170,8 @@ class Stages:
         layout = self.layout
         if layout.segments == 1:
             return
-        if self.together:
-            self.kernels.gather_columns(packed, send, layout)
+        if self.segmented is not None:
+            self.segmented.gather_columns(packed, send, layout)
             return
         columns = send.split(layout.chunk_bytes, dim=1)
         signs = packed.split([size // 8 for size in layout.sizes])
@@ -180,7 +181,7 @@ class Stages:
     def server_view(self, received: Tensor) -> Tensor | list[Tensor]:
         """The all-to-all's signs as the server stages take them: whole, or each segment's
         ``[n, C_t / 8]`` columns made contiguous where segments are compressed one by one."""
-        if self.together:
+        if self.segmented is not None:
             return received
         if self.layout.segments == 1:
             return [received]
@@ -196,8 +197,8 @@ class Stages:
     ) -> None:
         """Per segment: ``y = error + (1/n) sum_i worker_scales[t, i] sign_i`` of its
         chunks in ``received``, its packed signs and ``scales[t]``."""
-        if self.together:
-            scales[:] = self.kernels.server_compress_segments(
+        if self.segmented is not None:
+            scales[:] = self.segmented.server_compress_segments(
                 received, worker_scales, server_error, packed, self.layout
             )
             return
@@ -218,8 +219,8 @@ class Stages:
     ) -> None:
         """Per segment: ``error = y - scales[t] sign(y)``, into ``out`` where given (memory
         apart from ``server_error``, which is then left as it is)."""
-        if self.together:
-            self.kernels.server_error_update_segments(
+        if self.segmented is not None:
+            self.segmented.server_error_update_segments(
                 received, worker_scales, server_error, packed, scales, self.layout, out
             )
             return
@@ -239,7 +240,8 @@ class Stages:
 
 @dataclass
 class PackedResult:
-    """The result of an exchange before decoding: row ``j`` of ``signs`` holds server ``j``'s
+    """The result of an exchange before decoding (an :class:`~onebit.compression.ExchangeResult`;
+    a one-segment result in the flat layout): row ``j`` of ``signs`` holds server ``j``'s
     packed signs of chunk ``j`` of every segment, segment after segment; ``scales[j, t]``
     its scale of segment ``t``. Element ``e`` of segment ``t``'s result is
     ``+-scales[e // C_t, t]`` (``+`` where its bit is set). Views of the workspace, valid
@@ -307,8 +309,8 @@ class PackedResult:
         if self.layout.segments == 1 and flat.numel() == self.layout.width:
             self.backend.compression.decode(self.signs, self.chunk_scales, flat)
             return out
-        if hasattr(self.backend.compression, "decode_segments"):
-            self.backend.compression.decode_segments(self.signs, self.scales, flat, self.layout)
+        if self.backend.segmented is not None:
+            self.backend.segmented.decode_segments(self.signs, self.scales, flat, self.layout)
             return out
         scales = self.scales.T.contiguous()
         offset = 0

@@ -35,11 +35,12 @@ import importlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from onebit.compression import ExchangeResult
 from onebit.kernels._reference import ReferenceKernels
 
 __all__ = [
@@ -115,6 +116,7 @@ class CompressionKernels(Protocol):
     def decode(self, gathered: Tensor, scales: Tensor, out: Tensor) -> None: ...
 
 
+@runtime_checkable
 class SegmentedCompressionKernels(CompressionKernels, Protocol):
     """Compression kernels that also run each stage once for all segments of a layout
     (:class:`~onebit.compression.Layout`; a segment per tensor, each compressed alone),
@@ -188,7 +190,7 @@ class UpdateKernels(Protocol):
     def onebit_lamb_compressed_step_(
         self,
         flat: Any,
-        packed: Any,
+        packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
         mask: Tensor | None,
@@ -200,7 +202,7 @@ class UpdateKernels(Protocol):
     def onebit_adam_compressed_step_(
         self,
         flat: Any,
-        packed: Any,
+        packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
         mask: Tensor | None,
@@ -210,7 +212,7 @@ class UpdateKernels(Protocol):
     def onebit_adam_per_tensor_step_(
         self,
         flat: Any,
-        packed: Any,
+        packed: ExchangeResult,
         exchanged: Tensor,
         mask: Tensor | None,
         active: Sequence[bool],
@@ -226,11 +228,14 @@ class UpdateKernels(Protocol):
 @dataclass(frozen=True)
 class Backend:
     """A backend's two parts: ``compression`` (always) and ``updates`` (``None``: it has no
-    update kernels and the optimizers run the torch reference)."""
+    update kernels and the optimizers run the torch reference); ``segmented`` is the
+    compression part where it also compresses a layout's segments together
+    (:class:`SegmentedCompressionKernels`), else ``None``."""
 
     name: str
     compression: CompressionKernels
     updates: UpdateKernels | None
+    segmented: SegmentedCompressionKernels | None = None
 
     @property
     def code(self) -> int:
@@ -253,7 +258,8 @@ def _load(name: str) -> Backend | None:
         )
     except ImportError:
         return None
-    return Backend(name, compression, updates)
+    segmented = compression if isinstance(compression, SegmentedCompressionKernels) else None
+    return Backend(name, compression, updates, segmented)
 
 
 def native_device(name: str) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from onebit.exchange import PackedResult
+from onebit.compression import ExchangeResult
 from onebit.kernels import UpdateKernels
 from onebit.optim._flat import FlatState
 
@@ -63,7 +63,7 @@ class UpdateRule:
         self,
         updates: UpdateKernels,
         flat: FlatState,
-        packed: PackedResult,
+        packed: ExchangeResult,
         scratch: Tensor,
         mask: Tensor | None,
         active: Sequence[bool],

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
-from onebit.exchange import PackedResult
+from onebit.compression import ExchangeResult
 from onebit.optim._flat import FlatState
 
 __all__ = [
@@ -206,7 +206,7 @@ def scaled_momentum(
 
 
 def _decode_momentum(
-    flat: FlatState, packed: PackedResult, scaling: Tensor, mask: Tensor | None, out: Tensor
+    flat: FlatState, packed: ExchangeResult, scaling: Tensor, mask: Tensor | None, out: Tensor
 ) -> list[Tensor]:
     """``m_new = decoded * (1 / s)`` (times the mask) into ``out``; each parameter's view.
     (The decoded value is ``+-b_j``, so the product rounds once.)"""
@@ -220,7 +220,7 @@ def _decode_momentum(
 
 def onebit_lamb_compressed_step_(
     flat: FlatState,
-    packed: PackedResult,
+    packed: ExchangeResult,
     scratch: Tensor,
     scaling: Tensor,
     mask: Tensor | None,
@@ -283,7 +283,7 @@ def onebit_lamb_compressed_step_(
 
 def onebit_adam_compressed_step_(
     flat: FlatState,
-    packed: PackedResult,
+    packed: ExchangeResult,
     scratch: Tensor,
     scaling: Tensor,
     mask: Tensor | None,
@@ -313,7 +313,7 @@ def adam_momentum_step_(flat: FlatState, grads: Sequence[Tensor], active: Sequen
 
 def onebit_adam_per_tensor_step_(
     flat: FlatState,
-    packed: PackedResult,
+    packed: ExchangeResult,
     exchanged: Tensor,
     mask: Tensor | None,
     active: Sequence[bool],
