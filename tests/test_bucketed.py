@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 import torch
-from oracle import oracle_compressed_allreduce
-from oracle_onebit import oracle_run
+from helpers.oracle import oracle_compressed_allreduce
+from helpers.oracle_onebit import oracle_run
 from test_onebit_optimizers import (
     FREEZE,
     GROUP_HYPER,

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.oracle import oracle_compressed_allreduce
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import oracle_compressed_allreduce
 
 from onebit.compression import (
     _pack_bits_torch,

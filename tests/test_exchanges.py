@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle_onebit import oracle_run
+from helpers.oracle_onebit import oracle_run
 from test_onebit_optimizers import (
     FREEZE,
     GROUP_HYPER,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
+from helpers.oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
 
 import onebit
 from onebit.collectives import NonFiniteError, TrafficCounter, padded_size

@@ -23,8 +23,8 @@ from collections import defaultdict
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.traffic_probe import TrafficProbe
 from torch.nn.parallel import DistributedDataParallel
-from traffic_probe import TrafficProbe
 
 import onebit
 from onebit.collectives import (

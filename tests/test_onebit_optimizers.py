@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from oracle_onebit import oracle_run
+from helpers.oracle_onebit import oracle_run
 
 import onebit
 from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import oracle_compressed_allreduce, oracle_compressed_allreduce_per_tensor
+from helpers.oracle import oracle_compressed_allreduce, oracle_compressed_allreduce_per_tensor
 
 import onebit
 from onebit import kernels

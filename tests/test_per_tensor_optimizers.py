@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from oracle_onebit import oracle_run
+from helpers.oracle_onebit import oracle_run
 from test_onebit_optimizers import (
     FREEZE,
     GROUP_HYPER,

@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
+from helpers.oracle import oracle_compressed_allreduce
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import oracle_compressed_allreduce
 
 import onebit
 from onebit.collectives import NonFiniteError

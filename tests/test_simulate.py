@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
+from helpers.oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
 from test_train import FREEZE as TINY_FREEZE
 from test_train import STEPS as TINY_STEPS
 from test_train import TINY, final_model, write_corpus

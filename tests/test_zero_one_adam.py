@@ -17,8 +17,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-from oracle_zero_one_adam import oracle_zero_one_adam, padded
-from traffic_probe import TrafficProbe
+from helpers.oracle_zero_one_adam import oracle_zero_one_adam, padded
+from helpers.traffic_probe import TrafficProbe
 
 import onebit
 from onebit.optim.zero_one_adam import (

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
-from oracle import oracle_compressed_allreduce
+
+from helpers.oracle import oracle_compressed_allreduce
 
 
 def padded(numel, n):
