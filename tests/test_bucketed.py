@@ -8,9 +8,7 @@ import warnings
 
 import pytest
 import torch
-from helpers.oracle import oracle_compressed_allreduce
-from helpers.oracle_onebit import oracle_run
-from test_onebit_optimizers import (
+from helpers.onebit_problem import (
     FREEZE,
     GROUP_HYPER,
     HYPER,
@@ -22,6 +20,8 @@ from test_onebit_optimizers import (
     initial_params,
     set_grads,
 )
+from helpers.oracle import oracle_compressed_allreduce
+from helpers.oracle_onebit import oracle_run
 
 import onebit
 from onebit import kernels

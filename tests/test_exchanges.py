@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.oracle_onebit import oracle_run
-from test_onebit_optimizers import (
+from helpers.onebit_problem import (
     FREEZE,
     GROUP_HYPER,
     HYPER,
@@ -20,6 +19,7 @@ from test_onebit_optimizers import (
     initial_params,
     set_grads,
 )
+from helpers.oracle_onebit import oracle_run
 
 import onebit
 from onebit.exchange import (

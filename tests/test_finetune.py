@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import write_corpus
+from helpers.jobs import FILLER, NEGATIVE, POSITIVE, write_corpus, write_sentiment_cache
 
 from onebit.cli import main as onebit_main
 from onebit.train import data
-from onebit.train.data import sentiment
 from onebit.train.data.spelling import replaced_letter_windows
 from onebit.train.data.wordpiece import train_tokenizer
 from onebit.train.downstream_config import FinetuneConfig
@@ -26,24 +25,6 @@ from onebit.train.finetune import (
     load_task,
 )
 from onebit.train.model import bert_config, build_classifier, build_mlm_model, config_from_dict
-
-POSITIVE = ["good", "great", "lovely", "fine", "superb"]
-NEGATIVE = ["bad", "awful", "dull", "poor", "boring"]
-FILLER = ["the", "film", "was", "a", "story", "with", "actors", "and", "plot"]
-
-
-def write_sentiment_cache(cache: Path, rows: int = 300) -> None:
-    """A cached sentiment set whose label is told by one word in filler text."""
-    rng = random.Random(0)
-    records = []
-    for _ in range(rows):
-        label = rng.randint(0, 1)
-        words = rng.choices(FILLER, k=6) + [rng.choice(POSITIVE if label else NEGATIVE)]
-        rng.shuffle(words)
-        records.append([" ".join(words), label])
-    path = sentiment.sentiment_cache_file(cache)
-    path.parent.mkdir(parents=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 @pytest.fixture

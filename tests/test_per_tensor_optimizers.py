@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers.oracle_onebit import oracle_run
-from test_onebit_optimizers import (
+from helpers.onebit_problem import (
     FREEZE,
     GROUP_HYPER,
     HYPER,
@@ -21,8 +20,9 @@ from test_onebit_optimizers import (
     initial_params,
     set_grads,
 )
-from test_onebit_optimizers import build as build_optimizer
-from test_onebit_optimizers import grad_fn as model_grad_fn
+from helpers.onebit_problem import build as build_optimizer
+from helpers.onebit_problem import grad_fn as model_grad_fn
+from helpers.oracle_onebit import oracle_run
 
 import onebit
 from onebit.collectives import compressed_allreduce_per_tensor_bytes

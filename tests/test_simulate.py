@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.jobs import FREEZE as TINY_FREEZE
+from helpers.jobs import STEPS as TINY_STEPS
+from helpers.jobs import TINY, final_model, write_corpus
 from helpers.oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
-from test_train import FREEZE as TINY_FREEZE
-from test_train import STEPS as TINY_STEPS
-from test_train import TINY, final_model, write_corpus
 from torch import nn
 
 import onebit

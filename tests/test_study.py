@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import write_corpus
+from helpers.jobs import write_corpus
 
 from onebit.cli import build_parser, given_options, options_argv
 from onebit.train import study as study_module

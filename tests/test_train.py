@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.jobs import FREEZE, STEPS, TINY, final_model, write_corpus
 
 from onebit.atomic import atomic_path, write_json_atomic
 from onebit.cli import build_parser, given_options
@@ -24,26 +24,6 @@ from onebit.train import checkpoint, report
 from onebit.train.config import TrainConfig
 from onebit.train.job_data import lr_factor, step_seed
 from onebit.train.run_dir import prepare_run_dir
-
-STEPS = 12
-FREEZE = 4
-TINY = [
-    "--workers", "2", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "16",
-    "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab-size", "120",
-    "--lr", "0.05", "--freeze-step", str(FREEZE), "--eval-every", "4",
-    "--checkpoint-every", "4", "--eval-seqs", "0",
-]  # fmt: skip
-
-
-def write_corpus(path: Path, num_docs: int = 30, words_per_doc: int = 120, seed: int = 0) -> Path:
-    """Documents of made-up words with a skewed frequency, separated by blank lines."""
-    rng = random.Random(seed)
-    syllables = ["ka", "lo", "mi", "tu", "ren", "sha", "vo", "qi", "zar", "pel"]
-    vocab = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(80)]
-    weights = [1.0 / (rank + 1) for rank in range(len(vocab))]
-    docs = [" ".join(rng.choices(vocab, weights=weights, k=words_per_doc)) for _ in range(num_docs)]
-    path.write_text("\n\n".join(docs))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +50,6 @@ def reference_run(workspace: Path) -> Path:
     out = workspace / "reference"
     assert train(*tiny(workspace, out)) == 0
     return out
-
-
-def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
-    step, state = checkpoint.latest_model_state(run_dir / "checkpoints")
-    assert step == STEPS
-    return state["model"]
 
 
 def assert_same_trajectory(run_dir: Path, reference: Path) -> None:
