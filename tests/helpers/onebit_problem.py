@@ -6,6 +6,7 @@ shared by the tests of every exchange (a trajectory against the float64 model of
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -136,3 +137,13 @@ def assert_resumed_runs_are_exact(runs) -> None:
         assert step_a == step_b == STEPS
         assert bytes_a == bytes_b
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+# The problem with compression="per_tensor" (the optimizers' default).
+NUMELS = [math.prod(p.shape) for p in initial_params()]
+KINDS = ("adam", "lamb")
+OPTIMIZERS = {"adam": onebit.OneBitAdam, "lamb": onebit.OneBitLamb}
+
+
+def build_per_tensor(dtype, compression="per_tensor", kind="adam"):
+    return build(kind, dtype, compression)
