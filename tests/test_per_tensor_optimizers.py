@@ -6,13 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.onebit_problem import (
-    FREEZE,
-    KINDS,
-    NUMELS,
-    OPTIMIZERS,
-    set_grads,
-)
+from helpers.onebit_problem import FREEZE, KINDS, NUMELS, OPTIMIZERS, set_grads
 from helpers.onebit_problem import build_per_tensor as build
 
 import onebit
