@@ -92,12 +92,6 @@ def test_matches_simulation_and_is_identical_on_every_rank(world_size, backend):
     )
 
 
-def test_traffic_of_float64_buffers_counts_float64_scales():
-    assert compressed_allreduce_bytes(64, 2, torch.float64) == 2 * 4 + 3 * 8
-    assert compressed_allreduce_bytes(64, 2, torch.float32) == 2 * 4 + 3 * 4
-    assert compressed_allreduce_bytes(64, 1, torch.float32) == 0
-
-
 def _mixed_backends(rank: int, world_size: int):
     worker_error, server_error = torch.full((64,), 0.5), torch.full((32,), 0.25)
     try:
@@ -184,12 +178,3 @@ def _raise_on_rank_one(rank: int, world_size: int):
 def test_spawn_workers_reports_a_failing_rank():
     with pytest.raises(WorkerError, match="boom"):
         spawn_workers(_raise_on_rank_one, 2, timeout_s=60)
-
-
-def test_padded_size():
-    assert padded_size(0, 1) == 8
-    assert padded_size(1, 4) == 32
-    assert padded_size(64, 4) == 64
-    assert padded_size(65, 3) == 72
-    with pytest.raises(ValueError, match="world_size"):
-        padded_size(10, 0)
