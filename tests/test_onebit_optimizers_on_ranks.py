@@ -10,13 +10,13 @@ from helpers.onebit_problem import (
     HYPER,
     MASK,
     STEPS,
-    _uninterrupted_and_resumed,
     assert_follows_model_and_ranks_agree,
     assert_resumed_runs_are_exact,
     build,
     grad_fn,
     initial_params,
     set_grads,
+    uninterrupted_and_resumed,
 )
 from helpers.oracle_onebit import oracle_run
 
@@ -77,7 +77,7 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
 
 def test_resume_from_compression_stage_checkpoint_is_bit_identical(tmp_path):
     runs = spawn_workers(
-        _uninterrupted_and_resumed, 2, args=(str(tmp_path), FREEZE + 7), timeout_s=120
+        uninterrupted_and_resumed, 2, args=(str(tmp_path), FREEZE + 7), timeout_s=120
     )
     assert_resumed_runs_are_exact(runs)
 

@@ -15,11 +15,11 @@ from helpers.onebit_problem import (
     NUMELS,
     OPTIMIZERS,
     STEPS,
-    _uninterrupted_and_resumed,
     assert_follows_model_and_ranks_agree,
     assert_resumed_runs_are_exact,
     initial_params,
     set_grads,
+    uninterrupted_and_resumed,
 )
 from helpers.onebit_problem import build as build_optimizer
 from helpers.onebit_problem import build_per_tensor as build
@@ -141,7 +141,7 @@ def test_numba_reads_every_servers_signs_as_the_reference_in_float32():
 def test_resume_mid_compression_is_bit_identical(tmp_path, kind):
     args = (str(tmp_path), FREEZE + 5, kind, "per_tensor")
     assert_resumed_runs_are_exact(
-        spawn_workers(_uninterrupted_and_resumed, 2, args=args, timeout_s=120)
+        spawn_workers(uninterrupted_and_resumed, 2, args=args, timeout_s=120)
     )
 
 

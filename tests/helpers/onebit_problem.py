@@ -121,7 +121,7 @@ def _run_with_checkpoint(
     return [p.detach().clone() for p in params], opt.step_count, opt.bytes_sent
 
 
-def _uninterrupted_and_resumed(rank, world_size, directory, save_at, *mode):
+def uninterrupted_and_resumed(rank, world_size, directory, save_at, *mode):
     """The run straight through (saving at ``save_at``), then resumed from that checkpoint
     by a fresh optimizer, in the same processes (``mode``: kind and compression)."""
     return (
@@ -131,7 +131,7 @@ def _uninterrupted_and_resumed(rank, world_size, directory, save_at, *mode):
 
 
 def assert_resumed_runs_are_exact(runs) -> None:
-    """Every rank's resumed run (from :func:`_uninterrupted_and_resumed`) equals its
+    """Every rank's resumed run (from :func:`uninterrupted_and_resumed`) equals its
     uninterrupted one: steps, bytes and parameters bit for bit."""
     for (a, step_a, bytes_a), (b, step_b, bytes_b) in runs:
         assert step_a == step_b == STEPS
