@@ -1,105 +1,23 @@
-"""``onebit finetune`` on a tiny run and a tiny generated sentiment task (no network)."""
+"""``onebit finetune``'s parts without a run: the replaced-letter labels, the scoring against a
+loop, chance accuracy, the classifier on a pretrained encoder, the command's errors (its runs:
+test_finetune_runs.py)."""
 
 from __future__ import annotations
 
-import json
 import random
-import statistics
 import string
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.jobs import FILLER, NEGATIVE, POSITIVE, write_corpus, write_sentiment_cache
+from helpers.jobs import FILLER, POSITIVE
 
 from onebit.cli import main as onebit_main
 from onebit.train import data
 from onebit.train.data.spelling import replaced_letter_windows
 from onebit.train.data.wordpiece import train_tokenizer
-from onebit.train.downstream_config import FinetuneConfig
-from onebit.train.finetune import (
-    REPLACED,
-    chance_accuracy,
-    correct_predictions,
-    encode,
-    load_task,
-)
+from onebit.train.finetune import REPLACED, chance_accuracy, correct_predictions, encode
 from onebit.train.model import bert_config, build_classifier, build_mlm_model, config_from_dict
-
-
-@pytest.fixture
-def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A finished one-worker run, trained in this process as a torchrun worker would be."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv(data.CACHE_ENV_VAR, str(cache))
-    write_sentiment_cache(cache)
-    corpus = write_corpus(tmp_path / "corpus.txt")
-    with corpus.open("a") as f:  # the task's words, often enough to become whole tokens
-        f.write("\n\n" + " ".join((POSITIVE + NEGATIVE + FILLER) * 20))
-    for name, value in dict(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT="0",  # one rank: the store binds any free port
-    ).items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-    out = tmp_path / "run"
-    status = onebit_main(
-        [
-            "train", "--no-launch", "--out", str(out), "--corpus", str(corpus),
-            "--steps", "4", "--freeze-step", "2", "--batch-size", "8", "--seq-len", "16",
-            "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab-size", "300",
-        ]
-    )  # fmt: skip
-    assert status == 0
-    return out
-
-
-@pytest.mark.slow
-def test_finetune_reports_accuracy(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["finetune", str(run_dir), "--epochs", "8", "--lr", "3e-3", "--max-test", "50"]
-    assert onebit_main(args) == 0
-    result = json.loads((run_dir / "finetune-lr0.003.json").read_text())  # not the default lr
-    assert result["test_examples"] == 50 and result["train_examples"] == 240
-    assert result["checkpoint_step"] == 4
-    assert result["test_accuracy"] >= 0.8, result
-    assert f"{100 * result['test_accuracy']:.2f}%" in capsys.readouterr().out
-
-    assert onebit_main([*args, "--from-scratch", "--max-train", "20", "--epochs", "1"]) == 0
-    scratch = json.loads((run_dir / "finetune-scratch-lr0.003.json").read_text())
-    assert scratch["train_examples"] == 20 and scratch["config"]["from_scratch"]
-
-
-@pytest.mark.slow
-def test_finetune_spelling_task_on_the_runs_corpus(run_dir: Path) -> None:
-    args = ["finetune", str(run_dir), "--task", "spelling", "--epochs", "1", "--seed", "2"]
-    assert onebit_main([*args, "--max-train", "64", "--max-test", "40"]) == 0
-    result = json.loads((run_dir / "finetune-spelling-seed2.json").read_text())
-    assert result["task"] == "spelling" and result["config"]["seed"] == 2
-    assert result["train_examples"] == 64 and result["test_examples"] == 40
-    accuracy = result["test_accuracy"]
-    assert result["test_accuracy_se"] == pytest.approx((accuracy * (1 - accuracy) / 40) ** 0.5)
-    assert onebit_main([*args, "--max-train", "8", "--from-scratch"]) == 0
-    scratch = json.loads((run_dir / "finetune-scratch-spelling-seed2.json").read_text())
-    assert scratch["train_examples"] == 8 and scratch["test_examples"] > 40  # every window
-
-
-@pytest.mark.slow
-def test_finetune_replaced_letter_task(run_dir: Path) -> None:
-    common = ["--task", "replaced-letter", "--epochs", "2", "--lr", "3e-3", "--max-test", "40"]
-    assert onebit_main(["finetune", str(run_dir), *common, "--max-train", "64"]) == 0
-    result = json.loads((run_dir / "finetune-replaced-letter-lr0.003.json").read_text())
-    assert result["task"] == "replaced-letter"
-    assert result["train_examples"] == 64 and result["test_examples"] == 40
-    accuracy = result["test_accuracy"]
-    assert result["test_accuracy_se"] == pytest.approx((accuracy * (1 - accuracy) / 40) ** 0.5)
-    config = FinetuneConfig(task="replaced-letter", max_train=64, max_test=40)
-    _, test_rows = load_task(run_dir, config, max_tokens=16)  # the run's --seq-len
-    letters = [sum(char.isascii() and char.isalpha() for char in text) for text, _ in test_rows]
-    assert result["chance_accuracy"] == pytest.approx(statistics.fmean(1 / n for n in letters))
-    assert (
-        onebit_main(["finetune", str(run_dir), *common, "--from-scratch", "--max-train", "8"]) == 0
-    )
-    scratch = json.loads((run_dir / "finetune-scratch-replaced-letter-lr0.003.json").read_text())
-    assert scratch["config"]["from_scratch"] and scratch["train_examples"] == 8
 
 
 def test_replaced_token_labels_mark_the_replaced_letter(tmp_path: Path) -> None:
