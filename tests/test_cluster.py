@@ -10,16 +10,12 @@ import sys
 import time
 
 import pytest
+from helpers.emulated_cluster import needs_cluster
 
 from onebit.bench.cluster import EmulatedCluster
 from onebit.bench.cluster_tools import run_allreduce, tcp_transfer
-from onebit.bench.netns import cleanup_stale, unavailable_reason
+from onebit.bench.netns import cleanup_stale
 from onebit.units import parse_bandwidth, parse_latency
-
-_REASON = unavailable_reason()
-needs_cluster = pytest.mark.skipif(
-    _REASON is not None, reason=f"emulated cluster unavailable: {_REASON}"
-)
 
 
 def _namespaces() -> list[str]:
