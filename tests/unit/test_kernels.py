@@ -1,7 +1,7 @@
 """Every fused backend against the pure-torch reference, stage by stage and end to end.
 
 The triton backend runs on CUDA where there is a GPU, else in Triton's interpreter on CPU
-(see conftest.py); tests marked ``cuda`` need a GPU.
+(see tests/conftest.py); tests marked ``cuda`` need a GPU.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.paths import ROOT
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_step_benchmark.py"
+SCRIPT = ROOT / "scripts" / "gpu_step_benchmark.py"
 
 
 def _benchmark():

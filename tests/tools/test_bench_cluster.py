@@ -1,6 +1,6 @@
 """Tests of the emulated-cluster comparison (``onebit bench cluster``) without a cluster: the
 arithmetic of its analysis and report, its settings and options, the commands' checks before
-they run (the runs on an emulated cluster: test_bench_cluster_runs.py).
+they run (the runs on an emulated cluster: end_to_end/test_bench_cluster_runs.py).
 """
 
 from __future__ import annotations

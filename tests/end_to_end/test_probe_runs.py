@@ -6,14 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from test_finetune_runs import run_dir  # noqa: F401  (the fixture)
 
 from onebit.cli import main as onebit_main
 from onebit.train.finetune import task_rows
 
 
 def test_probe_command_on_a_tiny_run(
-    run_dir: Path,  # noqa: F811
+    run_dir: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     args = ["probe", str(run_dir), str(run_dir), "--max-train", "64", "--test-variants", "3"]

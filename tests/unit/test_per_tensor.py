@@ -1,6 +1,6 @@
 """The per-tensor compressed allreduce (DeepSpeed's 1-bit Adam scheme, fused collectives):
 the simulation against the flat exchange of each tensor padded alone, a world of one rank,
-each tensor's own scale, and its errors (on gloo ranks: test_per_tensor_on_ranks.py)."""
+each tensor's own scale, and its errors (on gloo ranks: distributed/test_per_tensor_on_ranks.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from onebit import kernels
 from onebit.compression import per_tensor_padded_size
 
 CPU_BACKENDS = [name for name in kernels.available() if name != "triton"]
-# Without a GPU, triton runs on CPU in Triton's interpreter (see conftest.py): slowly, so in
+# Without a GPU, triton runs on CPU in Triton's interpreter (see tests/conftest.py): slowly, so in
 # a world of one rank only, against the simulation (the layout is tested on the CPU backends).
 INTERPRETED = [
     name

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.paths import FIXTURES
 
 import onebit
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 # The configs of DeepSpeed's 1-bit tutorials, as the tutorials document them:
 # - BERT pre-training, 1-bit LAMB, sequence length 128: the 1-bit LAMB tutorial

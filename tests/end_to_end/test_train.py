@@ -2,7 +2,7 @@
 
 A tiny BERT on a tiny generated corpus (helpers/jobs.py), 2 gloo workers started by the real
 elastic launcher. What needs no run (options, the run folder's checks, checkpoint files) is in
-test_train_single_process.py.
+unit/test_train_single_process.py.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
+from helpers.paths import ROOT
 
 from onebit.cli import main
 from onebit.estimate.model import (
@@ -33,7 +33,7 @@ from onebit.estimate.validate import (
     validate,
 )
 
-BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
+BENCH = ROOT / "docs" / "bench"
 
 # alpha 10 ms, line rate 1000 B/s used at full payload, host 10 kB/s, compression 20 kB/s
 MACHINE = Machine(

@@ -19,7 +19,7 @@ from onebit.testing import WorkerError, spawn_workers
 
 CALLS = 5
 CPU_BACKENDS = [name for name in kernels.available() if name != "triton"]
-# Without a GPU, triton runs on CPU in Triton's interpreter (see conftest.py): slowly, so
+# Without a GPU, triton runs on CPU in Triton's interpreter (see tests/conftest.py): slowly, so
 # in small worlds only.
 INTERPRETED = [
     name

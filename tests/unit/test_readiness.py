@@ -1,7 +1,7 @@
 """Variance readiness (ALGORITHM.md, "Variance readiness"): the statistic against a float64
 model, the warning of a fixed freeze, ``freeze_step="auto"``, 0/1 Adam's first interval, resume,
 argument errors, the job's freeze options (on the plateau task with real ranks:
-test_readiness_on_ranks.py)."""
+distributed/test_readiness_on_ranks.py)."""
 
 from __future__ import annotations
 

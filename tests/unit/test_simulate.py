@@ -1,6 +1,6 @@
 """The many-worker simulation (onebit.simulate) in one process: its streamed exchange
 against the oracle, its state, traffic and memory, resume, and argument errors (the test
-model: helpers/simulation.py; against real processes: test_simulate_on_ranks.py).
+model: helpers/simulation.py; against real processes: distributed/test_simulate_on_ranks.py).
 """
 
 from __future__ import annotations

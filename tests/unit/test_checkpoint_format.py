@@ -5,14 +5,13 @@ saved after step 5; loaded after step 5 here, steps 6-10 must end at the weights
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from helpers.paths import FIXTURES
 
 import onebit
 
-FIXTURE = Path(__file__).parent / "fixtures" / "checkpoints_v1.pt"
+FIXTURE = FIXTURES / "checkpoints_v1.pt"
 SHAPES = [(6, 4), (5,), (3, 3)]
 BUILD = {
     "Lamb": lambda p: onebit.Lamb(p, lr=1e-2, weight_decay=0.01),

@@ -22,7 +22,7 @@ from onebit.cli import main as onebit_main
 def test_cli_simulation_equals_onebit_train_and_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``onebit simulate --workers 2`` on the tiny job of test_train: the same parameters as
+    """``onebit simulate --workers 2`` on the tiny job of helpers/jobs.py: the same parameters as
     ``onebit train`` with 2 worker processes (a mean of two gradients is exact in any order),
     the same run-folder files, and an interrupted simulation that resumes to the same end."""
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))

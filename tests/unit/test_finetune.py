@@ -1,6 +1,6 @@
 """``onebit finetune``'s parts without a run: the replaced-letter labels, the scoring against a
 loop, chance accuracy, the classifier on a pretrained encoder, the command's errors (its runs:
-test_finetune_runs.py)."""
+end_to_end/test_finetune_runs.py)."""
 
 from __future__ import annotations
 

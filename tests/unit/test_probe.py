@@ -1,6 +1,6 @@
 """``onebit probe``: the logistic fit against its optimality condition, the scoring and the
 clustered standard errors against loops, the command's errors (on a tiny run:
-test_probe_runs.py)."""
+end_to_end/test_probe_runs.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The convergence study: its settings and the shipped study, the unigram baseline, the
 difference of two runs' trajectories (its runner and report, end to end on a tiny corpus with
-real worker processes: test_study_runs.py).
+real worker processes: end_to_end/test_study_runs.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.paths import ROOT
 
 from onebit.cli import build_parser, given_options, options_argv
 from onebit.train import study as study_module
@@ -86,7 +87,7 @@ def test_study_rejects_bad_specs(change: dict, message: str) -> None:
 
 
 def test_shipped_study_is_valid() -> None:
-    study = Study.read(Path(__file__).parents[1] / "docs" / "convergence" / "study.json")
+    study = Study.read(ROOT / "docs" / "convergence" / "study.json")
     assert study.arms[0].name == "lamb"
     configs = [
         study.config(arm) for arm in study.arms if study_module.unavailable_reason(arm) is None
