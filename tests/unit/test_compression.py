@@ -1,4 +1,5 @@
-"""Compression maths against independent float64 / numpy references."""
+"""Compression maths, and the exchange simulated in one process, against independent float64 /
+numpy references."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers.oracle import oracle_compressed_allreduce
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from onebit import kernels
+from onebit.collectives import TrafficCounter, compressed_allreduce
 from onebit.compression import (
     _pack_bits_torch,
     pack_signs,
@@ -19,6 +21,7 @@ from onebit.compression import (
     unpack_signs,
     update_error,
 )
+from onebit.exchange import SimulatedExchange
 from onebit.exchange.base import swap_storages
 
 
@@ -101,32 +104,62 @@ def reference_exchange(buffers, worker_errors, server_errors):
     return np.concatenate(result), np.stack(new_we), np.stack(new_se)
 
 
+def simulated_exchange(n: int, numel: int, dtype: torch.dtype) -> SimulatedExchange:
+    """The library's exchange of ``n`` workers simulated in one process (flat), bound to one
+    buffer of ``numel`` elements, with the backend ``auto`` picks."""
+    exchange = SimulatedExchange(n)
+    backend = kernels.select(torch.zeros(8, dtype=dtype))
+    exchange.bind([numel], dtype, torch.device("cpu"), backend, TrafficCounter())
+    return exchange
+
+
+def exchange_once(exchange: SimulatedExchange, buffers: torch.Tensor) -> torch.Tensor:
+    """One exchange of the workers' buffers (row ``i``: worker ``i``'s), left unchanged."""
+    for rank in range(exchange.workers - 1):
+        exchange.add_worker(rank, buffers[rank].clone())
+    last = buffers[-1].clone()
+    return exchange.exchange(last).decode(torch.empty_like(last))
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_simulation_matches_float64_reference(n):
+    """The library's exchange (simulated over n workers, float32), from non-zero error
+    states, against the numpy model: the result and both error states after the call."""
     gen = torch.Generator().manual_seed(n)
     numel = 8 * n * 13
     buffers = torch.randn(n, numel, generator=gen) * torch.arange(1, n + 1).unsqueeze(1)
     worker_errors = torch.randn(n, numel, generator=gen) * 0.1
     server_errors = torch.randn(n, numel // n, generator=gen) * 0.1
-    before = (buffers.clone(), worker_errors.clone(), server_errors.clone())
-    result, we, se = oracle_compressed_allreduce(buffers, worker_errors, server_errors)
+    exchange = simulated_exchange(n, numel, torch.float32)
+    we, se = exchange.errors()
+    we.view(n, -1).copy_(worker_errors)
+    se.view(n, -1).copy_(server_errors)  # row j: server j's chunk
+    result = exchange_once(exchange, buffers)
     ref = reference_exchange(*(t.double().numpy() for t in (buffers, worker_errors, server_errors)))
     np.testing.assert_allclose(result.numpy(), ref[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(we.numpy(), ref[1], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(se.numpy(), ref[2], rtol=1e-5, atol=1e-5)
-    for original, after in zip(before, (buffers, worker_errors, server_errors), strict=True):
-        assert torch.equal(original, after), "inputs must be left unchanged"
+    np.testing.assert_allclose(
+        exchange.worker_error.view(n, -1).numpy(), ref[1], rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        exchange.server_error.view(n, -1).numpy(), ref[2], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_simulation_rejects_bad_shapes():
+    """In one process: compressed_allreduce in a world of one rank (no process group) and the
+    simulated exchange check their sizes before any work."""
     with pytest.raises(ValueError, match="multiple of 8"):
-        oracle_compressed_allreduce(torch.zeros(2, 12), torch.zeros(2, 12), torch.zeros(2, 6))
-    with pytest.raises(ValueError, match="server_errors"):
-        oracle_compressed_allreduce(torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(2, 16))
+        compressed_allreduce(torch.zeros(12), torch.zeros(12), torch.zeros(12))
+    with pytest.raises(ValueError, match="server_error has 8 elements"):
+        compressed_allreduce(torch.zeros(16), torch.zeros(16), torch.zeros(8))
+    exchange = simulated_exchange(2, 12, torch.float32)  # padded to 16 elements
+    with pytest.raises(ValueError, match="the buffer has 12 elements; this exchange takes 16"):
+        exchange.exchange(torch.zeros(12))
 
 
 def test_error_feedback_running_mean_converges_to_true_mean():
-    """Telescoping identity of two-sided error feedback, and its 1/T bound.
+    """Telescoping identity of two-sided error feedback, and its 1/T bound, in the library's
+    exchange (simulated over 4 workers, float64).
 
     With constant inputs, sum_t result_t = T * mean_i(buf_i) - mean_i(e_i(T)) - s(T), so
     the running mean's error is ||mean_i e_i(T) + s(T)|| / T: it vanishes like 1/T as long
@@ -136,14 +169,12 @@ def test_error_feedback_running_mean_converges_to_true_mean():
     gen = torch.Generator().manual_seed(0)
     buffers = torch.randn(n, numel, generator=gen, dtype=torch.float64)
     true_mean = buffers.mean(0)
-    we = torch.zeros(n, numel, dtype=torch.float64)
-    se = torch.zeros(n, numel // n, dtype=torch.float64)
+    exchange = simulated_exchange(n, numel, torch.float64)
     total = torch.zeros(numel, dtype=torch.float64)
     max_error_norm = 0.0
     for t in range(1, calls + 1):
-        result, we, se = oracle_compressed_allreduce(buffers, we, se)
-        total += result
-        residual = we.mean(0) + se.reshape(-1)
+        total += exchange_once(exchange, buffers)
+        residual = exchange.worker_error.view(n, -1).mean(0) + exchange.server_error
         max_error_norm = max(max_error_norm, residual.norm().item())
         torch.testing.assert_close(total, t * true_mean - residual, rtol=1e-9, atol=1e-9)
     relative_error = ((total / calls - true_mean).norm() / true_mean.norm()).item()
