@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.simulated_exchange import exchange_once, simulated_exchange
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from onebit import kernels
-from onebit.collectives import TrafficCounter, compressed_allreduce
+from onebit.collectives import compressed_allreduce
 from onebit.compression import (
     _pack_bits_torch,
     pack_signs,
@@ -21,7 +21,6 @@ from onebit.compression import (
     unpack_signs,
     update_error,
 )
-from onebit.exchange import SimulatedExchange
 from onebit.exchange.base import swap_storages
 
 
@@ -102,23 +101,6 @@ def reference_exchange(buffers, worker_errors, server_errors):
         result.append(b * s)
         new_se.append(y - b * s)
     return np.concatenate(result), np.stack(new_we), np.stack(new_se)
-
-
-def simulated_exchange(n: int, numel: int, dtype: torch.dtype) -> SimulatedExchange:
-    """The library's exchange of ``n`` workers simulated in one process (flat), bound to one
-    buffer of ``numel`` elements, with the backend ``auto`` picks."""
-    exchange = SimulatedExchange(n)
-    backend = kernels.select(torch.zeros(8, dtype=dtype))
-    exchange.bind([numel], dtype, torch.device("cpu"), backend, TrafficCounter())
-    return exchange
-
-
-def exchange_once(exchange: SimulatedExchange, buffers: torch.Tensor) -> torch.Tensor:
-    """One exchange of the workers' buffers (row ``i``: worker ``i``'s), left unchanged."""
-    for rank in range(exchange.workers - 1):
-        exchange.add_worker(rank, buffers[rank].clone())
-    last = buffers[-1].clone()
-    return exchange.exchange(last).decode(torch.empty_like(last))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])

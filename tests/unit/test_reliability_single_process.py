@@ -1,10 +1,10 @@
 """Properties of the 1-bit exchange's pure maths over random sizes (hypothesis): the padded
-size, and the invariants of the exchange simulated in one process."""
+size, and the invariants of the library's exchange simulated in one process."""
 
 from __future__ import annotations
 
 import torch
-from helpers.oracle import oracle_compressed_allreduce
+from helpers.simulated_exchange import exchange_once, simulated_exchange
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,19 +27,20 @@ def test_padded_size_properties(numel, world):
     calls=st.integers(1, 3),
 )
 def test_simulation_invariants_over_random_sizes(world, units, seed, calls):
-    """Every chunk of the result is +-b_j, and error feedback loses nothing: the worker
-    and server errors account exactly for what the result did not deliver."""
+    """In the library's exchange (simulated over ``world`` workers, float64): every chunk of
+    the result is +-b_j, and error feedback loses nothing: the worker and server errors
+    account exactly for what the result did not deliver."""
     numel = 8 * world * units
     gen = torch.Generator().manual_seed(seed)
     buffers = torch.randn(world, numel, generator=gen, dtype=torch.float64)
-    we = torch.zeros(world, numel, dtype=torch.float64)
-    se = torch.zeros(world, numel // world, dtype=torch.float64)
+    exchange = simulated_exchange(world, numel, torch.float64)
     delivered = torch.zeros(numel, dtype=torch.float64)
     for _ in range(calls):
-        result, we, se = oracle_compressed_allreduce(buffers, we, se)
+        result = exchange_once(exchange, buffers)
         delivered += result
         chunks = result.view(world, -1).abs()
         assert torch.equal(chunks, chunks[:, :1].expand_as(chunks))
+    we, se = exchange.worker_error.view(world, -1), exchange.server_error
     torch.testing.assert_close(
         delivered + we.mean(0) + se.reshape(-1), calls * buffers.mean(0), rtol=1e-9, atol=1e-9
     )
