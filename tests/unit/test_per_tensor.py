@@ -83,14 +83,19 @@ def test_interpreted_triton_in_a_world_of_one_rank_matches_the_simulation(backen
 
 def test_per_tensor_scales_differ_from_one_fused_buffer():
     # A small tensor beside a large one keeps its own scale: its result is +-(its own rms).
-    n = 2
-    buffers = [torch.full((n, 16), 1e-3), torch.full((n, 512), 10.0)]
-    width, server = onebit.per_tensor_error_sizes([16, 512], n)
-    results, _, _ = oracle_compressed_allreduce_per_tensor(
-        buffers, torch.zeros(n, width), torch.zeros(n, server)
-    )
-    torch.testing.assert_close(results[0], torch.full((16,), 1e-3))
-    torch.testing.assert_close(results[1], torch.full((512,), 10.0))
+    # In the fused buffer (the two tensors one after another) both get the buffer's rms.
+    # The library's exchanges in a world of one rank (no process group).
+    small, large = torch.full((16,), 1e-3), torch.full((512,), 10.0)
+    fused = torch.cat([small, large])  # 528 elements: a multiple of 8, no padding
+    width, server = onebit.per_tensor_error_sizes([16, 512], 1)
+    tensors = [small.clone(), large.clone()]
+    onebit.compressed_allreduce_per_tensor(tensors, torch.zeros(width), torch.zeros(server))
+    torch.testing.assert_close(tensors[0], torch.full((16,), 1e-3))
+    torch.testing.assert_close(tensors[1], torch.full((512,), 10.0))
+    result = onebit.compressed_allreduce(fused, torch.zeros(528), torch.zeros(528))
+    rms = fused.double().square().mean().sqrt().item()  # 9.85: the large tensor's, about
+    torch.testing.assert_close(result, torch.full((528,), rms), rtol=1e-5, atol=0)
+    assert not torch.allclose(result[:16], tensors[0])  # the small tensor's scale is lost
 
 
 @pytest.mark.parametrize(
