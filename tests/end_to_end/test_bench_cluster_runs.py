@@ -71,7 +71,8 @@ def test_two_worker_comparison_on_emulated_cluster() -> None:
         stages = summary[name]["stages"]
         for stage in stages.values():
             assert stage["step_seconds"] > 0
-            assert stage["wire_rx_bytes_per_step"] >= 0
+            # Every timed block reads the counters around a barrier between the hosts.
+            assert stage["wire_rx_bytes_per_step"] > 0
     dense = summary["lamb"]["stages"]["steady"]["wire_tx_bytes_per_step"]
     assert dense > 4 * result["info"]["parameters"] * 0.5 * 0.9  # ring: (n-1)/n * 2 * 4 B/param
     assert summary["lamb-compute"]["stages"]["steady"]["wire_tx_bytes_per_step"] < dense / 100
