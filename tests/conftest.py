@@ -11,5 +11,5 @@ if not torch.cuda.is_available():
 
 # One thread, as each rank of a run on this machine's cores has: numba then compiles only its
 # serial build (its parallel build, which compiles slower, is checked against it in
-# tests/test_kernels.py), and in-process tests do not compete with the spawned ranks.
+# tests/unit/test_kernels.py), and in-process tests do not compete with the spawned ranks.
 torch.set_num_threads(1)

@@ -1,0 +1,88 @@
+"""``onebit simulate`` on the tiny job (helpers/jobs.py): the same run as ``onebit train``
+with worker processes, and a resumed simulation the same as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.jobs import FREEZE as TINY_FREEZE
+from helpers.jobs import STEPS as TINY_STEPS
+from helpers.jobs import TINY, final_model, write_corpus
+
+import onebit
+from onebit.cli import main as onebit_main
+
+
+@pytest.mark.slow
+def test_cli_simulation_equals_onebit_train_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``onebit simulate --workers 2`` on the tiny job of helpers/jobs.py: the same parameters as
+    ``onebit train`` with 2 worker processes (a mean of two gradients is exact in any order),
+    the same run-folder files, and an interrupted simulation that resumes to the same end."""
+    monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
+    corpus = str(write_corpus(tmp_path / "corpus.txt"))
+    # --workers 2; the fused exchange, which the simulation runs
+    options = [*TINY, "--corpus", corpus, "--compression", "fused"]
+    assert onebit_main(["train", *options, "--out", str(tmp_path / "real")]) == 0
+    # Each worker's pass on the threads a real worker has (bit-identical results need that).
+    threads = ["--threads", str(max(1, len(os.sched_getaffinity(0)) // 2))]
+    default_threads = torch.get_num_threads()
+    try:
+        assert onebit_main(["simulate", *options, *threads, "--out", str(tmp_path / "sim")]) == 0
+        partial = tmp_path / "partial"  # the simulation as if stopped after step 8
+        shutil.copytree(tmp_path / "sim", partial)
+        shutil.rmtree(partial / "checkpoints" / f"step-{TINY_STEPS:08d}")
+        (partial / "summary.json").unlink()
+        assert onebit_main(["simulate", "--resume", str(partial), *threads]) == 0
+    finally:
+        torch.set_num_threads(default_threads)
+
+    real, simulated = final_model(tmp_path / "real"), final_model(tmp_path / "sim")
+    assert real.keys() == simulated.keys()
+    for name, tensor in real.items():
+        assert torch.equal(tensor, simulated[name]), f"{name}: simulation != onebit train"
+    for name, tensor in final_model(partial).items():
+        assert torch.equal(tensor, simulated[name]), f"{name}: resumed != uninterrupted"
+    rows = {
+        kind: [json.loads(line) for line in (tmp_path / kind / "metrics.jsonl").open()]
+        for kind in ("real", "sim", "partial")
+    }
+    for row in (row for kind in rows.values() for row in kind):
+        row.pop("step_time", None)
+    assert rows["partial"] == rows["sim"]
+
+    train = {kind: [r for r in rows[kind] if r["kind"] == "train"] for kind in rows}
+    assert [r["loss"] for r in train["sim"]] == [r["loss"] for r in train["real"]]
+    assert [r["stage"] for r in train["sim"]] == [r["stage"] for r in train["real"]]
+    assert [r["bytes"] for r in train["sim"][:TINY_FREEZE]] == [
+        r["bytes"] for r in train["real"][:TINY_FREEZE]
+    ]
+    # The real run also sends the one-time gradient check (8 bytes) at the first 1-bit step.
+    compressed = [r["bytes"] for r in train["real"][TINY_FREEZE:]]
+    compressed[0] -= 8
+    assert [r["bytes"] for r in train["sim"][TINY_FREEZE:]] == compressed
+    # Validation: the same model, but evaluated in one process rather than split over two
+    # ranks, so the batches and the summation of the mean loss differ.
+    validation = {
+        kind: [r["loss"] for r in rows[kind] if r["kind"] == "validation"] for kind in rows
+    }
+    assert validation["sim"] == pytest.approx(validation["real"], rel=1e-6)
+
+    summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["simulation"]["node_size"] == 1
+    memory = summary["simulation"]["memory_bytes"]
+    numel = summary["parameters"]
+    assert memory["worker_errors"] == 2 * 4 * onebit.padded_size(numel, 2)
+    capsys.readouterr()
+    assert onebit_main(["train", "--resume", str(tmp_path / "sim")]) == 2
+    assert "holds a simulation of 2 workers" in capsys.readouterr().err
+    assert onebit_main(["simulate", "--resume", str(tmp_path / "real")]) == 2
+    assert "holds a run of worker processes" in capsys.readouterr().err
+    assert onebit_main(["simulate", *options, "--optimizer", "zero-one-adam"]) == 2
+    assert "cannot be simulated" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""The many-worker simulation (onebit.simulate) in one process: its streamed exchange
+against the oracle, its state, traffic and memory, resume, and argument errors (the test
+model: helpers/simulation.py; against real processes: distributed/test_simulate_on_ranks.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
+from helpers.simulation import (
+    FREEZE,
+    STEPS,
+    build_model,
+    build_optimizer,
+    flat_params,
+    simulated_run,
+    worker_backward,
+)
+
+import onebit
+from onebit import kernels as backends
+from onebit.collectives import TrafficCounter, compressed_allreduce_bytes
+from onebit.simulate import SimulatedDataParallel, SimulatedExchange, SimulationDiverged
+
+
+def test_streamed_exchange_equals_the_reference_simulations() -> None:
+    """Flat and hierarchical, over several calls with the error state carried on."""
+    for workers, local in [(3, 1), (4, 1), (4, 2), (6, 3)]:
+        numel = 8 * workers * 29
+        generator = torch.Generator().manual_seed(workers * 10 + local)
+        errors = torch.zeros(workers, numel // local), torch.zeros(workers, numel // workers)
+        exchange = SimulatedExchange(workers, local)
+        reference_backend = backends.select(torch.zeros(8), "torch")
+        exchange.bind(
+            [numel], torch.float32, torch.device("cpu"), reference_backend, TrafficCounter()
+        )
+        for _ in range(3):
+            buffers = torch.randn(workers, numel, generator=generator)
+            if local == 1:
+                expected, *errors = oracle_compressed_allreduce(buffers, *errors, kernels="torch")
+            else:
+                expected, *errors = oracle_hierarchical_compressed_allreduce(
+                    buffers, *errors, local, kernels="torch"
+                )
+            for rank in range(workers - 1):
+                exchange.add_worker(rank, buffers[rank].clone())
+            result = exchange.exchange(buffers[-1].clone()).decode(torch.empty(numel))
+            assert torch.equal(result, expected), (workers, local)
+            streamed = (
+                exchange.worker_error.view(workers, -1),
+                exchange.server_error.view(workers, -1),
+            )
+            assert torch.equal(streamed[0], errors[0]) and torch.equal(streamed[1], errors[1])
+
+
+def test_state_traffic_and_memory_model() -> None:
+    _, optimizer, simulation = simulated_run("onebit-lamb", 4, 1, 0.0, "numba")
+    numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    padded = onebit.padded_size(numel, 4)
+    worker_error, server_error = optimizer.error_feedback
+    assert worker_error.numel() == 4 * padded and server_error.numel() == padded
+    compressed = compressed_allreduce_bytes(padded, 4, torch.float32)
+    assert optimizer.bytes_sent["compression"] == (STEPS - FREEZE) * compressed
+    assert simulation.traffic.bytes_sent["allreduce"] == FREEZE * 2 * 3 * 4 * numel // 4
+    memory = simulation.memory_bytes()
+    assert memory["worker_errors"] == 4 * 4 * padded and memory["server_errors"] == 4 * padded
+    assert memory["exchange_scratch"] == 4 * padded // 8 + 4 * padded // 8 // 4 + 2 * 4 * 4
+
+    # Checkpoints hold every worker's error state and continue the same trajectory.
+    _, hierarchical, _ = simulated_run("onebit-adam", 4, 2, 0.0, "numba")
+    state = hierarchical.state_dict()
+    assert state["onebit"]["world_size"] == 4 and state["onebit"]["ranks_per_node"] == 2
+    assert state["onebit"]["worker_error"].numel() == 4 * padded // 2
+
+
+def test_resume_from_a_checkpoint_continues_the_same_trajectory() -> None:
+    expected, _, _ = simulated_run("onebit-lamb", 4, 2, 0.0, "numba")
+    model = build_model()
+    optimizer = build_optimizer("onebit-lamb", model.parameters(), "numba")
+    simulation = SimulatedDataParallel(optimizer, 4, 2)
+    for step in range(STEPS):
+        if step == FREEZE + 2:  # resume into a fresh model, optimizer and simulation
+            state, weights = optimizer.state_dict(), model.state_dict()
+            model = build_model()
+            model.load_state_dict(weights)
+            optimizer = build_optimizer("onebit-lamb", model.parameters(), "numba")
+            simulation = SimulatedDataParallel(optimizer, 4, 2)
+            optimizer.load_state_dict(state)
+        simulation.step(worker_backward(model, step))
+        assert torch.equal(flat_params(model), expected[step]), step
+
+
+def test_bad_input_is_named() -> None:
+    model = build_model()
+    with pytest.raises(ValueError, match="node_size=3 must divide workers=4"):
+        SimulatedDataParallel(build_optimizer("onebit-lamb", model.parameters(), "numba"), 4, 3)
+    with pytest.raises(ValueError, match="workers must be a positive integer"):
+        SimulatedDataParallel(build_optimizer("lamb", model.parameters(), "numba"), 0)
+    optimizer = build_optimizer("onebit-lamb", model.parameters(), "numba")
+    SimulatedDataParallel(optimizer, 2)
+    with pytest.raises(ValueError, match="already simulated"):
+        SimulatedDataParallel(optimizer, 2)
+    exchange = SimulatedExchange(2)
+    with pytest.raises(RuntimeError, match="used before bind"):
+        exchange.add_worker(0, torch.zeros(16))
+    exchange.bind(
+        [16], torch.float32, torch.device("cpu"), backends.select(torch.zeros(8)), TrafficCounter()
+    )
+    with pytest.raises(ValueError, match="rank order: expected 0"):
+        exchange.add_worker(1, torch.zeros(16))
+    with pytest.raises(
+        RuntimeError, match="takes the last of 2 workers once the others are added; 0"
+    ):
+        exchange.exchange(torch.zeros(16))
+    with pytest.raises(SimulationDiverged, match="simulated worker 0"):
+        exchange.add_worker(0, torch.full((16,), float("nan")))

@@ -1,0 +1,208 @@
+"""``onebit train`` without a run: its options and their errors, the run folder's checks, the
+defaults and schedules, atomic writes, checkpoint rotation and fallback, subnormals, a legacy
+run folder's options."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from onebit.atomic import atomic_path, write_json_atomic
+from onebit.cli import build_parser, given_options
+from onebit.cli import main as onebit_main
+from onebit.train import checkpoint
+from onebit.train.config import TrainConfig
+from onebit.train.job_data import lr_factor, step_seed
+from onebit.train.run_dir import prepare_run_dir
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fsdp"], "--fsdp shards over the workers of a node: give --node-size L > 1"),
+        (["--fsdp", "--optimizer", "adam"], "--fsdp trains lamb, onebit-lamb, onebit-adam"),
+        (
+            ["--fsdp", "--node-size", "2", "--overlap-backward", "--grad-clip", "0"],
+            "--overlap-backward is not offered with --fsdp",
+        ),
+        (["--steps", "0"], "--steps must be a positive integer"),
+        (["--steps", "10", "--freeze-step", "11"], "--freeze-step must be in [1, --steps=10]"),
+        (["--hidden", "30", "--heads", "4"], "--hidden 30 must be divisible by --heads 4"),
+        (["--lr", "-1"], "Invalid --lr=-1.0: it must be > 0"),
+        (["--eps", "0"], "Invalid --eps=0.0: it must be > 0"),
+        (["--min-coeff", "0.5"], "min_coeff=0.5 > max_coeff=0.3"),
+        (["--factor-min", "5"], "factor_min=5.0 > factor_max=4.0"),
+        (["--coeff-beta", "1"], "Invalid --coeff-beta=1.0: it must be in [0, 1)"),
+        (["--betas", "0.9", "1.0"], "Invalid betas[1]=1.0: it must be in [0, 1)"),
+        (["--backend", "nccl"], "--backend nccl needs --device cuda"),
+        (["--batch-size", "10", "--workers", "4"], "--batch-size 10 (global) is not divisible"),
+        (["--workers", "0"], "--workers must be at least 1"),
+        (["--workers", "4", "--node-size", "3"], "--node-size 3 does not divide --workers 4"),
+        (["--node-size", "0"], "--node-size must be a positive integer"),
+        (
+            ["--optimizer", "onebit-adam", "--compression", "per_tensor"]
+            + ["--workers", "4", "--node-size", "2"],
+            "not offered with --compression per_tensor",
+        ),
+        (["--no-launch"], "needs torchrun's environment variables; ['RANK'"),
+        (
+            ["--bucket-cap-mb", "0"],
+            "Invalid --bucket-cap-mb=0.0: it must be a finite number of MiB > 0",
+        ),
+        (
+            ["--optimizer", "lamb", "--bucket-cap-mb", "1"],
+            "--bucket-cap-mb buckets the flat fused exchange of onebit-lamb and onebit-adam",
+        ),
+        (["--overlap-backward"], "add --grad-clip 0"),
+        (
+            ["--overlap-backward", "--grad-clip", "0", "--workers", "4", "--node-size", "2"],
+            "--overlap-backward buckets the flat fused exchange",
+        ),
+        (
+            ["--corpus", "/nonexistent/corpus.txt"],
+            "--corpus /nonexistent/corpus.txt does not exist",
+        ),
+        (
+            ["--steps", "50", "--lr-warmup-steps", "50"],
+            "--lr-warmup-steps must be in [0, --steps=50)",
+        ),
+    ],
+)
+def test_bad_options_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert onebit_main(["train", "--out", str(tmp_path / "run"), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_run_folder_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert onebit_main(["train", "--no-launch"]) == 2
+    assert "--no-launch needs --out" in capsys.readouterr().err
+    assert onebit_main(["train", "--resume", str(tmp_path)]) == 2
+    assert "is not a run folder: config.json is missing" in capsys.readouterr().err
+    prepare_run_dir(tmp_path / "run", TrainConfig().resolved(), {})
+    assert onebit_main(["train", "--resume", str(tmp_path / "run"), "--lr", "1"]) == 2
+    assert "drop ['--lr']" in capsys.readouterr().err
+    assert onebit_main(["train", "--out", str(tmp_path / "run"), "--steps", "50"]) == 2
+    assert "holds a run with another configuration" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert onebit_main(["train", "--out", str(tmp_path / "other")]) == 2
+    assert "exists and is not a run folder" in capsys.readouterr().err
+
+
+def test_every_config_field_is_an_option(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert given_options(TrainConfig, parser.parse_args(["train"])) == {}
+    argv = [
+        "train", "--optimizer", "lamb", "--steps", "7", "--betas", "0.8", "0.9", "--no-ddp",
+        "--corpus", "a.txt", "b.txt", "--lr", "0.5",
+    ]  # fmt: skip
+    assert given_options(TrainConfig, parser.parse_args(argv)) == {
+        "optimizer": "lamb",
+        "steps": 7,
+        "betas": (0.8, 0.9),
+        "ddp": False,
+        "corpus": ["a.txt", "b.txt"],
+        "lr": 0.5,
+    }
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--help"])
+    help_text = capsys.readouterr().out
+    for field in dataclasses.fields(TrainConfig):
+        assert f"--{field.name.replace('_', '-')} " in help_text
+    assert "(default: 40% of --steps)" in help_text and "(default: --ddp)" in help_text
+
+
+def test_defaults_resolve_from_steps() -> None:
+    config = TrainConfig(steps=1000).resolved()
+    assert (config.freeze_step, config.lr_warmup_steps) == (400, 100)
+    assert (config.eval_every, config.checkpoint_every) == (100, 250)
+    assert TrainConfig(optimizer="lamb", steps=3).resolved().freeze_step == 1
+
+
+def test_lr_schedule_and_seeds() -> None:
+    factors = [lr_factor(i, 4, 12) for i in range(12)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4:] == sorted(factors[4:], reverse=True) and 0 < factors[-1] < 0.2
+    assert lr_factor(0, 0, 10) == 1.0
+    assert step_seed(0, 1) != step_seed(0, 2) != step_seed(1, 1)
+    assert step_seed(0, 1, 0) != step_seed(0, 1, 1) and step_seed(3, 4) == step_seed(3, 4)
+
+
+def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "config.json"
+    write_json_atomic(path, {"steps": 1})
+    with pytest.raises(OSError), atomic_path(path) as tmp:
+        tmp.write_text('{"ste')
+        raise OSError("disk full")
+    assert json.loads(path.read_text()) == {"steps": 1}
+    assert [p.name for p in path.parent.iterdir()] == ["config.json"]  # no temporary file left
+
+
+@pytest.fixture
+def single_rank_group() -> Iterator[None]:
+    # Port 0: the store binds a free port itself (nothing else needs to find it).
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_checkpoint_rotation_and_fallback(
+    tmp_path: Path, single_rank_group: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        state = {"w": torch.full((4,), float(step))}
+        checkpoint.save(root, step, {"model": state}, {"opt": state}, keep=2)
+    assert checkpoint.complete_steps(root) == [3, 2]
+    assert not (root / "step-00000001").exists()
+    (root / "step-00000004").mkdir()  # an incomplete checkpoint (no manifest) is ignored
+    (root / "step-00000004" / "model.pt").write_bytes(b"partial")
+    assert checkpoint.load_latest(root).step == 3
+
+    model = root / "step-00000003" / "model.pt"
+    payload = bytearray(model.read_bytes())
+    payload[len(payload) // 2] ^= 0xFF  # a flipped bit, same length
+    model.write_bytes(bytes(payload))
+    loaded = checkpoint.load_latest(root)
+    assert loaded.step == 2 and torch.equal(loaded.model["model"]["w"], torch.full((4,), 2.0))
+    assert "model.pt is truncated or corrupt" in caplog.text
+    assert "trying the previous one" in caplog.text
+    assert checkpoint.latest_model_state(root)[0] == 2
+
+    for step_dir in root.iterdir():
+        (step_dir / "model.pt").unlink(missing_ok=True)
+    assert checkpoint.load_latest(root) is None
+    with pytest.raises(FileNotFoundError, match="no usable checkpoint"):
+        checkpoint.latest_model_state(root)
+
+
+def test_training_on_the_cpu_flushes_subnormals_and_restores_them_after():
+    from onebit.train.trainer import _subnormals_flushed
+
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormal floats")
+    torch.set_flush_denormal(False)
+    tiny = torch.tensor([1e-30], dtype=torch.float32)
+    assert (tiny * 1e-10).item() > 0  # a subnormal result
+    with _subnormals_flushed(torch.device("cpu")):
+        assert (tiny * 1e-10).item() == 0
+    assert (tiny * 1e-10).item() > 0
+
+
+def test_legacy_compression_option_of_a_run_folder_reads_as_what_it_ran(tmp_path: Path):
+    from onebit.train.run_dir import read_config
+
+    for optimizer, saved, now in (("onebit-lamb", None, "fused"), ("onebit-adam", None, None)):
+        train = {**TrainConfig(optimizer=optimizer).to_json(), "onebit_adam_compression": saved}
+        del train["compression"]
+        write_json_atomic(tmp_path / "config.json", {"train": train, "launch": {}})
+        assert read_config(tmp_path).compression == now
