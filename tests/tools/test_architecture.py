@@ -1,4 +1,5 @@
-"""The layering the architecture promises (docs/ARCHITECTURE.md), read from the source: no
+"""The layering the architecture promises (docs/ARCHITECTURE.md), read from the source: every
+import points down the layers, nothing outside the optimizers imports their private modules, no
 module imports a module that imports it back, and no code below the optimizers' constructors
 picks a backend by comparing its name (backends travel as objects)."""
 
@@ -74,14 +75,50 @@ def test_no_backend_is_selected_by_comparing_its_name():
     assert [c for c in comparisons if c.split(":")[0] not in allowed] == []
 
 
-def test_no_module_outside_the_kernels_is_much_above_400_lines():
-    """Modules of one concern: the kernels are long by nature (one loop each, unrolled)."""
-    long = {
-        str(path.relative_to(SOURCE)): n
-        for path in SOURCE.rglob("*.py")
-        if "kernels" not in path.parts and (n := len(path.read_text().splitlines())) > 420
-    }
-    assert long == {}
+#: The layers, bottom first, by the first part of each module's name below ``onebit``
+#: (``onebit``: the package's own exports, at the adapters' level).
+LAYERS = (
+    ("maths", {"compression", "coefficients", "units", "atomic", "cache", "bert_shapes"}),
+    ("kernels", {"kernels"}),
+    ("exchange", {"exchange", "collectives", "consistency"}),
+    ("optimizers", {"optim"}),
+    (
+        "adapters",
+        {"ddp", "integrations", "deepspeed", "dcp", "clipping", "simulate", "timing"}
+        | {"plateau", "testing", "onebit"},
+    ),
+    ("applications", {"cli", "__main__", "train", "bench", "estimate"}),
+)
+
+
+def _layer(module: str) -> int:
+    head = module.split(".")[1] if "." in module else module
+    found = [index for index, (_, heads) in enumerate(LAYERS) if head in heads]
+    assert found, f"{module} is in no layer of LAYERS: place it"
+    return found[0]
+
+
+def test_every_import_points_down_the_layers():
+    modules = _modules()
+    upward = [
+        f"{name} ({LAYERS[_layer(name)][0]}) imports {target} ({LAYERS[_layer(target)][0]})"
+        for name, path in sorted(modules.items())
+        for target in sorted(_imports(name, path, modules))
+        if _layer(target) > _layer(name)
+    ]
+    assert upward == []
+
+
+def test_nothing_outside_the_optimizers_imports_their_private_modules():
+    modules = _modules()
+    private = [
+        f"{name} imports {target}"
+        for name, path in sorted(modules.items())
+        if not name.startswith("onebit.optim")
+        for target in sorted(_imports(name, path, modules))
+        if target.startswith("onebit.optim._")
+    ]
+    assert private == []
 
 
 def test_the_command_lists_every_command_with_one_line(monkeypatch):
