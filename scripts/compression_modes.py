@@ -6,7 +6,7 @@ main job's model: bytes and collectives per compression-stage step, and the time
 
 Bytes are what :mod:`onebit.collectives` counts for n ranks (``compressed_allreduce_bytes``
 and ``compressed_allreduce_per_tensor_bytes``); both exchanges make the same four collectives
-per step (tests/test_per_tensor.py counts them). Step times: ``optimizer.step()`` of
+per step (tests/unit/test_per_tensor.py counts them). Step times: ``optimizer.step()`` of
 ``OneBitAdam(compression=...)`` (or ``OneBitLamb``) in the compression stage, one thread, both
 modes measured alternately in the same process, median of ``--repeats``.
 """

@@ -233,7 +233,7 @@ if setup_environment; then
     export -f cuda_tests time_allreduce step_benchmark nccl_optimizer_check
     run_step cuda-tests 120 bash -c cuda_tests
     run_step triton-kernel-tests 100 "$PY" -m pytest -q -p no:cacheprovider \
-        tests/test_kernels.py tests/test_backends_float32.py -k triton -m "not cuda"
+        tests/unit/test_kernels.py tests/unit/test_backends_float32.py -k triton -m "not cuda"
     run_step timings 60 bash -c time_allreduce
     run_step step-benchmark 150 bash -c step_benchmark
     run_step nccl-optimizer 60 bash -c nccl_optimizer_check

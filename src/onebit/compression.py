@@ -4,7 +4,7 @@ Everything here is local to one process: signs, bit packing, scales, the error-f
 compression step, the padding of the per-tensor exchange and the layout of a buffer in
 segments compressed alone (:class:`Layout`, which the kernels read too). The exchange itself
 (:mod:`onebit.exchange`) is built from these pieces through the backends' kernels; the
-single-process models it is tested against live with the tests (``tests/oracle.py``).
+single-process models it is tested against live with the tests (``tests/helpers/oracle.py``).
 
 Conventions (ALGORITHM.md):
 
