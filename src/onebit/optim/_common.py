@@ -3,7 +3,7 @@ finiteness check, and checkpoints checked and loaded per parameter."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -91,13 +91,57 @@ def validate_checkpoint(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> 
                     )
 
 
-def restore_state_precision(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> None:
-    """Undo ``Optimizer.load_state_dict``'s cast of state tensors to the parameter's dtype.
+def checked_real(param_group: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``param_group`` (its parameters as a list, where torch takes them as one), after
+    refusing complex parameters, naming the first: their state and update are real."""
+    params = param_group["params"]
+    if isinstance(params, Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        return param_group  # torch refuses an unordered set itself
+    params = list(params)
+    for index, param in enumerate(params):
+        if isinstance(param, Tensor) and param.is_complex():
+            raise ValueError(
+                f"parameter {index} of the group is complex ({param.dtype}): onebit's "
+                "optimizers update real tensors; keep its real and imaginary parts as a real "
+                "parameter (torch.view_as_real) instead"
+            )
+    return {**param_group, "params": params}
 
-    torch casts floating state to the dtype of the parameter; for half-precision parameters
-    that would round the fp32 moments and master copy, so the saved tensors are put back in
-    their own precision (on the parameter's device).
-    """
+
+def load_checked(
+    optimizer: Optimizer, state_dict: Mapping[str, Any], check: Callable[[Mapping], None]
+) -> Mapping[str, Any]:
+    """torch's ``load_state_dict`` with ``check`` run on the dict its load pre-hooks leave,
+    before anything is loaded (a ``ValueError`` there changes nothing), and the loaded state
+    put back in its own precision before its post-hooks run (torch casts floating state to
+    the parameter's dtype, which would round a half-precision parameter's fp32 moments and
+    master copy). Returns the dict that was loaded."""
+    final: dict[str, Mapping[str, Any]] = {}
+
+    def checked(_: Optimizer, hooked: Mapping[str, Any]) -> None:
+        check(hooked)
+        final["dict"] = hooked
+
+    def own_precision(_: Optimizer) -> None:
+        restore_state_precision(optimizer, final["dict"])
+
+    handles = [
+        optimizer.register_load_state_dict_pre_hook(checked),  # the last pre-hook
+        optimizer.register_load_state_dict_post_hook(own_precision, prepend=True),
+    ]
+    try:
+        Optimizer.load_state_dict(optimizer, state_dict)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return final["dict"]
+
+
+def restore_state_precision(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Each floating state tensor of ``state_dict`` into ``optimizer.state`` in its own
+    precision, on its parameter's device."""
     saved_state = state_dict.get("state", {})
     for group, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=True):
         for param, key in zip(group["params"], saved["params"], strict=True):

@@ -31,7 +31,6 @@ from torch.optim import Optimizer
 from onebit.collectives import allreduce_mean_
 from onebit.exchange import Exchange, NodeGroups, NonFiniteError
 from onebit.exchange.bucketed import bucket_elements
-from onebit.kernels import Backend, UpdateKernels
 from onebit.optim import _common, checks
 from onebit.optim._compression_stage import (
     CompressionStage,
@@ -42,11 +41,10 @@ from onebit.optim._data_parallel import COMPRESSIONS, DataParallel
 from onebit.optim._flat import FlatState
 from onebit.optim._guard import StepGuard
 from onebit.optim._overlap import BackwardOverlap, bucket_members
-from onebit.optim._parameters import FlatParameters, trainable
+from onebit.optim._parameters import FlatParameters, read_only, trainable
 from onebit.optim._readiness import ReadinessMonitor
 from onebit.optim._rules import UpdateRule, ZeroOneAdamRule
 from onebit.optim._schedule import COMPRESSION, GRADIENT_1BIT, SYNC, WARMUP, Schedule
-from onebit.optim._sharding import ShardGroup
 from onebit.optim.functional import _active_indices, _pick
 
 __all__ = [
@@ -169,6 +167,7 @@ class OneBitOptimizer(Optimizer):
         self.max_grad_norm = max_grad_norm
         self.bucket_cap_mb = bucket_cap_mb
         self._step = 0
+        self._loaded = False  # a checkpoint was loaded: the groups are those it was saved with
         self._guard = StepGuard(on_nonfinite, verify_every)
         self._parameters = FlatParameters(rule.scalars, kernels, takes_fsdp_hsdp=False)
         self._stage = CompressionStage()
@@ -630,30 +629,15 @@ class OneBitOptimizer(Optimizer):
         each tensor on this rank. Error buffers saved with one layout are only valid in it."""
         return self._data_parallel.error_feedback_layout(self._local_numels())
 
-    @property
-    def kernels(self) -> str | None:
-        return self._parameters.kernels
-
-    @property
-    def flat_state(self) -> FlatState | None:
-        """The flat state the steps update (:mod:`onebit.optim._flat`), read-only for tools
-        and tests; ``None`` before the first step and after a checkpoint load."""
-        return self._parameters.flat
-
-    @property
-    def backend(self) -> Backend | None:
-        """The backend the steps run on (:mod:`onebit.kernels`), selected at the first step."""
-        return self._parameters.backend
-
-    @property
-    def updates(self) -> UpdateKernels:
-        """The update kernels: the backend's, or the torch reference."""
-        return self._parameters.updates
-
-    @property
-    def shards(self) -> ShardGroup | None:
-        """The FSDP2 shard group of the parameters, or ``None`` when they are not sharded."""
-        return self._parameters.shards
+    kernels = read_only("kernels", "The backend asked for (None, 'auto' or a name).")
+    flat_state = read_only(
+        "flat",
+        "The flat state the steps update (FlatState), read-only for tools and tests; None "
+        "before the first step and after a checkpoint load.",
+    )
+    backend = read_only("backend", "The backend the steps run on, selected at the first step.")
+    updates = read_only("updates", "The update kernels: the backend's, or the torch reference.")
+    shards = read_only("shards", "The FSDP2 shard group of the parameters, or None.")
 
     @property
     def overlap_backward(self) -> bool:
@@ -710,11 +694,26 @@ class OneBitOptimizer(Optimizer):
     def _local_numels(self) -> list[int]:
         return self._parameters.local_numels(self.param_groups)
 
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"{type(self).__name__} cannot be copied or pickled: it holds its process group, "
+            "its exchange's error feedback and hooks on the parameters. Save "
+            "optimizer.state_dict() and load it into a new optimizer built over the (copied) "
+            "parameters instead"
+        )
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's, before the first step, after checking the group's ``exp_avg_mask``
-        (nothing is added when it is wrong); the overlap's hooks go on its parameters."""
+        """torch's, before the first step and before a checkpoint load, after checking the
+        group (complex parameters, ``exp_avg_mask``; nothing is added when it is wrong); the
+        overlap's hooks go on its parameters."""
         self._parameters.check_can_add()
-        param_group = check_group_masks(param_group)
+        if self._loaded:
+            raise RuntimeError(
+                "cannot add a parameter group after load_state_dict: the loaded state (error "
+                "feedback included) is laid out for the checkpoint's parameters; add the group "
+                "before loading, or build the optimizer with every group"
+            )
+        param_group = check_group_masks(_common.checked_real(param_group))
         super().add_param_group(param_group)
         self._parameters.regroup(self.param_groups)
         if self._overlap is not None:
@@ -780,21 +779,26 @@ class OneBitOptimizer(Optimizer):
         _common.validate_checkpoint(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint; with another world size the error buffers restart from zero.
+        """Load a checkpoint (as torch's load pre-hooks leave it); with another world size the
+        error buffers restart from zero.
 
         Raises ``ValueError`` naming the problem, with nothing changed, for a checkpoint of
         another optimizer or model (:meth:`check_checkpoint`), or error buffers of the wrong
         size."""
-        self.check_checkpoint(state_dict)
-        extra = state_dict["onebit"]
-        if self._overlap is not None:
-            self._overlap.cancel()
         numels = self._local_numels()
         exchange = self.exchange
-        errors_fit = exchange.check_state(extra, numels)
-        restart = exchange.restart_reason(extra, numels)
-        super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
-        _common.restore_state_precision(self, state_dict)
+        fits: dict[str, Any] = {}
+
+        def check(hooked: dict[str, Any]) -> None:
+            self.check_checkpoint(hooked)
+            fits["errors"] = exchange.check_state(hooked["onebit"], numels)
+            fits["restart"] = exchange.restart_reason(hooked["onebit"], numels)
+            if self._overlap is not None:
+                self._overlap.cancel()
+
+        extra = _common.load_checked(self, state_dict, check)["onebit"]
+        errors_fit, restart = fits["errors"], fits["restart"]
+        self._loaded = True
         self._step = int(extra["step"])
         self._guard.skipped_steps = int(extra["skipped_steps"])
         self._data_parallel.bytes_sent = dict(extra["bytes_sent"])

@@ -13,12 +13,18 @@ from onebit.optim import functional
 from onebit.optim._flat import FlatState
 from onebit.optim._sharding import ShardGroup, local_tensor
 
-__all__ = ["FlatParameters", "check_kernels"]
+__all__ = ["FlatParameters", "check_kernels", "read_only"]
 
 
 def check_kernels(kernels: str | None) -> None:
     if kernels not in (None, "auto", *BACKENDS):
         raise ValueError(f"Invalid kernels={kernels!r}: use None, 'auto' or one of {BACKENDS}")
+
+
+def read_only(name: str, doc: str) -> property:
+    """An optimizer's read-only property that reads attribute ``name`` of its
+    :class:`FlatParameters` (``self._parameters``)."""
+    return property(lambda optimizer: getattr(optimizer._parameters, name), doc=doc)
 
 
 def trainable(param_groups: Iterable[Mapping[str, Any]]) -> list[Tensor]:
@@ -46,6 +52,12 @@ class FlatParameters:
         self.has_state: list[bool] = []
         self.backend: Backend | None = None
         self.shards: ShardGroup | None = None
+        self._laid_out: set[int] = set()  # ids of the parameters in the flat state
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the flat state and the backend: a copy lays them out at its first step
+        from the per-parameter state (the copy's parameters are not views of these buffers)."""
+        return {**self.__dict__, "flat": None, "backend": None, "has_state": []}
 
     def check_can_add(self) -> None:
         """Refuse a new parameter group once the state is laid out."""
@@ -70,7 +82,25 @@ class FlatParameters:
             self.has_state = flat.adopt([states[p] for _, p in pairs])
             self.backend = select(flat.exp_avg, self.kernels)
             self.flat = flat
+            self._laid_out = {id(p) for _, p in pairs}
+        else:
+            self._refuse_unfrozen(param_groups)
         return self.flat
+
+    def _refuse_unfrozen(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
+        """A parameter that was frozen when the state was laid out and has a gradient now
+        would never be updated: refused, naming it, before the step changes anything."""
+        for group_index, group in enumerate(param_groups):
+            for index, param in enumerate(group["params"]):
+                if param.grad is not None and id(param) not in self._laid_out:
+                    raise RuntimeError(
+                        f"parameter {index} of group {group_index} (shape "
+                        f"{tuple(param.shape)}) has a gradient, but it was frozen "
+                        "(requires_grad=False) when the optimizer laid its state out at the "
+                        "first step, so it would never be updated: set requires_grad on every "
+                        "parameter to train before the first step, or give the parameters "
+                        "unfrozen later an optimizer of their own"
+                    )
 
     def forget(self) -> None:
         """Lay the state out anew at the next step (after a checkpoint load)."""

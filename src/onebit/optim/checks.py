@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from torch import Tensor
+
 __all__ = [
     "check_max_grad_norm",
     "check_lr",
@@ -28,7 +30,13 @@ def check_max_grad_norm(max_grad_norm: float) -> None:
         )
 
 
-def check_lr(lr: float) -> None:
+def check_lr(lr: float | Tensor) -> None:
+    """``lr >= 0``: a number, or a tensor of one element (as torch's optimizers take)."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(
+            f"Invalid learning rate lr: a tensor lr must have one element, got shape "
+            f"{tuple(lr.shape)}"
+        )
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate lr={lr}: it must be >= 0")
 

@@ -9,12 +9,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from onebit.kernels import Backend, UpdateKernels
 from onebit.optim import _common, checks
-from onebit.optim._flat import FlatState
-from onebit.optim._parameters import FlatParameters
+from onebit.optim._parameters import FlatParameters, read_only
 from onebit.optim._rules import LambRule, last_coefficients
-from onebit.optim._sharding import ShardGroup
 
 __all__ = ["Lamb"]
 
@@ -78,34 +75,35 @@ class Lamb(Optimizer):
         )
         super().__init__(params, defaults)
 
-    @property
-    def kernels(self) -> str | None:
-        return self._parameters.kernels
+    kernels = read_only("kernels", "The backend asked for (None, 'auto' or a name).")
+    flat_state = read_only(
+        "flat",
+        "The flat state the steps update (FlatState), read-only for tools and tests; None "
+        "before the first step and after a checkpoint load.",
+    )
+    backend = read_only("backend", "The backend the steps run on, selected at the first step.")
+    updates = read_only("updates", "The update kernels: the backend's, or the torch reference.")
+    shards = read_only("shards", "The FSDP2 shard group of the parameters, or None.")
 
-    @property
-    def flat_state(self) -> FlatState | None:
-        """The flat state the steps update (:mod:`onebit.optim._flat`), read-only for tools
-        and tests; ``None`` before the first step and after a checkpoint load."""
-        return self._parameters.flat
-
-    @property
-    def backend(self) -> Backend | None:
-        """The backend the steps run on (:mod:`onebit.kernels`), selected at the first step."""
-        return self._parameters.backend
-
-    @property
-    def updates(self) -> UpdateKernels:
-        return self._parameters.updates
-
-    @property
-    def shards(self) -> ShardGroup | None:
-        """The FSDP2 shard group of the parameters, or ``None`` when they are not sharded."""
-        return self._parameters.shards
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's, with the arguments and the flat parameters; the flat state is laid out
+        anew from the per-parameter state at the copy's first step."""
+        if self.shards is not None:
+            raise TypeError(
+                "Lamb over FSDP-sharded parameters cannot be copied or pickled: save "
+                "onebit.dcp.save(...) and load it into a new optimizer instead"
+            )
+        return {
+            **super().__getstate__(),
+            "max_grad_norm": self.max_grad_norm,
+            "rule": self.rule,
+            "_parameters": self._parameters,
+        }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's, before the first step."""
+        """torch's, before the first step; complex parameters are refused."""
         self._parameters.check_can_add()
-        super().add_param_group(param_group)
+        super().add_param_group(_common.checked_real(param_group))
         self._parameters.regroup(self.param_groups)
 
     def memory_bytes(self) -> dict[str, int]:
@@ -143,7 +141,6 @@ class Lamb(Optimizer):
         return last_coefficients(self._parameters.flat, self._parameters.has_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.check_checkpoint(state_dict)
-        super().load_state_dict(state_dict)
-        _common.restore_state_precision(self, state_dict)
+        """torch's, after :meth:`check_checkpoint` of the dict its load pre-hooks leave."""
+        _common.load_checked(self, state_dict, self.check_checkpoint)
         self._parameters.forget()

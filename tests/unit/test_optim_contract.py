@@ -1,0 +1,297 @@
+"""What code written for ``torch.optim`` expects of every optimizer (the generic expectations of
+PyTorch's own optimizer tests), held by all four onebit optimizers at world size 1, through a
+two-step warm-up into the 1-bit steps: closures, hooks, schedulers, tensor learning rates,
+dtypes, exact resume, load hooks, copies, and clear refusals of what they do not take."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import onebit
+
+SHAPES = [(5, 3), (3,), (2, 2)]
+
+
+def build(name: str, params, **options):
+    """Each optimizer with a warm-up of two steps (0/1 Adam: variance frozen after step 2,
+    so steps 3.. are its local and synchronisation steps)."""
+    if name == "Lamb":
+        return onebit.Lamb(params, **{"lr": 1e-2, **options})
+    if name == "ZeroOneAdam":
+        options = {"var_freeze_step": 2, "var_warmup_steps": 2, "local_step_clipper": 2, **options}
+        return onebit.ZeroOneAdam(params, **{"lr": 1e-2, **options})
+    kind = {"OneBitLamb": onebit.OneBitLamb, "OneBitAdam": onebit.OneBitAdam}[name]
+    return kind(params, **{"lr": 1e-2, "freeze_step": 2, **options})
+
+
+OPTIMIZERS = ["Lamb", "OneBitLamb", "OneBitAdam", "ZeroOneAdam"]
+ONEBIT = OPTIMIZERS[1:]
+
+
+def make_params(dtype=torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype))
+        for shape in SHAPES
+    ]
+
+
+def set_gradients(params, step: int) -> None:
+    generator = torch.Generator().manual_seed(1000 + step)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+
+
+def run(optimizer, params, steps: range) -> None:
+    for step in steps:
+        set_gradients(params, step)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_closure_is_evaluated_with_gradients_and_its_loss_returned(name):
+    params = make_params()
+    optimizer = build(name, params)
+    target = torch.ones(5, 3)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = ((params[0] - target) ** 2).sum() + params[1].sum() + params[2].sum()
+        loss.backward()
+        return loss
+
+    losses = [float(optimizer.step(closure)) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    assert optimizer.step() is None
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero_grad_sets_gradients_to_none(name):
+    params = make_params()
+    optimizer = build(name, params)
+    run(optimizer, params, range(3))
+    optimizer.zero_grad()
+    assert all(param.grad is None for param in params)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_step_hooks_run_before_and_after_every_step(name):
+    params = make_params()
+    optimizer = build(name, params)
+    calls = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    run(optimizer, params, range(4))
+    assert calls == ["pre", "post"] * 4
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_parameter_group_with_learning_rate_zero_stays_put(name):
+    params = make_params()
+    optimizer = build(name, [{"params": params[:2]}, {"params": params[2:], "lr": 0.0}])
+    before = [param.detach().clone() for param in params]
+    run(optimizer, params, range(5))
+    assert not torch.equal(params[0], before[0])
+    assert torch.equal(params[2].detach(), before[2])
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_schedulers_drive_the_learning_rate_and_cycled_betas_across_the_freeze(name):
+    params = make_params()
+    optimizer = build(name, params)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=0.05, total_steps=6, cycle_momentum=True
+    )
+    seen = []
+    for step in range(5):
+        set_gradients(params, step)
+        optimizer.step()
+        scheduler.step()
+        seen.append((optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["betas"][0]))
+    assert len({lr for lr, _ in seen}) > 1 and len({beta for _, beta in seen}) > 1
+    assert all(torch.isfinite(param).all() for param in params)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_one_element_tensor_learning_rate_steps_as_the_number_does(name):
+    by_number, by_tensor = make_params(), make_params()
+    run(build(name, by_number, lr=1e-2), by_number, range(5))
+    run(build(name, by_tensor, lr=torch.tensor(1e-2)), by_tensor, range(5))
+    for a, b in zip(by_number, by_tensor, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_learning_rate_tensor_of_several_elements_is_refused_naming_lr(name):
+    with pytest.raises(ValueError, match="lr"):
+        build(name, make_params(), lr=torch.tensor([1e-3, 1e-3]))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_float64_and_bfloat16_parameters_step_in_their_dtype(name, dtype):
+    params = make_params(dtype)
+    optimizer = build(name, params)
+    before = [param.detach().clone() for param in params]
+    run(optimizer, params, range(5))
+    for param, old in zip(params, before, strict=True):
+        assert param.dtype == dtype and torch.isfinite(param).all()
+        assert not torch.equal(param.detach(), old)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("split", [1, 3])
+def test_a_resumed_run_follows_the_uninterrupted_one_bit_for_bit(name, split):
+    """Saved before the freeze (1) or after it (3), through torch.save with weights_only."""
+    straight = make_params()
+    run(build(name, straight), straight, range(7))
+    first = make_params()
+    optimizer = build(name, first)
+    run(optimizer, first, range(split))
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    weights = [param.detach().clone() for param in first]
+    resumed = [torch.nn.Parameter(w) for w in weights]
+    buffer.seek(0)
+    again = build(name, resumed)
+    again.load_state_dict(torch.load(buffer, weights_only=True))
+    run(again, resumed, range(split, 7))
+    for a, b in zip(straight, resumed, strict=True):
+        assert torch.equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_sparse_gradient_is_refused_clearly(name):
+    params = make_params()
+    optimizer = build(name, params)
+    set_gradients(params, 0)
+    params[0].grad = params[0].grad.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_complex_parameters_are_refused_before_anything_changes(name):
+    real = make_params()
+    with pytest.raises(ValueError, match="complex"):
+        build(name, [*real, torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+    optimizer = build(name, real)
+    with pytest.raises(ValueError, match="complex"):
+        optimizer.add_param_group(
+            {"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.cfloat))]}
+        )
+    assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_group_given_as_a_generator_is_taken_whole(name):
+    params = make_params()
+    optimizer = build(name, [{"params": (p for p in params)}])
+    assert optimizer.param_groups[0]["params"] == params
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_load_hooks_keep_their_effect(name):
+    """A pre-hook's returned dict is what loads; a post-hook's change to the state stays, and
+    the next step starts from it as from a checkpoint that held those values."""
+    params = make_params()
+    source = build(name, params)
+    run(source, params, range(3))
+    saved = copy.deepcopy(source.state_dict())
+    weights = [param.detach().clone() for param in params]
+
+    def pre_hook(optimizer, state_dict):
+        changed = copy.deepcopy(state_dict)
+        changed["state"][0]["exp_avg"].fill_(7.0)
+        return changed
+
+    hooked_params = [torch.nn.Parameter(w.clone()) for w in weights]
+    hooked = build(name, hooked_params)
+    hooked.register_load_state_dict_pre_hook(pre_hook)
+    hooked.register_load_state_dict_post_hook(
+        lambda optimizer: optimizer.state[hooked_params[1]]["exp_avg"].fill_(3.0)
+    )
+    hooked.load_state_dict(saved)
+    assert hooked.state[hooked_params[0]]["exp_avg"].unique().tolist() == [7.0]
+    assert hooked.state[hooked_params[1]]["exp_avg"].unique().tolist() == [3.0]
+
+    edited = copy.deepcopy(saved)
+    edited["state"][0]["exp_avg"].fill_(7.0)
+    edited["state"][1]["exp_avg"].fill_(3.0)
+    twin_params = [torch.nn.Parameter(w.clone()) for w in weights]
+    twin = build(name, twin_params)
+    twin.load_state_dict(edited)
+    run(hooked, hooked_params, range(3, 5))
+    run(twin, twin_params, range(3, 5))
+    for a, b in zip(hooked_params, twin_params, strict=True):
+        assert torch.equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_parameter_group_is_refused_after_the_first_step(name):
+    params = make_params()
+    optimizer = build(name, params)
+    run(optimizer, params, range(1))
+    with pytest.raises(RuntimeError, match="after the first step"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+@pytest.mark.parametrize("name", ONEBIT)
+def test_a_parameter_group_is_refused_after_a_checkpoint_load(name):
+    """The loaded error feedback is laid out for the checkpoint's parameters."""
+    params = make_params()
+    source = build(name, params)
+    run(source, params, range(4))
+    target = build(name, make_params())
+    target.load_state_dict(source.state_dict())
+    with pytest.raises(RuntimeError, match="after load_state_dict"):
+        target.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    assert len(target.param_groups) == 1
+
+
+def test_copies_of_lamb_and_the_original_end_alike():
+    params = make_params()
+    optimizer = build("Lamb", params)
+    run(optimizer, params, range(3))
+    copied = copy.deepcopy(optimizer)
+    pickled = pickle.loads(pickle.dumps(optimizer))
+    for other in (copied, pickled):
+        run(other, other.param_groups[0]["params"], range(3, 6))
+    run(optimizer, params, range(3, 6))
+    for other in (copied, pickled):
+        for a, b in zip(params, other.param_groups[0]["params"], strict=True):
+            assert torch.equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("name", ONEBIT)
+def test_copying_a_one_bit_optimizer_is_refused_with_what_to_do(name):
+    optimizer = build(name, make_params())
+    for attempt in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="state_dict"):
+            attempt(optimizer)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_optimizer_prints(name):
+    optimizer = build(name, make_params())
+    assert repr(optimizer).startswith(type(optimizer).__name__)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_parameter_unfrozen_after_the_first_step_is_refused_before_the_step(name):
+    """Its state was not laid out: it would never be updated (torch's would start updating)."""
+    params = make_params()
+    params[2].requires_grad_(False)
+    optimizer = build(name, params)
+    run(optimizer, params[:2], range(3))
+    params[2].requires_grad_(True)
+    set_gradients(params, 3)
+    before = [param.detach().clone() for param in params]
+    with pytest.raises(RuntimeError, match="parameter 2 of group 0 .* frozen"):
+        optimizer.step()
+    assert all(torch.equal(a.detach(), b) for a, b in zip(params, before, strict=True))
