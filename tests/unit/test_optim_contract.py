@@ -65,7 +65,7 @@ def test_the_closure_is_evaluated_with_gradients_and_its_loss_returned(name):
         loss.backward()
         return loss
 
-    losses = [float(optimizer.step(closure)) for _ in range(5)]
+    losses = [float(optimizer.step(closure).detach()) for _ in range(5)]
     assert losses[-1] < losses[0]
     assert optimizer.step() is None
 
