@@ -295,3 +295,28 @@ def test_a_parameter_unfrozen_after_the_first_step_is_refused_before_the_step(na
     with pytest.raises(RuntimeError, match="parameter 2 of group 0 .* frozen"):
         optimizer.step()
     assert all(torch.equal(a.detach(), b) for a, b in zip(params, before, strict=True))
+
+
+@pytest.mark.parametrize("name", ONEBIT)
+@pytest.mark.parametrize("kernels", ["torch", "numba"])
+def test_a_parameter_frozen_in_the_one_bit_steps_keeps_weights_and_state(name, kernels):
+    """ALGORITHM.md, "Parameters without gradients": frozen (requires_grad=False, no
+    gradient), it keeps everything bit for bit, as torch's optimizers skip it; unfrozen, it
+    moves again."""
+    params = make_params()
+    optimizer = build(name, params, kernels=kernels)
+    run(optimizer, params, range(3))  # the warm-up and a first 1-bit step
+    params[2].requires_grad_(False)
+    kept = {k: v.clone() for k, v in optimizer.state[params[2]].items() if torch.is_tensor(v)}
+    weights, others = params[2].detach().clone(), params[0].detach().clone()
+    for step in range(3, 8):
+        set_gradients(params[:2], step)
+        params[2].grad = None
+        optimizer.step()
+    assert torch.equal(params[2].detach(), weights)
+    for key, value in kept.items():
+        assert torch.equal(optimizer.state[params[2]][key], value), key
+    assert not torch.equal(params[0].detach(), others)
+    params[2].requires_grad_(True)
+    run(optimizer, params, range(8, 12))
+    assert not torch.equal(params[2].detach(), weights)

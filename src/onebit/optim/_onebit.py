@@ -272,6 +272,7 @@ class OneBitOptimizer(Optimizer):
         started during backward, and the replica check comes after it, so that every rank's
         collectives keep one order."""
         buffer = self._momentum_buffer(step, flat)
+        active = self._taking_part(flat)
         data_parallel = self._data_parallel
         try:
             if self._overlaps_this_step():
@@ -279,7 +280,7 @@ class OneBitOptimizer(Optimizer):
                     packed = self._overlap.complete()
                 self._verify_replicas_if_due(flat)
             else:
-                self._scaled_local_momentum(flat, grads, buffer)
+                self._scaled_local_momentum(flat, grads, buffer, active)
                 self._check_gradients_once(step, COMPRESSION, buffer)
                 with data_parallel.collective(step, COMPRESSION):
                     packed = data_parallel.exchange.exchange(buffer)
@@ -292,7 +293,7 @@ class OneBitOptimizer(Optimizer):
             return self._guard.skip("a rank's local momentum", step)
         per_tensor = data_parallel.compression == "per_tensor"
         self.rule.compressed(
-            self.updates, flat, packed, buffer, self._stage.mask, self._has_state, per_tensor
+            self.updates, flat, packed, buffer, self._stage.mask, active, per_tensor
         )
         return True
 
@@ -305,7 +306,7 @@ class OneBitOptimizer(Optimizer):
             self._exchange_per_tensor(step, GRADIENT_1BIT, flat.grad)
         except NonFiniteError:
             return self._guard.skip("a rank's local gradients", step)
-        self.rule.momentum_step(self.updates, flat, flat.views(flat.grad), self._has_state)
+        self.rule.momentum_step(self.updates, flat, flat.views(flat.grad), self._taking_part(flat))
         return True
 
     def _local_step(
@@ -323,23 +324,30 @@ class OneBitOptimizer(Optimizer):
             torch.zeros(t.shape, dtype=flat.dtype, device=flat.device) if g is None else g
             for t, g in zip(flat.tensors, grads, strict=True)
         ]
-        indices = _active_indices(self._has_state)
+        active = self._taking_part(flat)
+        indices = _active_indices(active)
         if _common.all_finite(_pick(local, indices)):
-            rule.momentum_step(self.updates, flat, local, self._has_state)
+            rule.momentum_step(self.updates, flat, local, active)
         else:
             self._guard.ignore_local(step, kind)
         lr_sum = flat.scalars["lr_sum"]
         lr_sum[indices] += flat.segment_values(lambda group: group["lr"])[indices]
         if kind == SYNC:
-            rule.accumulated_update(self.updates, flat, self._has_state, buffer)
+            rule.accumulated_update(self.updates, flat, active, buffer)
             self._exchange_per_tensor(step, SYNC, buffer)
-            rule.synchronised_update(self.updates, flat, buffer, self._has_state)
+            rule.synchronised_update(self.updates, flat, buffer, active)
         return True
 
     # ----------------------------------------------------------------- step helpers
     @property
     def _has_state(self) -> list[bool]:
         return self._parameters.has_state
+
+    def _taking_part(self, flat: FlatState) -> list[bool]:
+        """Per parameter, whether a 1-bit step updates it: it has state and is not frozen
+        (``requires_grad=False``; ALGORITHM.md, "Parameters without gradients")."""
+        pairs = zip(self._has_state, flat.params, strict=True)
+        return [has and param.requires_grad for has, param in pairs]
 
     def _unscale_for_grad_scaler(self, params: list[Tensor]) -> None:
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
@@ -412,10 +420,12 @@ class OneBitOptimizer(Optimizer):
         flat: FlatState,
         grads: Sequence[Tensor | None],
         buffer: Tensor,
+        active: Sequence[bool],
         only: Sequence[int] | None = None,
     ) -> None:
-        """``buffer = s_p (b1 m_p + (1 - b1) g_p)`` of this rank's gradients, padded; with
-        ``only``, just those tensors' ranges (the padding untouched)."""
+        """``buffer = s_p (b1 m_p + (1 - b1) g_p)`` of this rank's gradients for the
+        ``active`` tensors, zeros for the others, padded; with ``only``, just those tensors'
+        ranges (the padding untouched)."""
         selected = set(range(len(grads)) if only is None else only)
         local = [  # a parameter without a gradient on this rank contributes zeros
             torch.zeros(t.shape, dtype=flat.dtype, device=flat.device)
@@ -424,7 +434,7 @@ class OneBitOptimizer(Optimizer):
             for index, (t, g) in enumerate(zip(flat.tensors, grads, strict=True))
         ]
         self.updates.scaled_momentum(
-            flat, local, flat.scalars["scaling_coeff"], buffer, self._has_state, only
+            flat, local, flat.scalars["scaling_coeff"], buffer, active, only
         )
         if only is None:
             buffer[flat.numel :].zero_()
@@ -442,14 +452,15 @@ class OneBitOptimizer(Optimizer):
         flat, buffer, exchange = self._parameters.flat, self._stage.buffer, self.exchange
         buffer[flat.numel :].zero_()
         members = bucket_members(flat.offsets, exchange.buckets())
+        active = self._taking_part(flat)
 
         def form(only: Sequence[int]) -> None:
             grads = [None] * len(flat.params)
             for index in only:
                 grads[index] = _common.dense_grad(flat.params[index], flat.dtype)
-            self._scaled_local_momentum(flat, grads, buffer, only)
+            self._scaled_local_momentum(flat, grads, buffer, active, only)
 
-        ready = [not has for has in self._has_state]
+        ready = [not taking_part for taking_part in active]
         return exchange.begin(buffer), members, form, ready
 
     def _accumulator(self, step: int, flat: FlatState) -> Tensor:
@@ -677,7 +688,7 @@ class OneBitOptimizer(Optimizer):
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
         buffer = self._momentum_buffer(self._step + 1, flat)
         self._clip_own_gradients(grads)
-        self._scaled_local_momentum(flat, grads, buffer)
+        self._scaled_local_momentum(flat, grads, buffer, self._taking_part(flat))
         return buffer
 
     def memory_bytes(self) -> dict[str, int]:
