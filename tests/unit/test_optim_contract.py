@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -320,3 +321,21 @@ def test_a_parameter_frozen_in_the_one_bit_steps_keeps_weights_and_state(name, k
     params[2].requires_grad_(True)
     run(optimizer, params, range(8, 12))
     assert not torch.equal(params[2].detach(), weights)
+
+
+@pytest.mark.parametrize("name", ONEBIT)
+def test_a_first_gradient_after_the_warm_up_is_warned_about_once(name):
+    """It has no variance to be frozen: left out, not updated, and said so (once)."""
+    params = make_params()
+    optimizer = build(name, params)
+    for step in range(2):  # the warm-up, without a gradient for parameter 2
+        set_gradients(params, step)
+        params[2].grad = None
+        optimizer.step()
+    weights = params[2].detach().clone()
+    with pytest.warns(RuntimeWarning, match=r"parameter 2 \(shape \[2, 2\]\) got a first gradient"):
+        run(optimizer, params, range(2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        run(optimizer, params, range(3, 5))
+    assert torch.equal(params[2].detach(), weights)

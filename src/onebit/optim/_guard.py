@@ -33,6 +33,7 @@ class StepGuard:
         self.skipped_steps = 0
         self._verified = False
         self._pending = False  # a check was due while the replicas differed by design
+        self._left_out: set[int] = set()  # parameters warned about as left out
 
     def verify_if_due(
         self,
@@ -80,6 +81,24 @@ class StepGuard:
         self.skipped_steps += 1
         warnings.warn(
             f"{message}: ignored on this rank, its weights and momentum unchanged for this step",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def warn_left_out(self, step: int, kind: str, late: Sequence[tuple[int, tuple]]) -> None:
+        """Parameters (index, shape) whose first gradient came in a 1-bit step, after the
+        dense steps that give a parameter its state: they are left out, with a warning once
+        each (ALGORITHM.md, "Parameters without gradients")."""
+        new = [(index, shape) for index, shape in late if index not in self._left_out]
+        if not new:
+            return
+        self._left_out.update(index for index, _ in new)
+        named = ", ".join(f"parameter {index} (shape {list(shape)})" for index, shape in new)
+        warnings.warn(
+            f"{named} got a first gradient at step {step}, a {kind} step: a parameter gets "
+            "its state (and its variance) in the dense steps before the freeze, so the 1-bit "
+            "steps leave it out and it is not updated. Give it a gradient in the warm-up, or "
+            "an optimizer of its own",
             RuntimeWarning,
             stacklevel=4,
         )

@@ -221,6 +221,7 @@ class OneBitOptimizer(Optimizer):
                 if kind in self.schedule.dense_kinds:
                     applied = self._dense_step(step, kind, flat, grads)
                 else:
+                    self._warn_if_left_out(step, kind, flat, grads)
                     self._clip_own_gradients(grads)
                     if kind == COMPRESSION:
                         applied = self._compressed_step(step, flat, grads)
@@ -348,6 +349,17 @@ class OneBitOptimizer(Optimizer):
         (``requires_grad=False``; ALGORITHM.md, "Parameters without gradients")."""
         pairs = zip(self._has_state, flat.params, strict=True)
         return [has and param.requires_grad for has, param in pairs]
+
+    def _warn_if_left_out(
+        self, step: int, kind: str, flat: FlatState, grads: Sequence[Tensor | None]
+    ) -> None:
+        late = [
+            (index, tuple(flat.params[index].shape))
+            for index, (grad, has) in enumerate(zip(grads, self._has_state, strict=True))
+            if grad is not None and not has
+        ]
+        if late:
+            self._guard.warn_left_out(step, kind, late)
 
     def _unscale_for_grad_scaler(self, params: list[Tensor]) -> None:
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
