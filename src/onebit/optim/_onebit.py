@@ -41,7 +41,7 @@ from onebit.optim._data_parallel import COMPRESSIONS, DataParallel
 from onebit.optim._flat import FlatState
 from onebit.optim._guard import StepGuard
 from onebit.optim._overlap import BackwardOverlap, bucket_members
-from onebit.optim._parameters import FlatParameters, read_only, trainable
+from onebit.optim._parameters import FlatParameters, trainable, views_of_flat_parameters
 from onebit.optim._readiness import ReadinessMonitor
 from onebit.optim._rules import UpdateRule, ZeroOneAdamRule
 from onebit.optim._schedule import COMPRESSION, GRADIENT_1BIT, SYNC, WARMUP, Schedule
@@ -652,15 +652,7 @@ class OneBitOptimizer(Optimizer):
         each tensor on this rank. Error buffers saved with one layout are only valid in it."""
         return self._data_parallel.error_feedback_layout(self._local_numels())
 
-    kernels = read_only("kernels", "The backend asked for (None, 'auto' or a name).")
-    flat_state = read_only(
-        "flat",
-        "The flat state the steps update (FlatState), read-only for tools and tests; None "
-        "before the first step and after a checkpoint load.",
-    )
-    backend = read_only("backend", "The backend the steps run on, selected at the first step.")
-    updates = read_only("updates", "The update kernels: the backend's, or the torch reference.")
-    shards = read_only("shards", "The FSDP2 shard group of the parameters, or None.")
+    kernels, flat_state, backend, updates, shards = views_of_flat_parameters()
 
     @property
     def overlap_backward(self) -> bool:

@@ -13,7 +13,7 @@ from onebit.optim import functional
 from onebit.optim._flat import FlatState
 from onebit.optim._sharding import ShardGroup, local_tensor
 
-__all__ = ["FlatParameters", "check_kernels", "read_only"]
+__all__ = ["FlatParameters", "check_kernels", "views_of_flat_parameters"]
 
 
 def check_kernels(kernels: str | None) -> None:
@@ -21,10 +21,24 @@ def check_kernels(kernels: str | None) -> None:
         raise ValueError(f"Invalid kernels={kernels!r}: use None, 'auto' or one of {BACKENDS}")
 
 
-def read_only(name: str, doc: str) -> property:
-    """An optimizer's read-only property that reads attribute ``name`` of its
-    :class:`FlatParameters` (``self._parameters``)."""
+def _read_only(name: str, doc: str) -> property:
     return property(lambda optimizer: getattr(optimizer._parameters, name), doc=doc)
+
+
+def views_of_flat_parameters() -> tuple[property, ...]:
+    """An optimizer's read-only properties ``kernels, flat_state, backend, updates, shards``,
+    which read its :class:`FlatParameters` (``self._parameters``)."""
+    return (
+        _read_only("kernels", "The backend asked for (None, 'auto' or a name)."),
+        _read_only(
+            "flat",
+            "The flat state the steps update (FlatState), read-only for tools and tests; "
+            "None before the first step and after a checkpoint load.",
+        ),
+        _read_only("backend", "The backend the steps run on, selected at the first step."),
+        _read_only("updates", "The update kernels: the backend's, or the torch reference."),
+        _read_only("shards", "The FSDP2 shard group of the parameters, or None."),
+    )
 
 
 def trainable(param_groups: Iterable[Mapping[str, Any]]) -> list[Tensor]:

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from onebit.optim import _common, checks
-from onebit.optim._parameters import FlatParameters, read_only
+from onebit.optim._parameters import FlatParameters, views_of_flat_parameters
 from onebit.optim._rules import LambRule, last_coefficients
 
 __all__ = ["Lamb"]
@@ -75,15 +75,7 @@ class Lamb(Optimizer):
         )
         super().__init__(params, defaults)
 
-    kernels = read_only("kernels", "The backend asked for (None, 'auto' or a name).")
-    flat_state = read_only(
-        "flat",
-        "The flat state the steps update (FlatState), read-only for tools and tests; None "
-        "before the first step and after a checkpoint load.",
-    )
-    backend = read_only("backend", "The backend the steps run on, selected at the first step.")
-    updates = read_only("updates", "The update kernels: the backend's, or the torch reference.")
-    shards = read_only("shards", "The FSDP2 shard group of the parameters, or None.")
+    kernels, flat_state, backend, updates, shards = views_of_flat_parameters()
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's, with the arguments and the flat parameters; the flat state is laid out
