@@ -54,3 +54,14 @@ def test_a_format_1_checkpoint_resumes_bit_for_bit(saved: dict, name: str) -> No
         optimizer.step()
     for param, expected in zip(params, case["after_10"], strict=True):
         torch.testing.assert_close(param.detach(), expected, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_naming_it(saved: dict) -> None:
+    case = saved["OneBitLamb"]
+    params = [torch.nn.Parameter(p.clone()) for p in case["initial"]]
+    optimizer = BUILD["OneBitLamb"](params)
+    newer = {**case["at_5"]["optimizer"]}
+    newer["onebit"] = {**newer["onebit"], "format": 99}
+    with pytest.raises(ValueError, match="format 99"):
+        optimizer.load_state_dict(newer)
+    assert optimizer.step_count == 0
