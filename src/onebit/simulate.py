@@ -21,7 +21,7 @@ one optimizer suffices, holding the error state of all ``W`` workers, and a step
 The exchange runs the same stages of the two-phase protocol (:mod:`onebit.exchange.protocol`)
 in the same order as a distributed exchange, flat or hierarchical, so the parameters equal
 those of a real run of ``W`` processes bit for bit when the averaged gradients agree
-(tests/unit/test_simulate.py).
+(tests/distributed/test_simulate_on_ranks.py).
 
 **Memory** (``N_pad`` = the trainable parameters padded to a multiple of ``8 W``, 4 bytes an
 element in fp32): the worker errors, ``M N_pad`` elements (``W`` buffers of ``N_pad / L``);
