@@ -157,11 +157,6 @@ class DataParallel:
             self._exchange = self._build_exchange()
         return self._exchange
 
-    @property
-    def has_exchange(self) -> bool:
-        """Whether the exchange exists yet (it is built at first use)."""
-        return self._exchange is not None
-
     def _build_exchange(self) -> Exchange:
         if self.compression == "per_tensor":
             return PerTensorExchange(self._process_group)

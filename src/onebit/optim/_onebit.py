@@ -94,6 +94,20 @@ def choose_compression(
     return compression, chosen
 
 
+def _zeros_where_missing(
+    flat: FlatState, grads: Sequence[Tensor | None], only: Sequence[int] | None = None
+) -> list[Tensor | None]:
+    """This rank's gradients with zeros for the parameters it has none for (of ``only``,
+    where given): such a parameter contributes zeros to the average."""
+    selected = set(range(len(grads)) if only is None else only)
+    return [
+        torch.zeros(t.shape, dtype=flat.dtype, device=flat.device)
+        if g is None and index in selected
+        else g
+        for index, (t, g) in enumerate(zip(flat.tensors, grads, strict=True))
+    ]
+
+
 class OneBitOptimizer(Optimizer):
     """The optimizer of 1-bit LAMB, 1-bit Adam and 0/1 Adam (ALGORITHM.md).
 
@@ -321,10 +335,7 @@ class OneBitOptimizer(Optimizer):
         buffer = self._accumulator(step, flat)
         if step - 1 <= self.schedule.freeze_step:
             self._start_interval(step, flat)
-        local = [
-            torch.zeros(t.shape, dtype=flat.dtype, device=flat.device) if g is None else g
-            for t, g in zip(flat.tensors, grads, strict=True)
-        ]
+        local = _zeros_where_missing(flat, grads)
         active = self._taking_part(flat)
         indices = _active_indices(active)
         if _common.all_finite(_pick(local, indices)):
@@ -438,13 +449,7 @@ class OneBitOptimizer(Optimizer):
         """``buffer = s_p (b1 m_p + (1 - b1) g_p)`` of this rank's gradients for the
         ``active`` tensors, zeros for the others, padded; with ``only``, just those tensors'
         ranges (the padding untouched)."""
-        selected = set(range(len(grads)) if only is None else only)
-        local = [  # a parameter without a gradient on this rank contributes zeros
-            torch.zeros(t.shape, dtype=flat.dtype, device=flat.device)
-            if g is None and index in selected
-            else g
-            for index, (t, g) in enumerate(zip(flat.tensors, grads, strict=True))
-        ]
+        local = _zeros_where_missing(flat, grads, only)
         self.updates.scaled_momentum(
             flat, local, flat.scalars["scaling_coeff"], buffer, active, only
         )
