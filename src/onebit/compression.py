@@ -37,6 +37,8 @@ __all__ = [
     "server_average",
     "per_tensor_padded_size",
     "Layout",
+    "SignRuns",
+    "ExchangeResult",
 ]
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -233,26 +235,55 @@ class Layout:
         return tuple(chunk // 8 for chunk in self.chunks)
 
 
+@dataclass(frozen=True)
+class SignRuns:
+    """An exchange's result as the update reads it, whatever its packing: run ``r`` covers
+    the decoded elements ``[bounds[r], bounds[r + 1])`` (the runs partition the result, in
+    element order), each ``+-scales[r]``; element ``bounds[r] + k``'s sign is bit
+    ``first_bits[r] + k`` of ``signs`` (MSB first, 1 is ``+``)."""
+
+    bounds: np.ndarray  # [runs + 1] int64
+    first_bits: np.ndarray  # [runs] int64
+    scales: Tensor  # [runs]
+    signs: Tensor  # uint8, flat
+
+    @property
+    def numel(self) -> int:
+        return int(self.bounds[-1])
+
+    @property
+    def chunk_elements(self) -> int | None:
+        """``C`` where run ``r`` is elements ``[rC, (r + 1)C)`` at bits ``rC ..`` (element
+        ``e``'s scale is ``scales[e // C]``, its bit ``e``), else ``None``."""
+        lengths = np.diff(self.bounds)
+        if (lengths == lengths[0]).all() and (self.first_bits == self.bounds[:-1]).all():
+            return int(lengths[0])
+        return None
+
+    @staticmethod
+    def concatenate(parts: Sequence[tuple[int, SignRuns]]) -> SignRuns:
+        """The runs of results that cover elements from ``start`` on, in element order, as one
+        (their signs one after another)."""
+        bits = np.cumsum([0] + [8 * runs.signs.numel() for _, runs in parts[:-1]])
+        last_start, last = parts[-1]
+        return SignRuns(
+            np.concatenate(
+                [start + runs.bounds[:-1] for start, runs in parts] + [[last_start + last.numel]]
+            ).astype(np.int64),
+            np.concatenate(
+                [shift + runs.first_bits for shift, (_, runs) in zip(bits, parts, strict=True)]
+            ),
+            torch.cat([runs.scales for _, runs in parts]),
+            torch.cat([runs.signs for _, runs in parts]),
+        )
+
+
 class ExchangeResult(Protocol):
-    """An exchange's result before decoding, as the update reads it: the whole buffer's, or
-    its buckets' one after another (:class:`onebit.exchange.PackedResult`,
-    :class:`onebit.exchange.BucketedResult`). Element ``e`` is ``+-b`` of its chunk's scale
-    ``b``. In the flat layout (``in_flat_layout``) chunk ``c`` holds elements
-    ``[chunk_bounds[c], chunk_bounds[c + 1])`` with scale ``chunk_scales[c]``, and element
-    ``e``'s sign is bit ``e`` of ``flat_signs`` (MSB first, 1 is ``+``); any result decodes
-    into a buffer with :meth:`decode`."""
+    """An exchange's result before decoding (:class:`onebit.exchange.PackedResult`,
+    :class:`onebit.exchange.BucketedResult`): read as :class:`SignRuns` by the update kernels
+    that decode on the fly, or decoded into a buffer."""
 
-    @property
-    def in_flat_layout(self) -> bool: ...
-
-    @property
-    def flat_signs(self) -> Tensor: ...
-
-    @property
-    def chunk_bounds(self) -> np.ndarray: ...
-
-    @property
-    def chunk_scales(self) -> Tensor: ...
+    def sign_runs(self) -> SignRuns: ...
 
     def decode(self, out: Tensor) -> Tensor:
         """The result, every element, into ``out``; returns ``out``."""

@@ -23,11 +23,13 @@ from helpers.onebit_problem import (
 from helpers.oracle import oracle_compressed_allreduce
 from helpers.oracle_onebit import oracle_run
 
+import onebit
 from onebit import kernels
 from onebit.exchange import BucketedExchange, FlatExchange, TrafficCounter
 from onebit.testing import spawn_workers
 
 CPU_BACKENDS = [name for name in kernels.available() if name != "triton"]
+FUSED_BACKENDS = [name for name in kernels.available() if name != "torch"]  # triton interpreted
 NUMELS = [37, 100, 13]  # 150 elements, padded to 160 (n = 2, 4) or 168 (n = 3)
 BUCKET = 70  # elements: buckets of 64, 64, 32 at n = 2 and 4; 48, 48, 48, 24 at n = 3
 CALLS = 3
@@ -174,6 +176,52 @@ def test_optimizers_with_buckets_follow_the_model_and_one_bucket_is_the_whole_bu
         assert one[2] == whole[2]
     compressed = results[0]["lamb"][2]["compression"] - results[0]["whole buffer"][2]["compression"]
     assert compressed == (STEPS - FREEZE) * 3 * 8 * (world - 1) * 3  # 3 more buckets' scalars
+
+
+def _unequal_bucket_runs(rank: int, world: int):
+    """1-bit LAMB and 1-bit Adam over tensors of ``NUMELS`` in buckets of 64, 64 and 32
+    elements (chunks of 32, 32 and 16 per server), with every backend: the weights after
+    each step."""
+    out = {}
+    for backend in kernels.available():
+        for name, kind in (("lamb", onebit.OneBitLamb), ("adam", onebit.OneBitAdam)):
+            gen = torch.Generator().manual_seed(3)
+            params = [
+                torch.nn.Parameter(torch.randn(n, generator=gen, dtype=torch.float64))
+                for n in NUMELS
+            ]
+            optimizer = kind(
+                params,
+                lr=0.01,
+                freeze_step=3,
+                compression="fused",
+                bucket_cap_mb=BUCKET * 8 / 2**20,
+                kernels=backend,
+            )
+            history = []
+            for step in range(8):
+                gen = torch.Generator().manual_seed(100 * rank + step)
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+                optimizer.step()
+                history.append(torch.cat([p.detach().clone() for p in params]))
+            out[backend, name] = history
+    return out
+
+
+@pytest.mark.skipif(not FUSED_BACKENDS, reason="needs a fused backend")
+def test_fused_backends_read_buckets_whose_chunks_differ_in_size():
+    """Each fused backend decodes every bucket with its own chunks' scales: its weights follow
+    the torch reference's to summation order, and the ranks agree bit for bit."""
+    ranks = spawn_workers(_unequal_bucket_runs, 2, timeout_s=240)
+    for (backend, name), history in ranks[0].items():
+        reference = ranks[0]["torch", name]
+        for step, (got, want) in enumerate(zip(history, reference, strict=True)):
+            where = f"{backend} {name} step {step + 1}"
+            torch.testing.assert_close(
+                got, want, rtol=1e-12, atol=1e-12, msg=lambda m, w=where: f"{w}: {m}"
+            )
+            assert torch.equal(got, ranks[1][backend, name][step])
 
 
 def _resume(rank: int, world: int, tmp_path):

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from onebit.compression import SignRuns
 from onebit.exchange.flat import FlatExchange
 from onebit.exchange.over_group import Round
 from onebit.exchange.protocol import Layout, PackedResult, exchange_bytes
@@ -52,21 +52,9 @@ class BucketedResult:
     covers elements ``[start_k, end_k)``."""
 
     parts: list[tuple[int, PackedResult]]  # (start, result), in element order
-    in_flat_layout = True
 
-    @property
-    def flat_signs(self) -> Tensor:
-        return torch.cat([part.flat_signs for _, part in self.parts])
-
-    @property
-    def chunk_bounds(self) -> np.ndarray:
-        starts = [start + part.chunk_bounds[:-1] for start, part in self.parts]
-        last_start, last = self.parts[-1]
-        return np.concatenate([*starts, [last_start + last.chunk_bounds[-1]]])
-
-    @property
-    def chunk_scales(self) -> Tensor:
-        return torch.cat([part.chunk_scales for _, part in self.parts])
+    def sign_runs(self) -> SignRuns:
+        return SignRuns.concatenate([(start, part.sign_runs()) for start, part in self.parts])
 
     def decode(self, out: Tensor) -> Tensor:
         """Every bucket's result into its range of ``out`` (the padded buffer's size)."""

@@ -23,6 +23,7 @@ stages in a loop over its workers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from onebit.compression import Layout, scale_dtype
+from onebit.compression import Layout, SignRuns, scale_dtype
 from onebit.kernels import Backend
 
 __all__ = [
@@ -238,6 +239,29 @@ class Stages:
             )
 
 
+@functools.lru_cache(maxsize=64)
+def _run_table(layout: Layout, row_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of a result of ``layout`` whose servers' signs are rows of ``row_bytes``
+    bytes (row ``j``: chunk ``j`` of every segment, segment after segment): their bounds in
+    the decoded order, their first bits, and the index of each one's scale in the flattened
+    ``[server, segment]`` scales."""
+    bounds, first_bits, scale_index = [0], [], []
+    out = column = 0  # the segment's first decoded element; its first byte in a row
+    for t, (numel, chunk) in enumerate(zip(layout.numels, layout.chunks, strict=True)):
+        for j in range(layout.n):
+            count = min(chunk, numel - j * chunk)
+            if count > 0:
+                bounds.append(out + j * chunk + count)
+                first_bits.append(8 * (j * row_bytes + column))
+                scale_index.append(j * layout.segments + t)
+        out, column = out + numel, column + chunk // 8
+    return (
+        np.asarray(bounds, dtype=np.int64),
+        np.asarray(first_bits, dtype=np.int64),
+        np.asarray(scale_index, dtype=np.int64),
+    )
+
+
 @dataclass
 class PackedResult:
     """The result of an exchange before decoding (an :class:`~onebit.compression.ExchangeResult`;
@@ -253,38 +277,13 @@ class PackedResult:
     backend: Backend
     padding: Tensor | None = None  # scratch for decoding padded segments
 
-    # The flat layout that update kernels decode on the fly (one segment only): the signs of
-    # every element in element order, and the scale of each chunk [bounds[c], bounds[c+1]).
-    @property
-    def in_flat_layout(self) -> bool:
-        """Whether ``flat_signs``, ``chunk_bounds`` and ``chunk_scales`` describe the result
-        (one segment); otherwise it is decoded with :meth:`decode`."""
-        return self.layout.segments == 1
-
-    @property
-    def flat_signs(self) -> Tensor:
-        """The packed signs of all elements, element ``e`` at bit ``e`` (MSB first)."""
-        self._require_flat()
-        return self.signs.view(-1)
-
-    @property
-    def chunk_bounds(self) -> np.ndarray:
-        """``[n + 1]`` int64: chunk ``c`` holds elements ``[bounds[c], bounds[c + 1])``."""
-        self._require_flat()
-        return np.arange(self.signs.shape[0] + 1, dtype=np.int64) * (8 * self.signs.shape[1])
-
-    @property
-    def chunk_scales(self) -> Tensor:
-        """Each chunk's scale, ``[n]``."""
-        self._require_flat()
-        return self.scales[:, 0]
-
-    def _require_flat(self) -> None:
-        if not self.in_flat_layout:
-            raise ValueError(
-                f"this result has {self.layout.segments} segments; only a one-segment "
-                "result is decoded on the fly (decode it with decode())"
-            )
+    def sign_runs(self) -> SignRuns:
+        """The result as runs (:class:`~onebit.compression.SignRuns`): a run per server's
+        chunk of each segment, in the decoded order (segment ``t``'s first ``numels[t]``
+        values, one segment after another)."""
+        bounds, first_bits, scale_index = _run_table(self.layout, self.signs.shape[1])
+        scales = self.scales.reshape(-1)[torch.from_numpy(scale_index).to(self.scales.device)]
+        return SignRuns(bounds, first_bits, scales, self.signs.view(-1))
 
     @cached_property
     def _segment_signs(self) -> list[Tensor]:
@@ -307,7 +306,7 @@ class PackedResult:
                 f"out has {flat.numel()} elements; the result has {sum(self.layout.numels)}"
             )
         if self.layout.segments == 1 and flat.numel() == self.layout.width:
-            self.backend.compression.decode(self.signs, self.chunk_scales, flat)
+            self.backend.compression.decode(self.signs, self.scales[:, 0], flat)
             return out
         if self.backend.segmented is not None:
             self.backend.segmented.decode_segments(self.signs, self.scales, flat, self.layout)

@@ -25,8 +25,8 @@ from numba import njit, prange, typed
 from torch import Tensor
 
 from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
-from onebit.compression import Layout
-from onebit.kernels._numba import Compiled, _decode_pieces
+from onebit.compression import ExchangeResult
+from onebit.kernels._numba import Compiled
 from onebit.kernels._numba import to_numpy as _np
 from onebit.kernels._numba_compression import _signed
 
@@ -515,46 +515,25 @@ def _mask_array(flat: Any, mask: Tensor | None) -> np.ndarray:
     return np.zeros(0, dtype=_Hyper(flat).dtype) if mask is None else _np(mask)
 
 
-@functools.lru_cache(maxsize=64)
-def _segment_sign_table(layout: Layout, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """A result of one segment per tensor (``layout``, rows of ``row_bytes`` bytes) as rows
-    ``(segment, start, end, first bit)`` of at most :data:`BLOCK` elements, each within one
-    server's chunk (its server in the second array): tensor ``t``'s element ``e`` at flat
-    offset ``start`` is in server ``e // C_t``'s row."""
-    rows, servers = [], []
-    for t, j, start, first_byte, count in _decode_pieces(layout):
-        for k in range(0, count, BLOCK):
-            first_bit = 8 * (j * row_bytes + first_byte) + k
-            rows.append((t, start + k, start + min(k + BLOCK, count), first_bit))
-            servers.append(j)
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 4), np.asarray(servers, dtype=np.int64)
-
-
-def _sign_table(flat: Any, packed: Any, scaling: Tensor):
+def _sign_table(flat: Any, packed: ExchangeResult, scaling: Tensor):
     """Where the update kernels read each element's exchanged momentum: rows ``(segment,
-    start, end, first bit)`` of elements ``start .. end - 1`` (blocks that never cross a
-    tensor nor a chunk of the exchange), each row's ``value = b * (1 / s[segment])`` (``b``
-    its chunk's scale, rounded once as the reference's ``+-b_j * (1 / s)``), and the packed
-    signs, bit ``first bit`` on. ``packed`` is a result in the flat layout (``flat_signs``,
-    ``chunk_bounds``, ``chunk_scales``) or of one segment per tensor."""
+    start, end, first bit)`` of elements ``start .. end - 1`` (the blocks, split further at
+    the borders of the result's runs, :class:`~onebit.compression.SignRuns`), each row's
+    ``value = b * (1 / s[segment])`` (``b`` its run's scale, rounded once as the
+    reference's ``+-b_j * (1 / s)``), and the packed signs, bit ``first bit`` on."""
+    runs = packed.sign_runs()
+    if runs.numel < flat.numel:
+        raise ValueError(
+            f"the exchange's result holds {runs.numel} elements; the optimizer's tensors "
+            f"{flat.numel}"
+        )
+    table = _exchange_blocks(flat, runs.bounds)
+    run = table[:, 3]
+    first_bits = runs.first_bits[run] + (table[:, 1] - runs.bounds[run])
+    blocks = np.column_stack([table[:, :3], first_bits])
     inverse = _np(scaling.reciprocal())
-    if packed.in_flat_layout:
-        table = _exchange_blocks(flat, packed.chunk_bounds)
-        blocks, scales = table[:, [0, 1, 2, 1]], _np(packed.chunk_scales.to(flat.dtype))
-        values = scales[table[:, 3]] * inverse[table[:, 0]]
-        signs = packed.flat_signs
-    else:
-        numels = tuple(np.diff(np.asarray(flat.offsets, dtype=np.int64)).tolist())
-        if tuple(packed.layout.numels) != numels:
-            raise ValueError(
-                f"the exchange's segments hold {packed.layout.numels} elements; the optimizer's "
-                f"tensors {numels}"
-            )
-        blocks, servers = _segment_sign_table(packed.layout, packed.signs.shape[1])
-        scales = _np(packed.scales.to(flat.dtype))  # [server, segment]
-        values = scales[servers, blocks[:, 0]] * inverse[blocks[:, 0]]
-        signs = packed.signs.reshape(-1)
-    return blocks, values.astype(inverse.dtype), _np(signs)
+    values = _np(runs.scales.to(flat.dtype))[run] * inverse[table[:, 0]]
+    return blocks, values.astype(inverse.dtype), _np(runs.signs)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -628,7 +607,7 @@ class NumbaUpdates:
     def onebit_lamb_compressed_step_(
         self,
         flat: Any,
-        packed: Any,
+        packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
         mask: Tensor | None,
@@ -682,7 +661,7 @@ class NumbaUpdates:
     def onebit_adam_compressed_step_(
         self,
         flat: Any,
-        packed: Any,
+        packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
         mask: Tensor | None,
@@ -708,7 +687,7 @@ class NumbaUpdates:
     def onebit_adam_per_tensor_step_(
         self,
         flat: Any,
-        packed: Any,
+        packed: ExchangeResult,
         exchanged: Tensor,
         mask: Tensor | None,
         active: Sequence[bool],

@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
+from onebit.compression import ExchangeResult
 from onebit.kernels._triton import _INTERPRETED
 
 # Elements per program. The interpreter runs programs one after another at a cost per
@@ -132,16 +133,29 @@ def _sum_of_squares(x, in_range):
 
 @triton.jit
 def _exchanged(
-    signs, chunk_elements, chunk_scales, inverse, mask, segment, offsets, in_range, HAS_MASK
+    signs,
+    chunk_elements,
+    chunk_scales,
+    inverse,
+    mask,
+    segment,
+    offsets,
+    in_range,
+    HAS_MASK,
+    DECODED,
 ):
     """The exchanged momentum ``+-(b_c * (1 / s))`` of each element (its bit MSB first in
-    ``signs``, ``b_c`` the scale of its chunk of ``chunk_elements`` elements), times the
-    mask where ``HAS_MASK``."""
-    byte = tl.load(signs + (offsets >> 3), mask=in_range, other=0).to(tl.int32)
-    positive = ((byte >> (7 - (offsets & 7)).to(tl.int32)) & 1) != 0
-    scale = tl.load(chunk_scales + offsets // chunk_elements, mask=in_range, other=0.0)
-    value = scale * tl.load(inverse + segment)
-    value = tl.where(positive, value, -value)
+    ``signs``, ``b_c`` the scale of its chunk of ``chunk_elements`` elements; where
+    ``DECODED``, ``+-b_c`` read from ``signs``, a buffer of decoded values), times the mask
+    where ``HAS_MASK``."""
+    if DECODED:
+        value = tl.load(signs + offsets, mask=in_range, other=0.0) * tl.load(inverse + segment)
+    else:
+        byte = tl.load(signs + (offsets >> 3), mask=in_range, other=0).to(tl.int32)
+        positive = ((byte >> (7 - (offsets & 7)).to(tl.int32)) & 1) != 0
+        scale = tl.load(chunk_scales + offsets // chunk_elements, mask=in_range, other=0.0)
+        value = scale * tl.load(inverse + segment)
+        value = tl.where(positive, value, -value)
     if HAS_MASK:
         value = value * tl.load(mask + offsets, mask=in_range, other=0.0)
     return value
@@ -259,18 +273,21 @@ def _onebit_lamb_a_kernel(
     DECODED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Decode the momentum (or, where ``DECODED``, read it from ``signs``, a buffer of
-    decoded values, times the mask), refresh ``v_fresh``, ``m = m_new``; per block
-    ``sum u0^2``, ``sum u^2`` and the largest ``d / (sqrt(v_fresh) + eps)``."""
+    """Decode the momentum (:func:`_exchanged`), refresh ``v_fresh``, ``m = m_new``; per
+    block ``sum u0^2``, ``sum u^2`` and the largest ``d / (sqrt(v_fresh) + eps)``."""
     segment, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
-    if DECODED:
-        new = tl.load(signs + offsets, mask=in_range, other=0.0)
-        if HAS_MASK:
-            new = new * tl.load(mask + offsets, mask=in_range, other=0.0)
-    else:
-        new = _exchanged(
-            signs, chunk_elements, chunk_scales, inverse, mask, segment, offsets, in_range, HAS_MASK
-        )
+    new = _exchanged(
+        signs,
+        chunk_elements,
+        chunk_scales,
+        inverse,
+        mask,
+        segment,
+        offsets,
+        in_range,
+        HAS_MASK,
+        DECODED,
+    )
     grad = (new - c[0] * tl.load(m + offsets, mask=in_range)) * c[7]
     f = c[2] * tl.load(fresh + offsets, mask=in_range) + c[3] * (grad * grad)
     tl.store(fresh + offsets, f, mask=in_range)
@@ -318,12 +335,22 @@ def _decoded_adam_kernel(
     p,
     hyper,
     HAS_MASK: tl.constexpr,
+    DECODED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The frozen-variance Adam update with the momentum decoded from the signs (* mask)."""
+    """The frozen-variance Adam update with the momentum decoded (:func:`_exchanged`)."""
     segment, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
     new = _exchanged(
-        signs, chunk_elements, chunk_scales, inverse, mask, segment, offsets, in_range, HAS_MASK
+        signs,
+        chunk_elements,
+        chunk_scales,
+        inverse,
+        mask,
+        segment,
+        offsets,
+        in_range,
+        HAS_MASK,
+        DECODED,
     )
     _frozen_adam_update(new, m, v, p, c, offsets, in_range)
 
@@ -484,12 +511,28 @@ def _taking_part(table: _Table, size: int) -> Tensor:
     return on
 
 
-def _exchange_inputs(flat: Any, packed: Any, scaling: Tensor) -> tuple:
-    """The decoding arguments of a one-segment exchange result: its flat signs, the elements
-    per chunk, the chunks' scales in the state dtype and ``1 / s`` per parameter."""
-    chunk_elements = int(packed.chunk_bounds[1])
-    scales = packed.chunk_scales.to(flat.dtype).contiguous()
-    return packed.flat_signs, chunk_elements, scales, scaling.reciprocal().contiguous()
+def _exchange_inputs(
+    flat: Any, packed: ExchangeResult, scaling: Tensor, scratch: Tensor
+) -> dict[str, Any]:
+    """The decoding arguments of an exchange result: its signs, the elements per chunk and
+    the chunks' scales in the state dtype where its runs are chunks of one size in element
+    order (:attr:`~onebit.compression.SignRuns.chunk_elements`); otherwise the result decoded
+    into ``scratch`` first (``DECODED``); and ``1 / s`` per parameter."""
+    runs = packed.sign_runs()
+    inverse = scaling.reciprocal().contiguous()
+    chunk = runs.chunk_elements
+    if chunk is None:
+        decoded = packed.decode(scratch)
+        signs, scales = decoded, decoded  # the scales unused
+    else:
+        signs, scales = runs.signs, runs.scales.to(flat.dtype).contiguous()
+    return {
+        "signs": signs,
+        "chunk_elements": chunk or 1,
+        "chunk_scales": scales,
+        "inverse": inverse,
+        "DECODED": chunk is None,
+    }
 
 
 def _mask_input(flat: Any, mask: Tensor | None) -> dict[str, Any]:
@@ -598,7 +641,7 @@ class TritonUpdates:
     def onebit_lamb_compressed_step_(
         self,
         flat: Any,
-        packed: Any,
+        packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
         mask: Tensor | None,
@@ -606,20 +649,14 @@ class TritonUpdates:
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
     ) -> Tensor:
-        """The momentum is decoded on the fly from a one-segment result; a result of one
-        segment per tensor (where every ``s`` is 1) is decoded into ``scratch`` first."""
+        """The momentum is decoded on the fly, or into ``scratch`` first
+        (:func:`_exchange_inputs`)."""
         table, constants = _table(flat, _active_segments(active)), _Constants(flat)
         partials = _partials(table, 3)
-        decoded = not packed.in_flat_layout
-        if decoded:
-            inputs = (packed.decode(scratch), 1, scratch, scratch)  # the last three unused
-        else:
-            inputs = _exchange_inputs(flat, packed, scaling)
         _launch(
             _onebit_lamb_a_kernel,
             table,
-            *inputs,
-            DECODED=decoded,
+            **_exchange_inputs(flat, packed, scaling, scratch),
             m=flat.exp_avg,
             v=flat.exp_avg_sq,
             fresh=flat.exp_avg_sq_fresh,
@@ -649,17 +686,18 @@ class TritonUpdates:
     def onebit_adam_compressed_step_(
         self,
         flat: Any,
-        packed: Any,
+        packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
         mask: Tensor | None,
         active: Sequence[bool],
     ) -> None:
-        """(``scratch`` is unused: the momentum is decoded on the fly.)"""
+        """The momentum is decoded on the fly, or into ``scratch`` first
+        (:func:`_exchange_inputs`)."""
         _launch(
             _decoded_adam_kernel,
             _table(flat, _active_segments(active)),
-            *_exchange_inputs(flat, packed, scaling),
+            **_exchange_inputs(flat, packed, scaling, scratch),
             m=flat.exp_avg,
             v=flat.exp_avg_sq,
             p=flat.weights,
@@ -670,7 +708,7 @@ class TritonUpdates:
     def onebit_adam_per_tensor_step_(
         self,
         flat: Any,
-        packed: Any,
+        packed: ExchangeResult,
         exchanged: Tensor,
         mask: Tensor | None,
         active: Sequence[bool],
