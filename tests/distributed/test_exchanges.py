@@ -90,7 +90,13 @@ def test_every_group_exchange_follows_the_model_and_ranks_agree():
         expected = _expected(compression, node_size)
         assert_follows_model_and_ranks_agree(histories, expected, 1e-9, name)
     kinds = {name: set(results[0][name][2]) for name in CASES}
-    assert kinds["hierarchical"] == {"allreduce", "intra_node", "inter_node", "gradient_check"}
+    assert kinds["hierarchical"] == {
+        "allreduce",
+        "intra_node",
+        "inter_node",
+        "gradient_check",
+        "gradient_flags",
+    }
     assert (
         kinds["flat"]
         == kinds["per_tensor"]
@@ -98,6 +104,7 @@ def test_every_group_exchange_follows_the_model_and_ranks_agree():
             "allreduce",
             "compressed_allreduce",
             "gradient_check",
+            "gradient_flags",
         }
     )
 

@@ -84,6 +84,7 @@ def _check_trajectories(kind, world_size, results):
         elem = 8 if dtype == torch.float64 else 4
         dense = 2 * (n - 1) * (sum(NUMELS) + len(NUMELS)) * elem // n
         compressed = compressed_allreduce_per_tensor_bytes(NUMELS, n, dtype)
+        compressed += 2 * (n - 1) * len(NUMELS) // n  # a byte per tensor: its gradient's flag
         assert run["bytes"] == {
             "warmup": FREEZE * dense,
             "compression": (STEPS - FREEZE) * compressed + 8 * (n - 1),  # + gradient check

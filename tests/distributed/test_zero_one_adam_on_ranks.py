@@ -63,10 +63,11 @@ def _trajectory(rank, dtype, exchange):
 def _expected_bytes(n, elem):
     """Bytes per kind of step, from the text: the dense mean of the gradients and the flags
     (plain loop), or the per-tensor exchange (signs of every padded tensor, a worker scale
-    per tensor and the backend code, a server scale per tensor, to n-1 peers)."""
+    per tensor and the backend code, a server scale per tensor, to n-1 peers, then a byte per
+    tensor allreduced: whether a rank had its gradient)."""
     numel, k = sum(math.prod(s) for s in SHAPES), len(SHAPES)
     signs = 2 * (n - 1) * sum(padded(math.prod(s), n) for s in SHAPES) // n // 8
-    one_bit = signs + (2 * k + 1) * elem * (n - 1)
+    one_bit = signs + (2 * k + 1) * elem * (n - 1) + 2 * (n - 1) * k // n
     return {
         "variance_update": 2 * (n - 1) * (numel + k) * elem // n,
         "gradient_1bit": one_bit,

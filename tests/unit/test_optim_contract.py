@@ -284,8 +284,45 @@ def test_the_optimizer_prints(name):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_a_parameter_unfrozen_after_the_first_step_is_refused_before_the_step(name):
-    """Its state was not laid out: it would never be updated (torch's would start updating)."""
+@pytest.mark.parametrize("kernels", ["torch", "numba"])
+def test_a_parameter_unfrozen_before_the_freeze_joins_as_if_it_had_had_no_gradient(name, kernels):
+    """ALGORITHM.md, "Parameters that join late": frozen when the state was laid out and
+    unfrozen before the freeze, it joins; every tensor's trajectory and final state are those
+    of a run where it was trainable throughout without a gradient until then (0/1 Adam: after
+    a synchronisation, so its per-tensor error feedback moves over too)."""
+    joins = 4 if name == "ZeroOneAdam" else 2  # the step it is unfrozen at
+    options = {"var_freeze_step": 6} if name == "ZeroOneAdam" else {}
+    runs = []
+    for late in (True, False):
+        params = make_params()
+        params[2].requires_grad_(not late)
+        optimizer = build(name, params, kernels=kernels, **options)
+        trajectory = []
+        for step in range(1, 10):
+            params[2].requires_grad_(params[2].requires_grad or step == joins)
+            set_gradients(params, step)
+            if step < joins:
+                params[2].grad = None
+            optimizer.step()
+            trajectory.append([param.detach().clone() for param in params])
+        state = optimizer.state_dict()
+        runs.append((trajectory, state["state"], state.get("onebit", {})))
+    (late, late_state, late_extra), (throughout, state, extra) = runs
+    for step, (a, b) in enumerate(zip(late, throughout, strict=True)):
+        for index, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"step {step + 1} parameter {index}"
+    assert late_state.keys() == state.keys()
+    for key, values in state.items():
+        for name_, value in values.items():
+            assert torch.equal(torch.as_tensor(late_state[key][name_]), torch.as_tensor(value))
+    for error in ("worker_error", "server_error"):
+        if extra.get(error) is not None:
+            assert torch.equal(late_extra[error], extra[error]), error
+
+
+@pytest.mark.parametrize("name", ONEBIT)
+def test_a_parameter_unfrozen_after_the_freeze_is_refused_before_the_step(name):
+    """It has no variance for the 1-bit steps: refused, naming it, with nothing changed."""
     params = make_params()
     params[2].requires_grad_(False)
     optimizer = build(name, params)
@@ -293,9 +330,34 @@ def test_a_parameter_unfrozen_after_the_first_step_is_refused_before_the_step(na
     params[2].requires_grad_(True)
     set_gradients(params, 3)
     before = [param.detach().clone() for param in params]
-    with pytest.raises(RuntimeError, match="parameter 2 of group 0 .* frozen"):
+    with pytest.raises(RuntimeError, match="parameter 2 of group 0 .* after the variance froze"):
         optimizer.step()
     assert all(torch.equal(a.detach(), b) for a, b in zip(params, before, strict=True))
+
+
+@pytest.mark.parametrize("name", ONEBIT)
+@pytest.mark.parametrize("kernels", ["torch", "numba"])
+def test_a_parameter_without_a_gradient_in_the_one_bit_steps_keeps_weights_and_state(name, kernels):
+    """Trainable, but no gradient (no rank has one): skipped as torch's optimizers skip it,
+    its weights and state bit for bit (but 0/1 Adam's ``lr_sum``, the interval's sum of
+    learning rates, which every parameter counts alike); with a gradient again, it moves."""
+    params = make_params()
+    optimizer = build(name, params, kernels=kernels)
+    run(optimizer, params, range(3))
+
+    def held():
+        state = optimizer.state[params[2]]
+        return {k: v.clone() for k, v in state.items() if torch.is_tensor(v) and k != "lr_sum"}
+
+    kept, weights = held(), params[2].detach().clone()
+    for step in range(3, 9):
+        set_gradients(params, step)
+        params[2].grad = None
+        optimizer.step()
+    assert torch.equal(params[2].detach(), weights)
+    assert all(torch.equal(held()[k], v) for k, v in kept.items())
+    run(optimizer, params, range(9, 13))
+    assert not torch.equal(params[2].detach(), weights)
 
 
 @pytest.mark.parametrize("name", ONEBIT)

@@ -151,6 +151,18 @@ class Exchange(ABC):
             and buffer.numel() == own.numel()
         )
 
+    def moved_errors(
+        self, origin: Sequence[int | None], numels: Sequence[int]
+    ) -> tuple[Tensor, Tensor]:
+        """The error buffers for tensors of ``numels`` elements, where new tensor ``i`` is
+        bound tensor ``origin[i]`` (``None``: a new one, whose errors are zero). Only where
+        each tensor's errors are its own (:class:`~onebit.exchange.flat.PerTensorExchange`);
+        elsewhere the errors of a buffer whose layout changes belong to no element."""
+        raise ValueError(
+            f"{type(self).__name__} keeps the error feedback of one buffer: it cannot follow "
+            "its tensors into another layout"
+        )
+
     def reset_errors(self) -> None:
         """Error feedback restarts from zero (nothing is carried into the next call)."""
         for error in (self.worker_error, self.server_error):

@@ -147,6 +147,29 @@ class PerTensorExchange(GroupExchange):
     def bytes_per_call(self) -> dict[str, int]:
         return {"compressed_allreduce": exchange_bytes(self._layout(), self.dtype)}
 
+    def moved_errors(
+        self, origin: Sequence[int | None], numels: Sequence[int]
+    ) -> tuple[Tensor, Tensor]:
+        """Each tensor's slices of the worker and server errors (``P_t`` and ``P_t / n``
+        elements, tensor after tensor) moved to its new place; a new tensor's are zero."""
+        worker, server = self.errors()
+        old, new = self._layout(), Layout.per_tensor(numels, self.world_size)
+        moved = []
+        for error, old_sizes, new_sizes in (
+            (worker, old.sizes, new.sizes),
+            (server, old.chunks, new.chunks),
+        ):
+            pieces = error.split(old_sizes)
+            moved.append(
+                torch.cat(
+                    [
+                        pieces[source].clone() if source is not None else error.new_zeros(size)
+                        for source, size in zip(origin, new_sizes, strict=True)
+                    ]
+                )
+            )
+        return moved[0], moved[1]
+
     def exchange_tensors(self, tensors: Sequence[Tensor]) -> None:
         """Replace each of ``tensors`` (any shapes, of the bound sizes, dtype and device) by
         its exchanged average, in place, with no copy into one buffer

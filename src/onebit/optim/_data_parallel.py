@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from onebit.collectives import ring_allreduce_bytes
 from onebit.consistency import ReplicaMismatchError
 from onebit.exchange import (
     BucketedExchange,
@@ -210,6 +211,30 @@ class DataParallel:
         )
         return exchange
 
+    def check_can_relayout(self) -> None:
+        """Refuse new tensors where the exchange was given (a simulation) and is bound."""
+        given = self._exchange
+        if self._exchange_given and given.numels is not None:
+            raise ValueError(
+                f"{self.owner} exchanges through a given {type(given).__name__}, bound to its "
+                "tensors: it cannot take a parameter that joins later"
+            )
+
+    def relayout(self, origin: Sequence[int | None], numels: Sequence[int]) -> None:
+        """The tensors were laid out anew (new tensor ``i`` of ``numels[i]`` elements was
+        bound tensor ``origin[i]``; ``None``: it joined): an exchange bound already is built
+        again, to be bound at its next use, with its error feedback moved tensor by tensor
+        where it has one (:meth:`onebit.exchange.Exchange.moved_errors`)."""
+        old = self._exchange
+        if old is None or old.numels is None:
+            return
+        self.check_can_relayout()
+        new = self._build_exchange()
+        if old.worker_error is not None:
+            worker, server = old.moved_errors(origin, numels)
+            new.carry_errors(numels, worker, server, old.backend, self.traffic)
+        self._exchange = new
+
     def error_feedback_layout(self, numels: list[int]) -> dict[str, Any]:
         """Where each of this rank's error values belongs (``numels``: each tensor's elements
         on this rank); error buffers saved with one layout are only valid in it."""
@@ -257,6 +282,20 @@ class DataParallel:
             yield
         finally:
             self.bytes_sent[stage] += self.traffic.total() - before
+
+    def any_rank(
+        self, step: int, stage: str, flags: Sequence[bool], device: torch.device
+    ) -> list[bool]:
+        """Per entry, whether any rank of the group set its flag (``flags``: this rank's): one
+        byte each, maximised over the ranks in one allreduce, counted as
+        ``"gradient_flags"``. The same on every rank."""
+        if self.world_size == 1:
+            return list(flags)
+        values = torch.tensor(flags, dtype=torch.uint8, device=device)
+        with self.collective(step, stage):
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._process_group)
+        self.traffic.record("gradient_flags", ring_allreduce_bytes(values.numel(), self.world_size))
+        return values.bool().tolist()
 
     def check_gradients_are_local(self, values: Tensor, step: int) -> None:
         """Once, at the first step that exchanges each rank's own values: warn (rank 0) if

@@ -85,6 +85,10 @@ class StepGuard:
             stacklevel=4,
         )
 
+    def relayout(self, origin: Sequence[int | None]) -> None:
+        """The parameters were laid out anew (``origin[i]``: new parameter ``i``'s old index)."""
+        self._left_out = {new for new, old in enumerate(origin) if old in self._left_out}
+
     def warn_left_out(self, step: int, kind: str, late: Sequence[tuple[int, tuple]]) -> None:
         """Parameters (index, shape) whose first gradient came in a 1-bit step, after the
         dense steps that give a parameter its state: they are left out, with a warning once

@@ -183,6 +183,9 @@ class OneBitOptimizer(Optimizer):
         self._step = 0
         self._loaded = False  # a checkpoint was loaded: the groups are those it was saved with
         self._guard = StepGuard(on_nonfinite, verify_every)
+        # 0/1 Adam: per parameter, whether this rank had a gradient since the last
+        # synchronisation (None: no local step since)
+        self._gradients_since_sync: list[bool] | None = None
         self._parameters = FlatParameters(rule.scalars, kernels, takes_fsdp_hsdp=False)
         self._stage = CompressionStage()
         self._readiness = ReadinessMonitor(name)
@@ -223,9 +226,9 @@ class OneBitOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        flat = self._parameters.build(self.param_groups, self.state)
-        self._unscale_for_grad_scaler(flat.params)
         step = self._step + 1
+        flat = self._flat_state(step)
+        self._unscale_for_grad_scaler(flat.params)
         kind = self.schedule.kind(step)
         with self._data_parallel.counting(kind):
             try:
@@ -306,9 +309,10 @@ class OneBitOptimizer(Optimizer):
             nonfinite = self.shards.any_(nonfinite, flat.device)
         if nonfinite:
             return self._guard.skip("a rank's local momentum", step)
+        applied = self._where_some_rank_had(step, COMPRESSION, active, grads)
         per_tensor = data_parallel.compression == "per_tensor"
         self.rule.compressed(
-            self.updates, flat, packed, buffer, self._stage.mask, active, per_tensor
+            self.updates, flat, packed, buffer, self._stage.mask, applied, per_tensor
         )
         return True
 
@@ -321,7 +325,8 @@ class OneBitOptimizer(Optimizer):
             self._exchange_per_tensor(step, GRADIENT_1BIT, flat.grad)
         except NonFiniteError:
             return self._guard.skip("a rank's local gradients", step)
-        self.rule.momentum_step(self.updates, flat, flat.views(flat.grad), self._taking_part(flat))
+        applied = self._where_some_rank_had(step, GRADIENT_1BIT, self._taking_part(flat), grads)
+        self.rule.momentum_step(self.updates, flat, flat.views(flat.grad), applied)
         return True
 
     def _local_step(
@@ -329,28 +334,76 @@ class OneBitOptimizer(Optimizer):
     ) -> bool:
         """0/1 Adam's local or synchronisation step (of the interval that starts at the last
         synchronisation, or at the weights of step ``t - 1`` for every step ``t <= T + 1``):
-        a momentum step on this rank's gradients (ignored on this rank where they are not
-        finite); at a synchronisation the accumulated update through the exchange."""
+        a momentum step on this rank's gradients (the parameters it has none for skipped on
+        this rank; all of them where they are not finite); at a synchronisation the
+        accumulated update through the exchange, applied where some rank had a gradient
+        since the last one."""
         rule: ZeroOneAdamRule = self.rule
         buffer = self._accumulator(step, flat)
         if step - 1 <= self.schedule.freeze_step:
             self._start_interval(step, flat)
-        local = _zeros_where_missing(flat, grads)
         active = self._taking_part(flat)
-        indices = _active_indices(active)
-        if _common.all_finite(_pick(local, indices)):
-            rule.momentum_step(self.updates, flat, local, active)
+        own = [
+            taking_part and grad is not None
+            for taking_part, grad in zip(active, grads, strict=True)
+        ]
+        if _common.all_finite(_pick(grads, _active_indices(own))):
+            rule.momentum_step(self.updates, flat, grads, own)
+            since = self._gradients_since_sync or [False] * len(own)
+            self._gradients_since_sync = [a or b for a, b in zip(since, own, strict=True)]
         else:
             self._guard.ignore_local(step, kind)
+        indices = _active_indices(active)
         lr_sum = flat.scalars["lr_sum"]
         lr_sum[indices] += flat.segment_values(lambda group: group["lr"])[indices]
         if kind == SYNC:
             rule.accumulated_update(self.updates, flat, active, buffer)
             self._exchange_per_tensor(step, SYNC, buffer)
-            rule.synchronised_update(self.updates, flat, buffer, active)
+            had = self._gradients_since_sync or [False] * len(active)
+            self._gradients_since_sync = None
+            applied = self._data_parallel.any_rank(step, SYNC, had, flat.device)
+            rule.synchronised_update(
+                self.updates, flat, buffer, [a and b for a, b in zip(active, applied, strict=True)]
+            )
         return True
 
     # ----------------------------------------------------------------- step helpers
+    def _flat_state(self, step: int) -> FlatState:
+        """The flat state, laid out anew first where parameters joined since: up to the
+        freeze, carrying every quantity over; after it, they are refused (ALGORITHM.md,
+        "Parameters that join late")."""
+        parameters = self._parameters
+        joining = parameters.joining(self.param_groups)
+        if joining:
+            freeze = self.schedule.freeze_step
+            if step > freeze:
+                parameters.refuse_joining(
+                    joining,
+                    f"at step {step}, after the variance froze (step {freeze}), it has no "
+                    f"variance for the 1-bit steps. Unfreeze it by step {freeze}, or give it "
+                    "an optimizer of its own",
+                )
+            self._data_parallel.check_can_relayout()
+            origin = parameters.lay_out_again(self.param_groups, self.state)
+            flat = parameters.flat
+            self._stage.reset()
+            self._readiness.relayout(origin)
+            self._guard.relayout(origin)
+            self._data_parallel.relayout(origin, [t.numel() for t in flat.tensors])
+            self._gradients_since_sync = None
+            if self._overlap is not None:
+                self._overlap.relayout(flat.params)
+        return parameters.build(self.param_groups, self.state)
+
+    def _where_some_rank_had(
+        self, step: int, kind: str, active: Sequence[bool], grads: Sequence[Tensor | None]
+    ) -> list[bool]:
+        """``active`` where some rank had a gradient (ALGORITHM.md, "Parameters without
+        gradients"): agreed in one allreduce of a byte per parameter."""
+        had = [grad is not None for grad in grads]
+        anywhere = self._data_parallel.any_rank(step, kind, had, self._parameters.flat.device)
+        return [a and b for a, b in zip(active, anywhere, strict=True)]
+
     @property
     def _has_state(self) -> list[bool]:
         return self._parameters.has_state
@@ -712,7 +765,7 @@ class OneBitOptimizer(Optimizer):
         return memory
 
     def _local_numels(self) -> list[int]:
-        return self._parameters.local_numels(self.param_groups)
+        return self._parameters.local_numels(self.param_groups, self.state)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -756,6 +809,7 @@ class OneBitOptimizer(Optimizer):
             "bytes_sent": dict(data_parallel.bytes_sent),
             "compression": data_parallel.compression,
             "readiness": self._readiness.state_dict(),
+            "gradients_since_sync": self._gradients_since_sync,
             **self.schedule.state_dict(),
             **data_parallel.exchange.state_dict(self._local_numels()),
         }
@@ -764,7 +818,7 @@ class OneBitOptimizer(Optimizer):
         return state
 
     def _save_own_weights(self, state: dict[str, Any]) -> None:
-        params = trainable(self.param_groups)
+        params = [p for _, p in self._parameters.members(self.param_groups, self.state)]
         flat = self._parameters.flat
         if flat is not None:
             weights = flat.weight_views()
@@ -805,12 +859,14 @@ class OneBitOptimizer(Optimizer):
         Raises ``ValueError`` naming the problem, with nothing changed, for a checkpoint of
         another optimizer or model (:meth:`check_checkpoint`), or error buffers of the wrong
         size."""
-        numels = self._local_numels()
         exchange = self.exchange
         fits: dict[str, Any] = {}
 
         def check(hooked: dict[str, Any]) -> None:
             self.check_checkpoint(hooked)
+            params = _common.params_in_order(self.param_groups)
+            loaded = {p: hooked["state"].get(key, {}) for key, p in enumerate(params)}
+            numels = self._parameters.local_numels(self.param_groups, loaded, laid_out=False)
             fits["errors"] = exchange.check_state(hooked["onebit"], numels)
             fits["restart"] = exchange.restart_reason(hooked["onebit"], numels)
             if self._overlap is not None:
@@ -835,6 +891,7 @@ class OneBitOptimizer(Optimizer):
         exchange.load_state_dict(extra if errors_fit else None, device)
         self._readiness.load_state_dict(extra.get("readiness"), device)
         self.schedule.load_state_dict(extra)
+        self._gradients_since_sync = extra.get("gradients_since_sync")
         for param in _common.params_in_order(self.param_groups):
             own = self.state[param].pop("local_param", None)
             if own is not None:

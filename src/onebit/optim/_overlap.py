@@ -109,6 +109,13 @@ class BackwardOverlap:
             self._index[id(param)] = len(self._index)
             self._handles.append(param.register_post_accumulate_grad_hook(self._hook))
 
+    def relayout(self, params: Sequence[Tensor]) -> None:
+        """The optimizer's tensors are ``params`` now, in this order (some joined): hook the
+        new ones."""
+        new = [param for param in params if id(param) not in self._index]
+        self._index = {id(param): index for index, param in enumerate(params)}
+        self._handles.extend(param.register_post_accumulate_grad_hook(self._hook) for param in new)
+
     @property
     def buckets_started(self) -> int:
         """Buckets of the coming step whose exchange has started (0 when none is in flight)."""

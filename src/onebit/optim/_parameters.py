@@ -49,8 +49,9 @@ def trainable(param_groups: Iterable[Mapping[str, Any]]) -> list[Tensor]:
 class FlatParameters:
     """The trainable parameters of ``param_groups`` and their flat state.
 
-    The state is laid out at the first step (:meth:`build`), from ``requires_grad`` then, with
-    the per-parameter scalars ``scalars`` (name: initial value); the backend
+    The state is laid out at the first step (:meth:`build`), from ``requires_grad`` then, and
+    anew when a parameter joins (:meth:`lay_out_again`), with the per-parameter scalars
+    ``scalars`` (name: initial value); the backend
     (:mod:`onebit.kernels`, chosen by ``kernels``) is selected with it. ``has_state[i]`` says
     whether parameter ``i`` has had a gradient (and so state). With FSDP2-sharded parameters
     :attr:`shards` is their shard group (``takes_fsdp_hsdp``: also FSDP's own HSDP on a 2-D
@@ -71,7 +72,7 @@ class FlatParameters:
     def __getstate__(self) -> dict[str, Any]:
         """Without the flat state and the backend: a copy lays them out at its first step
         from the per-parameter state (the copy's parameters are not views of these buffers)."""
-        return {**self.__dict__, "flat": None, "backend": None, "has_state": []}
+        return {**self.__dict__, "flat": None, "backend": None, "has_state": [], "_laid_out": set()}
 
     def check_can_add(self) -> None:
         """Refuse a new parameter group once the state is laid out."""
@@ -85,40 +86,77 @@ class FlatParameters:
         """Take the optimizer's groups as they are now (a group was added)."""
         self.shards = ShardGroup.of(trainable(param_groups), self._takes_fsdp_hsdp)
 
+    def members(
+        self,
+        param_groups: Sequence[Mapping[str, Any]],
+        states: Mapping[Tensor, Mapping[str, Any]],
+        laid_out: bool = True,
+    ) -> list[tuple[Mapping[str, Any], Tensor]]:
+        """``(group, parameter)`` of every parameter the flat state holds, in group order:
+        those trainable now, those with state in ``states`` (one loaded from a checkpoint)
+        and, with ``laid_out``, those the state holds already (frozen since)."""
+        held = self._laid_out if laid_out else set()
+        return [
+            (group, p)
+            for group in param_groups
+            for p in group["params"]
+            if p.requires_grad or id(p) in held or "exp_avg" in states.get(p, ())
+        ]
+
     def build(
         self, param_groups: Sequence[Mapping[str, Any]], states: Mapping[Tensor, dict]
     ) -> FlatState:
-        """The flat state (laid out on the first call, adopting whatever per-parameter state
-        ``states`` already holds, e.g. loaded from a checkpoint)."""
+        """The flat state (laid out on the first call over :meth:`members`, adopting whatever
+        per-parameter state ``states`` already holds, e.g. loaded from a checkpoint)."""
         if self.flat is None:
-            pairs = [(g, p) for g in param_groups for p in g["params"] if p.requires_grad]
+            pairs = self.members(param_groups, states)
             flat = FlatState(pairs, self._scalars, self.shards)
             self.has_state = flat.adopt([states[p] for _, p in pairs])
             self.backend = select(flat.exp_avg, self.kernels)
             self.flat = flat
             self._laid_out = {id(p) for _, p in pairs}
-        else:
-            self._refuse_unfrozen(param_groups)
         return self.flat
 
-    def _refuse_unfrozen(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
-        """A parameter that was frozen when the state was laid out and has a gradient now
-        would never be updated: refused, naming it, before the step changes anything."""
-        for group_index, group in enumerate(param_groups):
-            for index, param in enumerate(group["params"]):
-                if param.grad is not None and id(param) not in self._laid_out:
-                    raise RuntimeError(
-                        f"parameter {index} of group {group_index} (shape "
-                        f"{tuple(param.shape)}) has a gradient, but it was frozen "
-                        "(requires_grad=False) when the optimizer laid its state out at the "
-                        "first step, so it would never be updated: set requires_grad on every "
-                        "parameter to train before the first step, or give the parameters "
-                        "unfrozen later an optimizer of their own"
-                    )
+    def joining(self, param_groups: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, Tensor]]:
+        """``(group index, index in the group, parameter)`` of every trainable parameter the
+        laid-out state does not hold (frozen when it was laid out, unfrozen since)."""
+        if self.flat is None:
+            return []
+        return [
+            (group_index, index, param)
+            for group_index, group in enumerate(param_groups)
+            for index, param in enumerate(group["params"])
+            if param.requires_grad and id(param) not in self._laid_out
+        ]
+
+    def lay_out_again(
+        self, param_groups: Sequence[Mapping[str, Any]], states: Mapping[Tensor, dict]
+    ) -> list[int | None]:
+        """Lay the flat state out anew over :meth:`members` (some parameters joined), every
+        parameter's state, weights and scalars copied over from their views in ``states``.
+        Returns, for each parameter of the new layout, its index in the old one (``None``:
+        it joined)."""
+        old = {id(param): index for index, param in enumerate(self.flat.params)}
+        self.regroup(param_groups)
+        self.flat = None
+        return [old.get(id(param)) for param in self.build(param_groups, states).params]
+
+    @staticmethod
+    def refuse_joining(joining: Sequence[tuple[int, int, Tensor]], why: str) -> None:
+        """Raise naming the parameters that would join, and ``why`` they cannot."""
+        named = ", ".join(
+            f"parameter {index} of group {group_index} (shape {tuple(param.shape)})"
+            for group_index, index, param in joining
+        )
+        raise RuntimeError(
+            f"{named} became trainable (requires_grad=True) after the optimizer laid its "
+            f"state out without it: {why}"
+        )
 
     def forget(self) -> None:
         """Lay the state out anew at the next step (after a checkpoint load)."""
         self.flat = None
+        self._laid_out = set()
 
     @property
     def updates(self) -> UpdateKernels:
@@ -141,9 +179,14 @@ class FlatParameters:
             if has_state:
                 self.flat.expose(states[self.flat.params[index]], index)
 
-    def local_numels(self, param_groups: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Elements of each trainable parameter on this rank (its slice when sharded)."""
-        return [local_tensor(p).numel() for p in trainable(param_groups)]
+    def local_numels(
+        self,
+        param_groups: Sequence[Mapping[str, Any]],
+        states: Mapping[Tensor, Mapping[str, Any]],
+        laid_out: bool = True,
+    ) -> list[int]:
+        """Elements of each of :meth:`members` on this rank (its slice when sharded)."""
+        return [local_tensor(p).numel() for _, p in self.members(param_groups, states, laid_out)]
 
     def memory_bytes(self) -> dict[str, int]:
         """``"state"`` (moments, fp32 masters, per-tensor scalars) and ``"scratch"`` (buffers

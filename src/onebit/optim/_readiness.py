@@ -93,6 +93,16 @@ class VarianceReadiness:
             return CAUGHT_UP
         return CATCHING_UP
 
+    def relayout(self, origin: Sequence[int | None]) -> None:
+        """The tensors were laid out anew (``origin[i]``: new tensor ``i``'s old index): each
+        tensor's energies move with it; a tensor that joined had 0."""
+        self._energies = [
+            torch.stack(
+                [energy[old] if old is not None else energy.new_zeros(()) for old in origin]
+            )
+            for energy in self._energies
+        ]
+
     def state_dict(self) -> dict[str, Any]:
         return {"energies": [e.cpu() for e in self._energies], "peak": self.peak, "last": self.last}
 
@@ -166,6 +176,10 @@ class ReadinessMonitor:
                 self.statistic.peak,
                 describe(ratios, flat),
             )
+
+    def relayout(self, origin: Sequence[int | None]) -> None:
+        """The tensors were laid out anew (:meth:`VarianceReadiness.relayout`)."""
+        self.statistic.relayout(origin)
 
     def state_dict(self) -> dict[str, Any]:
         return self.statistic.state_dict()

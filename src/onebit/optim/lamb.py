@@ -110,11 +110,15 @@ class Lamb(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One LAMB step on the gradients as they are (no communication)."""
+        """One LAMB step on the gradients as they are (no communication); parameters
+        unfrozen since the state was laid out join it (ALGORITHM.md, "Parameters that join
+        late")."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._parameters.joining(self.param_groups):
+            self._parameters.lay_out_again(self.param_groups, self.state)
         flat = self._parameters.build(self.param_groups, self.state)
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
         present = [grad is not None for grad in grads]
