@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import onebit
+from onebit.collectives import ring_allreduce_bytes
 from onebit.exchange import node_groups
 from onebit.exchange.protocol import Layout, exchange_bytes, padded_size
 from onebit.testing import spawn_workers
@@ -209,6 +210,8 @@ def test_hsdp_two_by_two_follows_the_hierarchical_optimizer(hidden, out):
         layout = Layout.flat(padded_size(slice_numel, 2), 2)
         check = 8  # the first compression step's gradient check: one int64 per other replica
         per_step = exchange_bytes(layout, torch.float32)
+        # and a byte per tensor to the other replica: whether a rank had its gradient
+        per_step += ring_allreduce_bytes(len(list(_model(hidden, out).parameters())), 2)
         assert sent[warmup:] == [per_step + check] + [per_step] * (steps - warmup - 1)
         sharded, replicated = memory
         if hidden % 2 == 0 and out % 2 == 0:  # even slices: half of every tensor's state

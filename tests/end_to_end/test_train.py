@@ -250,8 +250,10 @@ def test_hierarchical_exchange_on_two_nodes_of_two(
     links = summary["bytes_sent"]["by_link"]
     assert links["inter_node"] > 0
     compression = summary["bytes_sent"]["by_stage"]["compression"]["bytes"]
-    # The rest of the compression stage's bytes: a few scalars agreed on over the world.
-    assert 0 < compression - links["intra_node"] - links["inter_node"] < 0.001 * compression
+    # The rest of the compression stage's bytes, agreed on over the world: the gradient check
+    # and, at each step, a byte per tensor (whether a rank had its gradient), a few percent
+    # of this tiny model's 1-bit exchange.
+    assert 0 < compression - links["intra_node"] - links["inter_node"] < 0.05 * compression
 
 
 @pytest.mark.slow

@@ -40,6 +40,10 @@ def test_each_tensor_is_padded_alone_to_deepspeeds_unit():
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_simulation_is_the_flat_exchange_of_each_tensor_padded_alone(n, backend):
+    """The per-tensor model that the ranks' exchange is compared with
+    (distributed/test_per_tensor_on_ranks.py) is what ALGORITHM.md says: the flat exchange of
+    each tensor padded alone to the library's ``per_tensor_padded_size``, its errors at the
+    library's offsets (``per_tensor_error_sizes``), with the backend's kernels."""
     numels = [math.prod(shape) for shape in SHAPES]
     padded = [per_tensor_padded_size(numel, n) for numel in numels]
     width, server = onebit.per_tensor_error_sizes(numels, n)

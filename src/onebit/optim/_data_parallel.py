@@ -287,14 +287,17 @@ class DataParallel:
         self, step: int, stage: str, flags: Sequence[bool], device: torch.device
     ) -> list[bool]:
         """Per entry, whether any rank of the group set its flag (``flags``: this rank's): one
-        byte each, maximised over the ranks in one allreduce, counted as
-        ``"gradient_flags"``. The same on every rank."""
+        byte each, maximised over the ranks in one allreduce, counted as ``"gradient_flags"``
+        (as the exchange's workers send it where it simulates several). The same on every
+        rank."""
+        workers = self.exchange.world_size
+        if workers > 1:
+            self.traffic.record("gradient_flags", ring_allreduce_bytes(len(flags), workers))
         if self.world_size == 1:
             return list(flags)
         values = torch.tensor(flags, dtype=torch.uint8, device=device)
         with self.collective(step, stage):
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._process_group)
-        self.traffic.record("gradient_flags", ring_allreduce_bytes(values.numel(), self.world_size))
         return values.bool().tolist()
 
     def check_gradients_are_local(self, values: Tensor, step: int) -> None:
