@@ -15,6 +15,8 @@ Public API:
   several ranks (dense inside a node, 1 bit between nodes).
 * :mod:`onebit.exchange`: the exchanges the optimizers are built with, behind one seam
   (:class:`onebit.exchange.Exchange`), and the two-phase protocol they share.
+* :class:`DiLoCo`: local inner steps and an outer step every ``sync_every`` steps whose
+  pseudo-gradients go through a dense or a 1-bit exchange (``DILOCO_EXCHANGES``).
 * :func:`from_deepspeed_config`: the optimizer a DeepSpeed JSON config describes.
 * :func:`clip_grad_norm_`: gradient clipping that knows whether ``step()`` averages the
   gradients or uses each rank's own.
@@ -36,6 +38,8 @@ from onebit.collectives import (
 )
 from onebit.consistency import ReplicaMismatchError, broadcast_parameters, verify_replicas
 from onebit.deepspeed import from_deepspeed_config
+from onebit.diloco import EXCHANGES as DILOCO_EXCHANGES
+from onebit.diloco import DiLoCo
 from onebit.exchange import HierarchicalWorkspace, node_groups
 from onebit.exchange.hierarchical import hierarchical_compressed_allreduce
 from onebit.optim import (
@@ -49,6 +53,8 @@ from onebit.optim import (
 
 __all__ = [
     "CommunicationError",
+    "DILOCO_EXCHANGES",
+    "DiLoCo",
     "Lamb",
     "clip_grad_norm_",
     "ddp",

@@ -84,7 +84,7 @@ LAYERS = (
     ("optimizers", {"optim"}),
     (
         "adapters",
-        {"ddp", "integrations", "deepspeed", "dcp", "clipping", "simulate", "timing"}
+        {"ddp", "integrations", "deepspeed", "dcp", "clipping", "simulate", "timing", "diloco"}
         | {"plateau", "testing", "onebit"},
     ),
     ("applications", {"cli", "__main__", "train", "bench", "estimate"}),

@@ -1,0 +1,183 @@
+"""DiLoCo (ALGORITHM.md, "DiLoCo with a 1-bit outer exchange") on 2 gloo ranks against a
+single-process model of both workers written here from the text: AdamW inner steps on each
+worker's own batches, the mean of the pseudo-gradients (or the per-tensor 1-bit oracle with
+errors that persist from round to round) and DiLoCo's Nesterov SGD written out; ranks
+bit-identical after every round; exact resume from a save in the middle of a round; the
+bytes of each exchange; bad arguments named before anything changes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers.oracle import oracle_compressed_allreduce_per_tensor
+
+import onebit
+from onebit.collectives import compressed_allreduce_per_tensor_bytes, ring_allreduce_bytes
+from onebit.testing import spawn_workers
+
+WORLD, H, ROUNDS = 2, 3, 4
+SHAPES = [(6, 5), (6,), (2, 6), (2,)]
+INNER = dict(lr=0.01, weight_decay=0.01)
+LR, MOMENTUM = 0.7, 0.9
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 5, generator=generator), torch.randn(8, 2, generator=generator)
+
+
+def _inner_step(model, inner, rank: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    inner.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    inner.step()
+
+
+def _train(rank: int, world: int, exchange: str, save_at: int | None = None):
+    """The weights after every round; with ``save_at``, the run is saved after that inner
+    step and continued by new objects that load the save."""
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    diloco = onebit.DiLoCo(
+        model.parameters(), inner, sync_every=H, exchange=exchange, kernels="torch"
+    )
+    rounds = []
+    for step in range(H * ROUNDS):
+        _inner_step(model, inner, rank, step)
+        if diloco.local_step == 0:
+            rounds.append([p.detach().clone() for p in model.parameters()])
+        if step + 1 == save_at:
+            saved = (model.state_dict(), inner.state_dict(), diloco.state_dict())
+            diloco.close()
+            model = _model()
+            inner = torch.optim.AdamW(model.parameters(), **INNER)
+            diloco = onebit.DiLoCo(
+        model.parameters(), inner, sync_every=H, exchange=exchange, kernels="torch"
+    )
+            model.load_state_dict(saved[0])
+            inner.load_state_dict(saved[1])
+            diloco.load_state_dict(saved[2])
+    return rounds, diloco.bytes_sent, diloco.rounds
+
+
+def _runs(rank: int, world: int):
+    return {
+        exchange: (_train(rank, world, exchange), _train(rank, world, exchange, save_at=H + 1))
+        for exchange in onebit.DILOCO_EXCHANGES
+    }
+
+
+def _model_of_both_workers(exchange: str) -> list[list[torch.Tensor]]:
+    """Both workers in one process, from the text."""
+    replicas = [_model() for _ in range(WORLD)]
+    inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
+    theta = [p.detach().clone() for p in replicas[0].parameters()]
+    buffers = None  # the outer momentum
+    numels = [math.prod(s) for s in SHAPES]
+    width, server = onebit.per_tensor_error_sizes(numels, WORLD)
+    worker_errors, server_errors = torch.zeros(WORLD, width), torch.zeros(WORLD, server)
+    rounds = []
+    for r in range(ROUNDS):
+        for step in range(r * H, (r + 1) * H):
+            for rank, (model, inner) in enumerate(zip(replicas, inners, strict=True)):
+                _inner_step(model, inner, rank, step)
+        deltas = [
+            [(t - p.detach()).reshape(-1) for t, p in zip(theta, m.parameters(), strict=True)]
+            for m in replicas
+        ]
+        per_tensor = [torch.stack([d[t] for d in deltas]) for t in range(len(theta))]
+        if exchange == "dense":
+            average = [rows.sum(dim=0) / WORLD for rows in per_tensor]
+        else:
+            average, worker_errors, server_errors = oracle_compressed_allreduce_per_tensor(
+                per_tensor, worker_errors, server_errors, kernels="torch"
+            )
+        grads = [a.view_as(t) for a, t in zip(average, theta, strict=True)]
+        if buffers is None:
+            buffers = [g.clone() for g in grads]
+        else:
+            buffers = [MOMENTUM * b + g for b, g in zip(buffers, grads, strict=True)]
+        theta = [t - LR * (g + MOMENTUM * b) for t, g, b in zip(theta, grads, buffers, strict=True)]
+        for model in replicas:
+            for p, t in zip(model.parameters(), theta, strict=True):
+                p.data.copy_(t)
+        rounds.append([t.clone() for t in theta])
+    return rounds
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn_workers(_runs, WORLD, timeout_s=240)
+
+
+@pytest.mark.parametrize("exchange", ["dense", "1bit"])
+def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(ranks, exchange):
+    expected = _model_of_both_workers(exchange)
+    (rounds, _, count), _ = ranks[0][exchange]
+    assert count == ROUNDS and len(rounds) == ROUNDS
+    for r, (got, want) in enumerate(zip(rounds, expected, strict=True)):
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(
+                a, b, rtol=1e-5, atol=1e-6, msg=lambda m, r=r, i=index: f"round {r + 1} {i}: {m}"
+            )
+    other = ranks[1][exchange][0][0]
+    for a, b in zip(rounds, other, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("exchange", ["dense", "1bit"])
+def test_a_run_resumed_in_the_middle_of_a_round_is_bit_identical(ranks, exchange):
+    for rank in ranks:
+        (straight, sent, _), (resumed, resumed_sent, _) = rank[exchange]
+        last, resumed_last = straight[-1], resumed[-1]
+        assert all(torch.equal(a, b) for a, b in zip(last, resumed_last, strict=True))
+        assert sent == resumed_sent
+
+
+def test_the_bytes_of_each_outer_exchange(ranks):
+    numels = [math.prod(s) for s in SHAPES]
+    dense = ring_allreduce_bytes(4 * sum(numels), WORLD)
+    one_bit = compressed_allreduce_per_tensor_bytes(numels, WORLD, torch.float32)
+    assert ranks[0]["dense"][0][1] == ROUNDS * dense
+    assert ranks[0]["1bit"][0][1] == ROUNDS * one_bit
+    # At a model's size the 1-bit exchange sends about 32 times fewer bytes a round.
+    big = [4096 * 1024, 4096, 1024 * 1024]
+    ratio = ring_allreduce_bytes(4 * sum(big), 4) / compressed_allreduce_per_tensor_bytes(
+        big, 4, torch.float32
+    )
+    assert 31 < ratio <= 32
+
+
+def test_bad_arguments_are_named_before_anything_changes():
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters())
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    cases = [
+        ({"sync_every": 0}, ValueError, "sync_every"),
+        ({"sync_every": 2, "exchange": "2bit"}, ValueError, "exchange"),
+        ({"sync_every": 2, "compression": "topk"}, ValueError, "compression"),
+        ({"sync_every": 2, "outer_optimizer": other}, ValueError, "outer_optimizer"),
+    ]
+    for options, error, name in cases:
+        with pytest.raises(error, match=name):
+            onebit.DiLoCo(model.parameters(), inner, **options)
+    with pytest.raises(ValueError, match="inner_optimizer"):
+        onebit.DiLoCo(model.parameters(), other, sync_every=2)
+    assert not inner._optimizer_step_post_hooks  # no hook left behind
+    diloco = onebit.DiLoCo(model.parameters(), inner, sync_every=2)
+    saved = diloco.state_dict()
+    with pytest.raises(ValueError, match="exchange"):
+        onebit.DiLoCo(model.parameters(), inner, sync_every=2, exchange="dense").load_state_dict(
+            saved
+        )
+    with pytest.raises(ValueError, match="inner step 1 .* sync_every=1"):
+        onebit.DiLoCo(model.parameters(), inner, sync_every=1).load_state_dict(
+            saved | {"local_step": 1}
+        )
