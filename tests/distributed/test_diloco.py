@@ -59,8 +59,8 @@ def _train(rank: int, world: int, exchange: str, save_at: int | None = None):
             model = _model()
             inner = torch.optim.AdamW(model.parameters(), **INNER)
             diloco = onebit.DiLoCo(
-        model.parameters(), inner, sync_every=H, exchange=exchange, kernels="torch"
-    )
+                model.parameters(), inner, sync_every=H, exchange=exchange, kernels="torch"
+            )
             model.load_state_dict(saved[0])
             inner.load_state_dict(saved[1])
             diloco.load_state_dict(saved[2])
@@ -74,8 +74,9 @@ def _runs(rank: int, world: int):
     }
 
 
-def _model_of_both_workers(exchange: str) -> list[list[torch.Tensor]]:
-    """Both workers in one process, from the text."""
+def _model_of_both_workers(exchange: str, node_size: int = 1) -> list[list[torch.Tensor]]:
+    """Both workers in one process, from the text; with ``node_size``, each worker a node
+    whose inner steps take the mean of its ranks' gradients (DDP inside the node)."""
     replicas = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
     theta = [p.detach().clone() for p in replicas[0].parameters()]
@@ -86,8 +87,8 @@ def _model_of_both_workers(exchange: str) -> list[list[torch.Tensor]]:
     rounds = []
     for r in range(ROUNDS):
         for step in range(r * H, (r + 1) * H):
-            for rank, (model, inner) in enumerate(zip(replicas, inners, strict=True)):
-                _inner_step(model, inner, rank, step)
+            for node, (model, inner) in enumerate(zip(replicas, inners, strict=True)):
+                _node_step(model, inner, range(node * node_size, (node + 1) * node_size), step)
         deltas = [
             [(t - p.detach()).reshape(-1) for t, p in zip(theta, m.parameters(), strict=True)]
             for m in replicas
@@ -110,6 +111,19 @@ def _model_of_both_workers(exchange: str) -> list[list[torch.Tensor]]:
                 p.data.copy_(t)
         rounds.append([t.clone() for t in theta])
     return rounds
+
+
+def _node_step(model, inner, ranks: range, step: int) -> None:
+    """An inner step on the mean of the gradients of ``ranks``' batches."""
+    grads = []
+    for rank in ranks:
+        inner.zero_grad()
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for index, param in enumerate(model.parameters()):
+        param.grad = torch.stack([g[index] for g in grads]).sum(dim=0) / len(grads)
+    inner.step()
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +195,43 @@ def test_bad_arguments_are_named_before_anything_changes():
         onebit.DiLoCo(model.parameters(), inner, sync_every=1).load_state_dict(
             saved | {"local_step": 1}
         )
+
+
+def _nodes_of_two(rank: int, world: int, exchange: str):
+    """Two nodes of two ranks: DDP inside each node, DiLoCo's outer exchange between them
+    (over the group of the ranks with this rank's local index)."""
+    intra, inter = onebit.node_groups(2)
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=intra)
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    diloco = onebit.DiLoCo(
+        model.parameters(),
+        inner,
+        sync_every=H,
+        exchange=exchange,
+        process_group=inter,
+        kernels="torch",
+    )
+    rounds = []
+    for step in range(H * ROUNDS):
+        x, y = _batch(rank, step)
+        inner.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        inner.step()
+        if diloco.local_step == 0:
+            rounds.append([p.detach().clone() for p in model.parameters()])
+    return rounds
+
+
+@pytest.mark.slow  # four processes
+@pytest.mark.parametrize("exchange", ["dense", "1bit"])
+def test_diloco_between_nodes_with_ddp_inside_them(exchange):
+    ranks = spawn_workers(_nodes_of_two, 4, args=(exchange,), timeout_s=240)
+    expected = _model_of_both_workers(exchange, node_size=2)
+    for rank, rounds in enumerate(ranks):
+        for r, (got, want) in enumerate(zip(rounds, expected, strict=True)):
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert all(torch.equal(a, b) for a, b in zip(got, ranks[0][r], strict=True)), (
+                f"rank {rank} differs from rank 0 after round {r + 1}"
+            )
