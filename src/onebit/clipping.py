@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from torch import Tensor
 from torch.optim import Optimizer
 
-from onebit.optim import clip_by_total_norm_
+from onebit.optim import OneBitOptimizer, clip_by_total_norm_
 
 
 def clip_grad_norm_(
@@ -43,18 +43,22 @@ def clip_grad_norm_(
         raise ValueError(
             f"workers must be an int >= 1 (the data-parallel world size), got {workers!r}"
         )
-    averaged = getattr(optimizer, "needs_averaged_gradients", True)
-    averages_itself = not getattr(optimizer, "gradients_averaged_by_ddp", True)
-    if averaged and averages_itself and optimizer.world_size > 1:
+    if not isinstance(optimizer, OneBitOptimizer):  # it steps on the gradients as they are
+        averaged, averages_itself, world = True, False, 1
+    else:
+        averaged = optimizer.needs_averaged_gradients
+        averages_itself = not optimizer.gradients_averaged_by_ddp
+        world = optimizer.world_size
+    if averaged and averages_itself and world > 1:
         raise ValueError(
             f"the next {type(optimizer).__name__}.step() averages the gradients over its "
-            f"{optimizer.world_size} ranks itself, after this call, so clip_grad_norm_ would "
+            f"{world} ranks itself, after this call, so clip_grad_norm_ would "
             "clip each rank's own gradient instead of their mean: construct the optimizer "
             f"with max_grad_norm={max_norm} instead (it clips after the average), or use "
             "DistributedDataParallel with onebit.ddp.register_comm_hook"
         )
     if not averaged:
-        max_norm *= math.sqrt(optimizer.world_size if workers is None else workers)
+        max_norm *= math.sqrt(world if workers is None else workers)
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     return clip_by_total_norm_([p.grad for p in parameters if p.grad is not None], max_norm)

@@ -153,11 +153,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _error_layout(optimizer: Lamb | OneBitOptimizer) -> dict[str, Any] | None:
-    """What fixes where this rank's error values belong (``None``: no error feedback): the
-    optimizer's layout of them, and the number of processes."""
-    if not isinstance(optimizer, OneBitOptimizer):
-        return None
+def _error_layout(optimizer: OneBitOptimizer) -> dict[str, Any]:
+    """What fixes where this rank's error values belong: the optimizer's layout of them, and
+    the number of processes."""
     processes = dist.get_world_size() if dist.is_initialized() else 1
     return {**optimizer.error_feedback_layout(), "processes": processes}
 
@@ -193,7 +191,9 @@ def _optimizer_entries(key: str, optimizer: Lamb | OneBitOptimizer) -> dict[str,
         }
     )
     rank = _rank()
-    layout = _error_layout(optimizer) if has_errors else None
+    layout = None
+    if has_errors and isinstance(optimizer, OneBitOptimizer):
+        layout = _error_layout(optimizer)
     entries[f"{key}.rank{rank}"] = _Saved({"bytes_sent": bytes_sent, "error_layout": layout})
     if has_errors:
         for name, value in errors.items():
@@ -241,7 +241,7 @@ def _optimizer_template(
     for fqn, md in saved.items():
         if fqn == f"{key}.onebit" or fqn == own[0]:
             template[fqn] = None
-        elif fqn.startswith(own[1]):
+        elif fqn.startswith(own[1]) and isinstance(md, TensorStorageMetadata):
             template[fqn] = torch.zeros(md.size, dtype=md.properties.dtype)
         elif fqn.startswith(f"{key}.state."):
             template[fqn] = _state_template(fqn, md, params)
@@ -287,7 +287,7 @@ def _load_optimizer(key: str, optimizer: Lamb | OneBitOptimizer, loaded: Mapping
             state.setdefault(int(index), {})[name] = local_tensor(value)
     state_dict: dict[str, Any] = {"state": state, "param_groups": shared["param_groups"]}
     extra = shared["extra"]
-    if extra is not None:
+    if extra is not None and isinstance(optimizer, OneBitOptimizer):  # the 1-bit ones' entry
         own = loaded.get(f"{key}.rank{_rank()}")
         part = _rank_part(key, optimizer, own, loaded, shared["error_feedback"])
         state_dict["onebit"] = {**extra, **part}

@@ -40,7 +40,7 @@ __all__ = ["DILOCO_OUTER", "DiLoCo", "EXCHANGES"]
 #: The outer exchanges: a mean allreduce, or the 1-bit exchange with error feedback.
 EXCHANGES = ("dense", "1bit")
 #: DiLoCo's outer optimizer: SGD with Nesterov momentum (Douillard et al.).
-DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+DILOCO_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 _COMPRESSIONS = ("per_tensor", "fused")
 
 
@@ -173,7 +173,7 @@ class DiLoCo:
         """The inner step within the round, the rounds, the round's start weights, the outer
         optimizer's state, this rank's error buffers and the bytes sent (the model and the
         inner optimizer are saved by the caller)."""
-        errors = (None, None)
+        errors: tuple[Tensor | None, Tensor | None] = (None, None)
         if self._exchange is not None:
             errors = self._exchange.worker_error, self._exchange.server_error
         return {

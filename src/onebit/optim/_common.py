@@ -91,14 +91,14 @@ def validate_checkpoint(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> 
                     )
 
 
-def checked_real(param_group: Mapping[str, Any]) -> Mapping[str, Any]:
+def checked_real(param_group: Mapping[str, Any]) -> dict[str, Any]:
     """``param_group`` (its parameters as a list, where torch takes them as one), after
     refusing complex parameters, naming the first: their state and update are real."""
     params = param_group["params"]
     if isinstance(params, Tensor):
         params = [params]
     elif isinstance(params, set):
-        return param_group  # torch refuses an unordered set itself
+        return dict(param_group)  # torch refuses an unordered set itself
     params = list(params)
     for index, param in enumerate(params):
         if isinstance(param, Tensor) and param.is_complex():
@@ -111,16 +111,16 @@ def checked_real(param_group: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def load_checked(
-    optimizer: Optimizer, state_dict: Mapping[str, Any], check: Callable[[Mapping], None]
-) -> Mapping[str, Any]:
+    optimizer: Optimizer, state_dict: dict[str, Any], check: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
     """torch's ``load_state_dict`` with ``check`` run on the dict its load pre-hooks leave,
     before anything is loaded (a ``ValueError`` there changes nothing), and the loaded state
     put back in its own precision before its post-hooks run (torch casts floating state to
     the parameter's dtype, which would round a half-precision parameter's fp32 moments and
     master copy). Returns the dict that was loaded."""
-    final: dict[str, Mapping[str, Any]] = {}
+    final: dict[str, dict[str, Any]] = {}
 
-    def checked(_: Optimizer, hooked: Mapping[str, Any]) -> None:
+    def checked(_: Optimizer, hooked: dict[str, Any]) -> None:
         check(hooked)
         final["dict"] = hooked
 

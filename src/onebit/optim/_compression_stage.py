@@ -122,14 +122,15 @@ class CompressionStage:
         param_groups: Sequence[Mapping[str, Any]],
         shards: ShardGroup | None,
         refresh_mask: bool,
-    ) -> None:
-        """0/1 Adam's buffer of ``N`` elements (allocated once) and the mask, computed anew
-        where ``refresh_mask`` (the variance may have changed)."""
+    ) -> Tensor:
+        """0/1 Adam's buffer of ``N`` elements (allocated once), returned, and the mask,
+        computed anew where ``refresh_mask`` (the variance may have changed)."""
         if self.buffer is None:
             self.buffer = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
         elif not refresh_mask:
-            return
+            return self.buffer
         self.mask = flat_mask(flat, has_state, param_groups, shards)
+        return self.buffer
 
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()

@@ -148,11 +148,13 @@ class FlatState:
         if self.exp_avg_sq_fresh is None:
             self.exp_avg_sq_fresh = self.exp_avg_sq.clone()
 
-    def enable_synced_param(self) -> None:
-        """Create ``synced_param`` as a copy of the weights (0/1 Adam's freeze)."""
+    def enable_synced_param(self) -> Tensor:
+        """``synced_param``, created as a copy of the weights where there is none yet (0/1
+        Adam's freeze)."""
         if self.synced_param is None:
             self.synced_param = torch.empty_like(self.exp_avg)
             self.copy_weights_into(self.synced_param)
+        return self.synced_param
 
     def nbytes(self) -> tuple[int, int]:
         """Bytes of optimizer state (moments, masters, scalars) and of reused scratch

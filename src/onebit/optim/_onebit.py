@@ -21,7 +21,7 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from onebit.collectives import allreduce_mean_
+from onebit.compression import ExchangeResult
 from onebit.exchange import Exchange, NodeGroups, NonFiniteError
 from onebit.exchange.bucketed import bucket_elements
 from onebit.optim import _common, checks
@@ -45,7 +46,7 @@ from onebit.optim._parameters import FlatParameters, trainable, views_of_flat_pa
 from onebit.optim._readiness import ReadinessMonitor
 from onebit.optim._rules import UpdateRule, ZeroOneAdamRule
 from onebit.optim._schedule import COMPRESSION, GRADIENT_1BIT, SYNC, WARMUP, Schedule
-from onebit.optim.functional import _active_indices, _pick
+from onebit.optim.functional import _active_indices
 
 __all__ = [
     "COMPRESSION",
@@ -219,6 +220,12 @@ class OneBitOptimizer(Optimizer):
             self._data_parallel.take_replicate_group(self.shards)
 
     # ----------------------------------------------------------------- the step
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of the kind the schedule gives it; ``closure`` re-evaluates the loss."""
@@ -255,7 +262,7 @@ class OneBitOptimizer(Optimizer):
         return loss
 
     def _dense_step(
-        self, step: int, kind: str, flat: FlatState, grads: list[Tensor | None]
+        self, step: int, kind: str, flat: FlatState, grads: Sequence[Tensor | None]
     ) -> bool:
         """Average the gradients (unless DDP did), clip them, then the rule's dense update.
 
@@ -274,7 +281,9 @@ class OneBitOptimizer(Optimizer):
         else:
             present = [grad is not None for grad in grads]
         if self.max_grad_norm:
-            present_grads = [g for g, has in zip(grads, present, strict=True) if has]
+            present_grads = [
+                g for g, has in zip(grads, present, strict=True) if has and g is not None
+            ]
             _common.clip_by_total_norm_(present_grads, self.max_grad_norm, self.shards)
         self._parameters.expose_new(self.state, present)
         if not self.rule.dense(self.updates, flat, grads, present):
@@ -292,10 +301,12 @@ class OneBitOptimizer(Optimizer):
         buffer = self._momentum_buffer(step, flat)
         active = self._taking_part(flat)
         data_parallel = self._data_parallel
+        packed: ExchangeResult
         try:
-            if self._overlaps_this_step():
+            overlap = self._overlap if self._overlaps_this_step() else None
+            if overlap is not None:
                 with data_parallel.collective(step, COMPRESSION):
-                    packed = self._overlap.complete()
+                    packed = overlap.complete()
                 self._verify_replicas_if_due(flat)
             else:
                 self._scaled_local_momentum(flat, grads, buffer, active)
@@ -309,7 +320,7 @@ class OneBitOptimizer(Optimizer):
             nonfinite = self.shards.any_(nonfinite, flat.device)
         if nonfinite:
             return self._guard.skip("a rank's local momentum", step)
-        applied = self._where_some_rank_had(step, COMPRESSION, active, grads)
+        applied = self._where_some_rank_had(step, COMPRESSION, flat, active, grads)
         per_tensor = data_parallel.compression == "per_tensor"
         self.rule.compressed(
             self.updates, flat, packed, buffer, self._stage.mask, applied, per_tensor
@@ -325,8 +336,10 @@ class OneBitOptimizer(Optimizer):
             self._exchange_per_tensor(step, GRADIENT_1BIT, flat.grad)
         except NonFiniteError:
             return self._guard.skip("a rank's local gradients", step)
-        applied = self._where_some_rank_had(step, GRADIENT_1BIT, self._taking_part(flat), grads)
-        self.rule.momentum_step(self.updates, flat, flat.views(flat.grad), applied)
+        active = self._taking_part(flat)
+        applied = self._where_some_rank_had(step, GRADIENT_1BIT, flat, active, grads)
+        rule = cast(ZeroOneAdamRule, self.rule)
+        rule.momentum_step(self.updates, flat, flat.views(flat.grad), applied)
         return True
 
     def _local_step(
@@ -338,7 +351,7 @@ class OneBitOptimizer(Optimizer):
         this rank; all of them where they are not finite); at a synchronisation the
         accumulated update through the exchange, applied where some rank had a gradient
         since the last one."""
-        rule: ZeroOneAdamRule = self.rule
+        rule = cast(ZeroOneAdamRule, self.rule)
         buffer = self._accumulator(step, flat)
         if step - 1 <= self.schedule.freeze_step:
             self._start_interval(step, flat)
@@ -347,7 +360,9 @@ class OneBitOptimizer(Optimizer):
             taking_part and grad is not None
             for taking_part, grad in zip(active, grads, strict=True)
         ]
-        if _common.all_finite(_pick(grads, _active_indices(own))):
+        if _common.all_finite(
+            [g for g, mine in zip(grads, own, strict=True) if mine and g is not None]
+        ):
             rule.momentum_step(self.updates, flat, grads, own)
             since = self._gradients_since_sync or [False] * len(own)
             self._gradients_since_sync = [a or b for a, b in zip(since, own, strict=True)]
@@ -385,7 +400,7 @@ class OneBitOptimizer(Optimizer):
                 )
             self._data_parallel.check_can_relayout()
             origin = parameters.lay_out_again(self.param_groups, self.state)
-            flat = parameters.flat
+            flat = parameters.build(self.param_groups, self.state)
             self._stage.reset()
             self._readiness.relayout(origin)
             self._guard.relayout(origin)
@@ -396,12 +411,17 @@ class OneBitOptimizer(Optimizer):
         return parameters.build(self.param_groups, self.state)
 
     def _where_some_rank_had(
-        self, step: int, kind: str, active: Sequence[bool], grads: Sequence[Tensor | None]
+        self,
+        step: int,
+        kind: str,
+        flat: FlatState,
+        active: Sequence[bool],
+        grads: Sequence[Tensor | None],
     ) -> list[bool]:
         """``active`` where some rank had a gradient (ALGORITHM.md, "Parameters without
         gradients"): agreed in one allreduce of a byte per parameter."""
         had = [grad is not None for grad in grads]
-        anywhere = self._data_parallel.any_rank(step, kind, had, self._parameters.flat.device)
+        anywhere = self._data_parallel.any_rank(step, kind, had, flat.device)
         return [a and b for a, b in zip(active, anywhere, strict=True)]
 
     @property
@@ -466,7 +486,7 @@ class OneBitOptimizer(Optimizer):
     def _momentum_buffer(self, step: int, flat: FlatState) -> Tensor:
         """The buffer the momentum is exchanged in; at the stage's first step (or the first
         after a load) also the masks, and at the switch itself the scaling coefficients."""
-        if self._stage.ready:
+        if self._stage.buffer is not None:
             return self._stage.buffer
         exchange = self._data_parallel.bind(flat, self.backend)
         buffer = self._stage.set_up(flat, self._has_state, exchange, self.param_groups, self.shards)
@@ -525,7 +545,7 @@ class OneBitOptimizer(Optimizer):
         active = self._taking_part(flat)
 
         def form(only: Sequence[int]) -> None:
-            grads = [None] * len(flat.params)
+            grads: list[Tensor | None] = [None] * len(flat.params)
             for index in only:
                 grads[index] = _common.dense_grad(flat.params[index], flat.dtype)
             self._scaled_local_momentum(flat, grads, buffer, active, only)
@@ -537,11 +557,11 @@ class OneBitOptimizer(Optimizer):
         """0/1 Adam's exchange buffer (``N`` elements) with the masks (anew at every step up
         to the freeze: the variance may have changed); the exchange bound."""
         refresh = step - 1 < self.schedule.freeze_step
-        self._stage.set_up_accumulator(
+        buffer = self._stage.set_up_accumulator(
             flat, self._has_state, self.param_groups, self.shards, refresh
         )
         self._data_parallel.bind(flat, self.backend)
-        return self._stage.buffer
+        return buffer
 
     def _exchange_per_tensor(self, step: int, kind: str, buffer: Tensor) -> None:
         """``buffer`` (every parameter's values, one after another) replaced by its per-tensor
@@ -560,10 +580,10 @@ class OneBitOptimizer(Optimizer):
         if flat.synced_param is None:
             flat.enable_synced_param()
             self._parameters.expose_all(self.state)
-        flat.copy_weights_into(flat.synced_param)
+        flat.copy_weights_into(flat.enable_synced_param())
         flat.scalars["lr_sum"].zero_()
         schedule = self.schedule
-        if step - 1 == schedule.freeze_step and schedule.pre_freeze_exchange == "gradient":
+        if step - 1 == schedule.freeze_step and schedule.errors_restart_at_freeze:
             self.exchange.reset_errors()
 
     # ----------------------------------------------------------------- what users see

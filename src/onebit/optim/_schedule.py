@@ -59,6 +59,9 @@ class Schedule(Protocol):
     dense_kinds: frozenset[str]
     freeze_step: int
     auto_freeze: bool
+    #: Whether the error feedback restarts from zero at the freeze (it held other values
+    #: before it, as 0/1 Adam's 1-bit gradient steps leave the gradients' errors).
+    errors_restart_at_freeze: bool
 
     def kind(self, step: int) -> str: ...
 
@@ -121,8 +124,10 @@ class FreezeSchedule:
     """Steps ``1 .. freeze_step`` are ``"warmup"`` (dense), the later ones ``"compression"``."""
 
     argument = "freeze_step"
-    kinds = (WARMUP, COMPRESSION)
+    kinds: tuple[str, ...] = (WARMUP, COMPRESSION)
     dense_kinds = frozenset({WARMUP})
+    #: Whether the error feedback restarts from zero at the freeze (it held other values).
+    errors_restart_at_freeze = False
 
     def __init__(self, freeze_step: int | str, max_freeze_step: int | None) -> None:
         self.auto_freeze = freeze_step == AUTO
@@ -165,7 +170,7 @@ class ZeroOneSchedule:
     steps with a synchronisation every ``H_t`` steps (ALGORITHM.md, "0/1 Adam")."""
 
     argument = "var_freeze_step"
-    kinds = STEP_KINDS
+    kinds: tuple[str, ...] = STEP_KINDS
     dense_kinds = frozenset({VARIANCE_UPDATE})
 
     def __init__(
@@ -201,6 +206,7 @@ class ZeroOneSchedule:
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
         self.pre_freeze_exchange = pre_freeze_exchange
+        self.errors_restart_at_freeze = pre_freeze_exchange == "gradient"
         self.warmup_auto = var_warmup_steps == AUTO
         #: The variance updates at interval 1 (steps 1..first_interval): ``var_warmup_steps``,
         #: kappa where it is None; with ``"auto"`` the freeze's bound until the variance has

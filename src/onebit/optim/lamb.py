@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -107,6 +107,12 @@ class Lamb(Optimizer):
         """Raise ``ValueError`` naming the first thing in ``state_dict`` that does not fit
         this optimizer (its parameter groups, the shapes of its state); nothing changes."""
         _common.validate_checkpoint(self, state_dict)
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -156,6 +156,7 @@ class ZeroOneAdam(OneBitOptimizer):
             max_grad_norm=max_grad_norm,
             simulatable=False,
         )
+        self._schedule = schedule  # the schedule, typed as 0/1 Adam's
         if self.shards is not None:
             raise ValueError(
                 "ZeroOneAdam does not take FSDP-sharded parameters: its local steps, where "
@@ -166,30 +167,30 @@ class ZeroOneAdam(OneBitOptimizer):
     # The schedule's arguments and decisions, as DeepSpeed's ZeroOneAdam names them.
     @property
     def var_freeze_step(self) -> int:
-        return self.schedule.freeze_step
+        return self._schedule.freeze_step
 
     @property
-    def first_interval(self) -> int | None:
+    def first_interval(self) -> int | str | None:
         """The variance updates at interval 1 (``var_warmup_steps``, or where ``"auto"``
         ended it)."""
-        return self.schedule.first_interval
+        return self._schedule.first_interval
 
     @property
     def warmup_auto(self) -> bool:
-        return self.schedule.warmup_auto
+        return self._schedule.warmup_auto
 
     @property
     def pre_freeze_exchange(self) -> str:
-        return self.schedule.pre_freeze_exchange
+        return self._schedule.pre_freeze_exchange
 
     @property
     def var_update_scaler(self) -> int:
-        return self.schedule.var_update_scaler
+        return self._schedule.var_update_scaler
 
     @property
     def local_step_scaler(self) -> int:
-        return self.schedule.local_step_scaler
+        return self._schedule.local_step_scaler
 
     @property
     def local_step_clipper(self) -> int:
-        return self.schedule.local_step_clipper
+        return self._schedule.local_step_clipper
