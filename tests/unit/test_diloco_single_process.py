@@ -1,0 +1,32 @@
+"""DiLoCo in one process (a world of one worker): a non-finite pseudo-gradient raises before
+any weight changes, with either exchange (ALGORITHM.md, "DiLoCo with a 1-bit outer
+exchange"); the distributed behaviour is tested on ranks in distributed/test_diloco.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import onebit
+
+
+@pytest.mark.parametrize(
+    ("exchange", "error"), [("dense", FloatingPointError), ("1bit", onebit.NonFiniteError)]
+)
+def test_a_non_finite_pseudo_gradient_raises_before_any_weight_changes(exchange, error):
+    model = torch.nn.Linear(4, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = onebit.DiLoCo(model.parameters(), inner, sync_every=2, exchange=exchange)
+    model(torch.ones(2, 4)).sum().backward()
+    inner.step()  # the first inner step of the round
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    held = [p.detach().clone() for p in model.parameters()]
+    state = diloco.state_dict()
+    with pytest.raises(error):
+        inner.step()  # the second ends the round
+    after = [p.detach() for p in model.parameters()]
+    expected = [h - 0.1 * p.grad for h, p in zip(held, model.parameters(), strict=True)]
+    for a, b in zip(after, expected, strict=True):  # the inner step, nothing of the outer one
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert diloco.rounds == 0 and diloco.state_dict()["rounds"] == state["rounds"]
