@@ -105,8 +105,8 @@ def test_the_default_is_per_tensor_and_fused_where_only_the_fused_buffer_is_exch
     assert made().compression == "per_tensor"
     assert made(bucket_cap_mb=1.0).compression == "fused"
     assert made(overlap_backward=True).compression == "fused"
-    with pytest.raises(ValueError, match="bucket the flat fused exchange"):
-        made(compression="per_tensor", bucket_cap_mb=1.0)
+    assert made(compression="per_tensor", bucket_cap_mb=1.0).compression == "per_tensor"
+    assert made(compression="per_tensor", overlap_backward=True).compression == "per_tensor"
     # simulated: the default becomes the simulation's fused exchange; a refusal changes nothing
     simulated = made()
     simulated.use_exchange(SimulatedExchange(2))

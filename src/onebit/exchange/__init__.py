@@ -10,7 +10,12 @@
 """
 
 from onebit.exchange.base import Exchange
-from onebit.exchange.bucketed import BucketedExchange, BucketedResult, BucketPipeline
+from onebit.exchange.bucketed import (
+    BucketedExchange,
+    BucketedResult,
+    BucketPipeline,
+    PerTensorBucketedExchange,
+)
 from onebit.exchange.flat import FlatExchange, PerTensorExchange, per_tensor_error_sizes
 from onebit.exchange.hierarchical import (
     HierarchicalExchange,
@@ -38,6 +43,7 @@ from onebit.exchange.workspace import CompressionWorkspace
 __all__ = [
     "BucketedExchange",
     "BucketedResult",
+    "PerTensorBucketedExchange",
     "BucketPipeline",
     "CompressionWorkspace",
     "Exchange",

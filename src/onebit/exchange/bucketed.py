@@ -1,8 +1,10 @@
-"""The fused buffer exchanged in buckets, each compressed alone (ALGORITHM.md, "Bucketed
-exchange")."""
+"""Exchanges in buckets, pipelined and startable during backward (ALGORITHM.md, "Bucketed
+exchange"): the fused buffer cut into buckets, each compressed alone; or whole tensors in
+buckets, each tensor compressed alone as the per-tensor exchange compresses it."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.compression import SignRuns
-from onebit.exchange.flat import FlatExchange
+from onebit.exchange.flat import FlatExchange, PerTensorExchange, padded_segments
 from onebit.exchange.over_group import Round
 from onebit.exchange.protocol import Layout, PackedResult, exchange_bytes
 from onebit.exchange.transport import GroupTransport
@@ -21,7 +23,9 @@ __all__ = [
     "BucketPipeline",
     "BucketedExchange",
     "BucketedResult",
+    "PerTensorBucketedExchange",
     "bucket_elements",
+    "tensor_buckets",
     "bucket_ranges",
     "bucket_size",
 ]
@@ -57,10 +61,10 @@ class BucketedResult:
         return SignRuns.concatenate([(start, part.sign_runs()) for start, part in self.parts])
 
     def decode(self, out: Tensor) -> Tensor:
-        """Every bucket's result into its range of ``out`` (the padded buffer's size)."""
+        """Every bucket's result into its range of ``out`` (the exchanged buffer's size)."""
         flat = out.view(-1)
         for start, part in self.parts:
-            part.decode(flat[start : start + part.layout.width])
+            part.decode(flat[start : start + sum(part.layout.numels)])
         return out
 
 
@@ -173,6 +177,117 @@ class BucketedExchange(FlatExchange):
         return pipeline
 
 
+def tensor_buckets(numels: Sequence[int], bucket_elements: int) -> list[tuple[int, int]]:
+    """Buckets of whole tensors, ``(first, end)`` tensor indices in order: tensors are added to
+    a bucket while it holds at most ``bucket_elements`` elements (a larger tensor alone)."""
+    buckets, first, held = [], 0, 0
+    for index, numel in enumerate(numels):
+        if index > first and held + numel > bucket_elements:
+            buckets.append((first, index))
+            first, held = index, 0
+        held += numel
+    buckets.append((first, len(numels)))
+    return buckets
+
+
+class PerTensorBucketedExchange(PerTensorExchange):
+    """Each tensor compressed alone, as :class:`~onebit.exchange.flat.PerTensorExchange`
+    compresses it (its worker scale, server scales, signs and slices of the error buffers,
+    laid out alike), the tensors grouped in buckets of whole tensors
+    (:func:`tensor_buckets`), each bucket exchanged alone over ``group`` and pipelined as
+    :class:`BucketedExchange`'s buckets are (the last first, startable during backward with
+    :meth:`begin`). Buckets only group the messages: every tensor's result and errors are the
+    per-tensor exchange's, bit for bit."""
+
+    def __init__(self, group: dist.ProcessGroup | None, bucket_elements: int) -> None:
+        super().__init__(group)
+        if (
+            isinstance(bucket_elements, bool)
+            or not isinstance(bucket_elements, int)
+            or bucket_elements < 1
+        ):
+            raise ValueError(f"bucket_elements must be a positive int, got {bucket_elements!r}")
+        self.bucket_elements = bucket_elements
+        self._workspaces: list[CompressionWorkspace] = []
+
+    def _tensor_buckets(self) -> list[tuple[int, int]]:
+        self._require_bound()
+        return tensor_buckets(self.numels, self.bucket_elements)
+
+    def buckets(self, numels: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """``(start, end)`` of every bucket in the buffer (the tensors one after another),
+        in element order, for tensors of ``numels`` elements (default: the bound ones)."""
+        if numels is None:
+            self._require_bound()
+            numels = self.numels
+        offsets = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
+        return [
+            (int(offsets[first]), int(offsets[end]))
+            for first, end in tensor_buckets(numels, self.bucket_elements)
+        ]
+
+    def bytes_per_call(self) -> dict[str, int]:
+        n, numels = self.world_size, self.numels
+        total = sum(
+            exchange_bytes(Layout.per_tensor(numels[first:end], n), self.dtype)
+            for first, end in self._tensor_buckets()
+        )
+        return {"compressed_allreduce": total}
+
+    def nbytes(self) -> int:
+        return sum(ws.nbytes() for ws in self._workspaces)
+
+    def begin(self, buffer: Tensor) -> BucketPipeline:
+        """An exchange of ``buffer`` whose buckets the caller starts one by one, as
+        :meth:`BucketedExchange.begin`'s."""
+        pipeline = self._pipeline(self._checked(buffer), *self.errors())
+        pipeline.on_complete = lambda: self.traffic.record_all(self.bytes_per_call())
+        return pipeline
+
+    def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
+        return self._pipeline(buffer, worker_error, server_error).complete()
+
+    def _pipeline(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
+        """The pipeline of every bucket's exchange (its tensors padded alone in its
+        workspace, intermediates there too), over its slices of the error buffers."""
+        n, numels = self.world_size, list(self.numels)
+        whole = Layout.per_tensor(numels, n)
+        elements = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
+        workers = np.concatenate([[0], np.cumsum(whole.sizes)]).astype(np.int64)
+        servers = np.concatenate([[0], np.cumsum(whole.chunks)]).astype(np.int64)
+        tensors = self._tensor_buckets()
+        while len(self._workspaces) < len(tensors):
+            self._workspaces.append(CompressionWorkspace())
+        transport = GroupTransport(self.group)
+        order = list(reversed(range(len(tensors))))
+        rounds, paddings = [], []
+        for k in order:
+            first, end = tensors[k]
+            layout = Layout.per_tensor(numels[first:end], n)
+            ws = self._workspaces[k].prepare(layout, self.dtype, self.device, self.backend)
+            values = buffer[int(elements[first]) : int(elements[end])].split(numels[first:end])
+            segments, padding = padded_segments(values, layout, ws)
+            xs = ws.buffer("x", layout.width, self.dtype, self.device).split(layout.sizes)
+            rounds.append(
+                Round(
+                    segments,
+                    xs,
+                    worker_error[int(workers[first]) : int(workers[end])],
+                    server_error[int(servers[first]) : int(servers[end])],
+                    transport,
+                    ws,
+                    # the padded copies again once the bucket's values are final
+                    refill=functools.partial(padded_segments, values, layout, ws),
+                )
+            )
+            paddings.append(padding)
+        transport.post_receives(
+            [out for r in rounds for out in (r.ws.received_framed, r.ws.gathered_framed)]
+        )
+        buckets = [(int(elements[first]), int(elements[end])) for first, end in tensors]
+        return BucketPipeline(buckets, order, rounds, transport, paddings)
+
+
 #: Bucket ``i``'s server phase is sent right after the worker phase of the bucket
 #: :data:`SERVER_LAG` places after it (ALGORITHM.md, "Bucketed exchange").
 SERVER_LAG = 2
@@ -201,9 +316,12 @@ class BucketPipeline:
         order: list[int],
         rounds: list[Round],
         transport: GroupTransport,
+        paddings: Sequence[Tensor | None] | None = None,
     ) -> None:
         self.buckets, self.order, self.rounds = buckets, order, rounds
         self.transport = transport
+        #: Per round, the scratch its result decodes padded segments through (per tensor).
+        self.paddings = [None] * len(rounds) if paddings is None else list(paddings)
         self._finished: list = [None] * len(rounds)
         self._sent = 0  # buckets whose worker phase has run
         self._served = 0  # buckets whose server phase has run
@@ -245,10 +363,12 @@ class BucketPipeline:
                 self._run(lambda i=i: self._server_phase(i))
         if self.failure is not None:
             raise self.failure
-        parts = sorted(
-            (self.buckets[k][0], pending.commit())
-            for k, pending in zip(self.order, self._finished, strict=True)
-        )
+        parts = []
+        for k, pending, padding in zip(self.order, self._finished, self.paddings, strict=True):
+            result = pending.commit()
+            result.padding = padding
+            parts.append((self.buckets[k][0], result))
+        parts.sort(key=lambda part: part[0])
         self.on_complete()
         return BucketedResult(parts)
 

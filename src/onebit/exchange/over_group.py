@@ -6,7 +6,7 @@ collectives in flight (:class:`Round`, which the bucketed exchange's pipeline in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -101,7 +101,10 @@ class Round:
     the segment itself (after its signs are sent), the new server error into
     ``next_server_error`` (after the server signs are sent). Nothing is left to commit; the
     caller takes the two as the error state once every check has passed (ALGORITHM.md,
-    "Error updates while the bytes travel")."""
+    "Error updates while the bytes travel").
+
+    ``refill`` (where segments are padded copies of values that are final only when the
+    worker phase starts, as in a bucket started during backward) copies them in again then."""
 
     def __init__(
         self,
@@ -112,8 +115,10 @@ class Round:
         transport: GroupTransport,
         workspace: CompressionWorkspace,
         next_server_error: Tensor | None = None,
+        refill: Callable[[], object] | None = None,
     ) -> None:
         self.segments, self.xs, self.transport, self.ws = segments, xs, transport, workspace
+        self.refill = refill
         self.worker_error, self.server_error = worker_error.view(-1), server_error.view(-1)
         self.device = worker_error.device
         self.next_server_error = next_server_error
@@ -132,6 +137,8 @@ class Round:
 
     def send_workers(self) -> None:
         ws, stages = self.ws, self.ws.stages
+        if self.refill is not None:
+            self.refill()
         stages.compress_worker(
             self.segments, self.xs, self.worker_error, ws.worker_packed, ws.local_scales
         )

@@ -22,6 +22,7 @@ from onebit.exchange import (
     FlatExchange,
     HierarchicalExchange,
     NodeGroups,
+    PerTensorBucketedExchange,
     PerTensorExchange,
     TrafficCounter,
     node_topology,
@@ -159,6 +160,8 @@ class DataParallel:
         return self._exchange
 
     def _build_exchange(self) -> Exchange:
+        if self.compression == "per_tensor" and self._bucket_elements:
+            return PerTensorBucketedExchange(self._process_group, self._bucket_elements)
         if self.compression == "per_tensor":
             return PerTensorExchange(self._process_group)
         if self.node_groups:

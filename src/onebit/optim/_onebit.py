@@ -172,10 +172,10 @@ class OneBitOptimizer(Optimizer):
             compression, node_groups, bucket_cap_mb, overlap_backward
         )
         checks.check_bucket_cap_mb("bucket_cap_mb", bucket_cap_mb)
-        if bucket_cap_mb is not None and (node_groups is not None or compression != "fused"):
+        if bucket_cap_mb is not None and node_groups is not None:
             raise ValueError(
-                "bucket_cap_mb and overlap_backward bucket the flat fused exchange: not "
-                f"with node_groups or compression={compression!r}"
+                "bucket_cap_mb and overlap_backward bucket the exchange over one process "
+                "group: not with node_groups"
             )
         self.schedule = schedule
         self.rule = rule

@@ -89,7 +89,8 @@ class OneBitLamb(OneBitOptimizer):
             ``max_grad_norm·√W`` in the compression stage (W ranks; ALGORITHM.md,
             "Gradient clipping"). 0 (default): no clipping.
         bucket_cap_mb: exchange the momentum in buckets of this many MiB, each compressed
-            alone (ALGORITHM.md, "Bucketed exchange"; flat exchange only); ``None``
+            alone (ALGORITHM.md, "Bucketed exchange"; not with ``node_groups``); per tensor,
+            buckets of whole tensors, every tensor compressed as without buckets; ``None``
             (default): the whole buffer in one exchange, or 25 MiB buckets with
             ``overlap_backward``. The buckets' phases are pipelined (one on the wire while
             another is compressed).
