@@ -44,6 +44,7 @@ from onebit.bench.settings import (
     HSDP_METHODS,
     METHODS,
     OVERLAP_METHODS,
+    PER_TENSOR_OVERLAP_METHOD,
     PLAIN_METHODS,
     ZERO_ONE_ADAM_METHOD,
     ZERO_ONE_ADAM_SCHEDULE,
@@ -127,6 +128,8 @@ class _Method:
         elif spec.compresses:
             self.freeze_step = values["freeze_step"] = cfg["skip_steps"] + cfg["warm_steps"]
             values["overlap_backward"] = name in OVERLAP_METHODS
+            if name == PER_TENSOR_OVERLAP_METHOD:
+                values["compression"] = "per_tensor"
             if name == HIERARCHICAL_METHOD:
                 values["node_groups"] = onebit.node_groups(cfg["workers_per_node"])
         if name in HSDP_METHODS:

@@ -51,6 +51,12 @@ METHODS: dict[str, Method] = {
         "1-bit LAMB overlapped (plain)",
         "onebit-lamb",
     ),
+    "onebit-lamb-overlap-per-tensor": Method(
+        "1-bit LAMB, plain path, per-tensor compression in buckets of whole tensors, "
+        "overlapped with backward (25 MB buckets)",
+        "1-bit LAMB overlapped per tensor (plain)",
+        "onebit-lamb",
+    ),
     "onebit-lamb-hier": Method(
         "1-bit LAMB, hierarchical exchange (dense in a node, 1-bit between nodes), DDP hook path",
         "1-bit LAMB (hier.)",
@@ -75,9 +81,15 @@ METHODS: dict[str, Method] = {
 #: The baseline and its compute-only twin, against which the others are compared.
 BASELINE_METHODS = ("lamb", "lamb-compute")
 #: 1-bit LAMB with ``overlap_backward=True``.
-OVERLAP_METHODS = ("onebit-lamb-ddp-overlap", "onebit-lamb-overlap")
+OVERLAP_METHODS = (
+    "onebit-lamb-ddp-overlap",
+    "onebit-lamb-overlap",
+    "onebit-lamb-overlap-per-tensor",
+)
+#: The overlapped method that compresses each tensor alone (the others: the fused buffer).
+PER_TENSOR_OVERLAP_METHOD = "onebit-lamb-overlap-per-tensor"
 #: The methods that run without DDP (the optimizer averages warm-up gradients itself).
-PLAIN_METHODS = ("onebit-lamb", "onebit-lamb-overlap")
+PLAIN_METHODS = ("onebit-lamb", "onebit-lamb-overlap", "onebit-lamb-overlap-per-tensor")
 ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-lamb-hier", *OVERLAP_METHODS)
 ONEBIT_METHODS = (*ONEBIT_LAMB_METHODS, "onebit-adam")
 #: The flat 1-bit LAMB methods, against which the hierarchical one is compared.

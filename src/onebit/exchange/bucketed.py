@@ -49,6 +49,16 @@ def bucket_ranges(numel: int, bucket_elements: int, n: int) -> list[tuple[int, i
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 
+def _checked_bucket_elements(bucket_elements: int) -> int:
+    if (
+        isinstance(bucket_elements, bool)
+        or not isinstance(bucket_elements, int)
+        or bucket_elements < 1
+    ):
+        raise ValueError(f"bucket_elements must be a positive int, got {bucket_elements!r}")
+    return bucket_elements
+
+
 @dataclass
 class BucketedResult:
     """The buckets' results in the flat layout (an :class:`~onebit.compression.ExchangeResult`,
@@ -77,13 +87,7 @@ class BucketedExchange(FlatExchange):
 
     def __init__(self, group: dist.ProcessGroup | None, bucket_elements: int) -> None:
         super().__init__(group)
-        if (
-            isinstance(bucket_elements, bool)
-            or not isinstance(bucket_elements, int)
-            or bucket_elements < 1
-        ):
-            raise ValueError(f"bucket_elements must be a positive int, got {bucket_elements!r}")
-        self.bucket_elements = bucket_elements
+        self.bucket_elements = _checked_bucket_elements(bucket_elements)
         self._workspaces: list[CompressionWorkspace] = []
 
     def buckets(self, numels: Sequence[int] | None = None) -> list[tuple[int, int]]:
@@ -201,13 +205,7 @@ class PerTensorBucketedExchange(PerTensorExchange):
 
     def __init__(self, group: dist.ProcessGroup | None, bucket_elements: int) -> None:
         super().__init__(group)
-        if (
-            isinstance(bucket_elements, bool)
-            or not isinstance(bucket_elements, int)
-            or bucket_elements < 1
-        ):
-            raise ValueError(f"bucket_elements must be a positive int, got {bucket_elements!r}")
-        self.bucket_elements = bucket_elements
+        self.bucket_elements = _checked_bucket_elements(bucket_elements)
         self._workspaces: list[CompressionWorkspace] = []
 
     def _tensor_buckets(self) -> list[tuple[int, int]]:
