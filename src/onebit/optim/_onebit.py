@@ -389,26 +389,27 @@ class OneBitOptimizer(Optimizer):
         "Parameters that join late")."""
         parameters = self._parameters
         joining = parameters.joining(self.param_groups)
-        if joining:
-            freeze = self.schedule.freeze_step
-            if step > freeze:
-                parameters.refuse_joining(
-                    joining,
-                    f"at step {step}, after the variance froze (step {freeze}), it has no "
-                    f"variance for the 1-bit steps. Unfreeze it by step {freeze}, or give it "
-                    "an optimizer of its own",
-                )
-            self._data_parallel.check_can_relayout()
-            origin = parameters.lay_out_again(self.param_groups, self.state)
-            flat = parameters.build(self.param_groups, self.state)
-            self._stage.reset()
-            self._readiness.relayout(origin)
-            self._guard.relayout(origin)
-            self._data_parallel.relayout(origin, [t.numel() for t in flat.tensors])
-            self._gradients_since_sync = None
-            if self._overlap is not None:
-                self._overlap.relayout(flat.params)
-        return parameters.build(self.param_groups, self.state)
+        if not joining:
+            return parameters.build(self.param_groups, self.state)
+        freeze = self.schedule.freeze_step
+        if step > freeze:
+            parameters.refuse_joining(
+                joining,
+                f"at step {step}, after the variance froze (step {freeze}), it has no "
+                f"variance for the 1-bit steps. Unfreeze it by step {freeze}, or give it "
+                "an optimizer of its own",
+            )
+        self._data_parallel.check_can_relayout()
+        origin = parameters.lay_out_again(self.param_groups, self.state)
+        flat = parameters.build(self.param_groups, self.state)  # the new layout
+        self._stage.reset()
+        self._readiness.relayout(origin)
+        self._guard.relayout(origin)
+        self._data_parallel.relayout(origin, [t.numel() for t in flat.tensors])
+        self._gradients_since_sync = None
+        if self._overlap is not None:
+            self._overlap.relayout(flat.params)
+        return flat
 
     def _where_some_rank_had(
         self,
@@ -577,10 +578,11 @@ class OneBitOptimizer(Optimizer):
         have moved the weights since the last synchronisation) and ``lr_sum = 0``. At the
         freeze after 1-bit gradient steps the error buffers, which held the gradients' error,
         restart from zero for the accumulated updates."""
-        if flat.synced_param is None:
-            flat.enable_synced_param()
+        new = flat.synced_param is None
+        synced = flat.enable_synced_param()
+        if new:
             self._parameters.expose_all(self.state)
-        flat.copy_weights_into(flat.enable_synced_param())
+        flat.copy_weights_into(synced)
         flat.scalars["lr_sum"].zero_()
         schedule = self.schedule
         if step - 1 == schedule.freeze_step and schedule.errors_restart_at_freeze:
