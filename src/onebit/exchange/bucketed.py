@@ -61,9 +61,10 @@ def _checked_bucket_elements(bucket_elements: int) -> int:
 
 @dataclass
 class BucketedResult:
-    """The buckets' results in the flat layout (an :class:`~onebit.compression.ExchangeResult`,
+    """The buckets' results, one after another (an :class:`~onebit.compression.ExchangeResult`,
     as a whole buffer's is): bucket ``k``'s :class:`~onebit.exchange.protocol.PackedResult`
-    covers elements ``[start_k, end_k)``."""
+    (a slice of the fused buffer, or whole tensors) covers the exchanged buffer's elements
+    from ``start_k`` on."""
 
     parts: list[tuple[int, PackedResult]]  # (start, result), in element order
 
