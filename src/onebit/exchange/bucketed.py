@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.compression import SignRuns
-from onebit.exchange.flat import FlatExchange, PerTensorExchange, padded_segments
+from onebit.exchange.flat import FlatExchange, PerTensorExchange, fill_segments, segment_views
 from onebit.exchange.over_group import Round
 from onebit.exchange.protocol import Layout, PackedResult, exchange_bytes
 from onebit.exchange.transport import GroupTransport
@@ -265,7 +265,7 @@ class PerTensorBucketedExchange(PerTensorExchange):
             layout = Layout.per_tensor(numels[first:end], n)
             ws = self._workspaces[k].prepare(layout, self.dtype, self.device, self.backend)
             values = buffer[int(elements[first]) : int(elements[end])].split(numels[first:end])
-            segments, padding = padded_segments(values, layout, ws)
+            segments, padding = segment_views(values, layout, ws)
             xs = ws.buffer("x", layout.width, self.dtype, self.device).split(layout.sizes)
             rounds.append(
                 Round(
@@ -275,8 +275,8 @@ class PerTensorBucketedExchange(PerTensorExchange):
                     server_error[int(servers[first]) : int(servers[end])],
                     transport,
                     ws,
-                    # the padded copies again once the bucket's values are final
-                    refill=functools.partial(padded_segments, values, layout, ws),
+                    # the padded copies, once the bucket's values are final
+                    refill=functools.partial(fill_segments, values, segments),
                 )
             )
             paddings.append(padding)

@@ -212,16 +212,32 @@ def padded_segments(
 ) -> tuple[list[Tensor], Tensor]:
     """Each flat tensor padded alone to its segment of ``layout``: the tensor itself where it
     needs no padding, else a zero-padded copy in the workspace; and that scratch."""
+    segments, padding = segment_views(tensors, layout, workspace)
+    fill_segments(tensors, segments)
+    return segments, padding
+
+
+def segment_views(
+    tensors: Sequence[Tensor], layout: Layout, workspace: CompressionWorkspace
+) -> tuple[list[Tensor], Tensor]:
+    """Where each flat tensor's segment of ``layout`` is: the tensor itself where it needs no
+    padding, else its place in the workspace's scratch (filled by :func:`fill_segments`);
+    and that scratch."""
     padding = workspace.buffer("padded", layout.width, tensors[0].dtype, tensors[0].device)
     segments, offset = [], 0
     for tensor, size in zip(tensors, layout.sizes, strict=True):
-        numel = tensor.numel()
-        if numel == size and tensor.is_contiguous():
+        if tensor.numel() == size and tensor.is_contiguous():
             segments.append(tensor.view(-1))
         else:
-            segment = padding[offset : offset + size]
-            segment[:numel].copy_(tensor.reshape(-1))
-            segment[numel:].zero_()
-            segments.append(segment)
+            segments.append(padding[offset : offset + size])
         offset += size
     return segments, padding
+
+
+def fill_segments(tensors: Sequence[Tensor], segments: Sequence[Tensor]) -> None:
+    """Copy each tensor into its segment where that is a padded copy, zeros after it."""
+    for tensor, segment in zip(tensors, segments, strict=True):
+        if segment.data_ptr() != tensor.data_ptr() or segment.numel() != tensor.numel():
+            numel = tensor.numel()
+            segment[:numel].copy_(tensor.reshape(-1))
+            segment[numel:].zero_()

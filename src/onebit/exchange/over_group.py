@@ -104,7 +104,7 @@ class Round:
     "Error updates while the bytes travel").
 
     ``refill`` (where segments are padded copies of values that are final only when the
-    worker phase starts, as in a bucket started during backward) copies them in again then."""
+    worker phase starts, as in a bucket started during backward) copies them in then."""
 
     def __init__(
         self,

@@ -262,6 +262,12 @@ def _run_table(layout: Layout, row_bytes: int) -> tuple[np.ndarray, np.ndarray, 
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _scale_index(layout: Layout, row_bytes: int, device: torch.device) -> Tensor:
+    """:func:`_run_table`'s scale index on ``device`` (copied there once, not every step)."""
+    return torch.from_numpy(_run_table(layout, row_bytes)[2]).to(device)
+
+
 @dataclass
 class PackedResult:
     """The result of an exchange before decoding (an :class:`~onebit.compression.ExchangeResult`;
@@ -281,9 +287,10 @@ class PackedResult:
         """The result as runs (:class:`~onebit.compression.SignRuns`): a run per server's
         chunk of each segment, in the decoded order (segment ``t``'s first ``numels[t]``
         values, one segment after another)."""
-        bounds, first_bits, scale_index = _run_table(self.layout, self.signs.shape[1])
-        scales = self.scales.reshape(-1)[torch.from_numpy(scale_index).to(self.scales.device)]
-        return SignRuns(bounds, first_bits, scales, self.signs.view(-1))
+        row_bytes = self.signs.shape[1]
+        bounds, first_bits, _ = _run_table(self.layout, row_bytes)
+        index = _scale_index(self.layout, row_bytes, self.scales.device)
+        return SignRuns(bounds, first_bits, self.scales.reshape(-1)[index], self.signs.view(-1))
 
     @cached_property
     def _segment_signs(self) -> list[Tensor]:

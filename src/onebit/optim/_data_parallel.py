@@ -227,11 +227,11 @@ class DataParallel:
         """The tensors were laid out anew (new tensor ``i`` of ``numels[i]`` elements was
         bound tensor ``origin[i]``; ``None``: it joined): an exchange bound already is built
         again, to be bound at its next use, with its error feedback moved tensor by tensor
-        where it has one (:meth:`onebit.exchange.Exchange.moved_errors`)."""
+        where it has one (:meth:`onebit.exchange.Exchange.moved_errors`). The caller has
+        checked :meth:`check_can_relayout` before changing anything."""
         old = self._exchange
         if old is None or old.numels is None:
             return
-        self.check_can_relayout()
         new = self._build_exchange()
         if old.worker_error is not None:
             worker, server = old.moved_errors(origin, numels)
