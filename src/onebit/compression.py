@@ -260,6 +260,42 @@ class SignRuns:
             return int(lengths[0])
         return None
 
+    def sign_runs(self) -> SignRuns:
+        """Itself: runs are a result too (:class:`ExchangeResult`), as a checkpoint keeps one."""
+        return self
+
+    def decode(self, out: Tensor) -> Tensor:
+        """Element ``e`` of run ``r``, ``+scales[r]`` where its bit is 1 and ``-scales[r]``
+        where it is 0, into ``out`` (at least :attr:`numel` elements); returns ``out``."""
+        device = self.signs.device
+        lengths = torch.from_numpy(np.diff(self.bounds)).to(device)
+        runs = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+        starts = torch.from_numpy(self.bounds[:-1]).to(device)[runs]
+        first_bits = torch.from_numpy(self.first_bits).to(device)[runs]
+        bits = first_bits + torch.arange(self.numel, device=device) - starts
+        positive = (self.signs[bits // 8] >> (7 - bits % 8).to(torch.uint8)) & 1
+        scales = self.scales[runs]
+        out.view(-1)[: self.numel].copy_(torch.where(positive.bool(), scales, -scales))
+        return out
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The runs as tensors (a copy), for a checkpoint."""
+        return {
+            "bounds": torch.from_numpy(self.bounds.copy()),
+            "first_bits": torch.from_numpy(self.first_bits.copy()),
+            "scales": self.scales.clone(),
+            "signs": self.signs.clone(),
+        }
+
+    @staticmethod
+    def from_state_dict(state: dict[str, Tensor], device: torch.device) -> SignRuns:
+        return SignRuns(
+            state["bounds"].numpy().astype(np.int64),
+            state["first_bits"].numpy().astype(np.int64),
+            state["scales"].to(device, copy=True),
+            state["signs"].to(device, copy=True),
+        )
+
     @staticmethod
     def concatenate(parts: Sequence[tuple[int, SignRuns]]) -> SignRuns:
         """The runs of results that cover elements from ``start`` on, in element order, as one

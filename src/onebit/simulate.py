@@ -31,6 +31,10 @@ own state and the model's gradients of one worker at a time. Workers are streame
 one worker's gradients and momentum exist at once. At ``W = 256`` (flat) and 4M parameters
 that is 4.1 GB of worker errors and 128 MB of signs (:meth:`memory_bytes`).
 
+With ``delayed_exchange=True`` each compression step first applies the update its
+predecessor's exchange left pending, and the workers' passes run at the weights from before
+it, as a real run's gradients are one step stale (ALGORITHM.md, "Delayed exchange").
+
 A compression step cannot be skipped the way a distributed run skips one with a non-finite
 momentum (its worker errors are updated while the workers stream): a non-finite local momentum
 raises :class:`SimulationDiverged` instead, with the error state of the earlier workers of the
@@ -117,16 +121,34 @@ class SimulatedDataParallel:
         """One step of all workers; returns ``worker_backward(rank)`` of each rank."""
         if self.compressing:
             results = []
+            applied_late = self._apply_pending_update()
             for rank in range(self.workers):
                 results.append(self._backward(rank, worker_backward))
                 self._clip()
                 if rank < self.workers - 1:  # the last one's momentum goes in through step()
                     self.exchange.add_worker(rank, self._onebit.local_momentum())
+            if applied_late is not None:
+                _copy_into(self.params, applied_late)
         else:
             results = self._average_gradients(worker_backward)
             self._clip()
         self.optimizer.step()
         return results
+
+    @torch.no_grad()
+    def _apply_pending_update(self) -> list[Tensor] | None:
+        """With ``delayed_exchange``: the update of the last step's exchange applied (the
+        momentum every worker's starts from), then the weights from before it put back for
+        the workers' passes (ALGORITHM.md, "Delayed exchange"); the weights after it, to be
+        restored once the workers are done (``None``: no update was pending)."""
+        optimizer = self._onebit
+        if optimizer is None or not optimizer.update_pending:
+            return None
+        before = [param.detach().clone() for param in self.params]
+        optimizer.finish_exchange()
+        after = [param.detach().clone() for param in self.params]
+        _copy_into(self.params, before)
+        return after
 
     def _backward(self, rank: int, worker_backward: Callable[[int], Result]) -> Result:
         self.optimizer.zero_grad(set_to_none=True)
@@ -182,3 +204,9 @@ class SimulatedDataParallel:
             "exchange_scratch": self.exchange.nbytes(),
             "gradient_sum": size(self._gradient_sum),
         }
+
+
+def _copy_into(params: list[Tensor], values: list[Tensor]) -> None:
+    with torch.no_grad():
+        for param, value in zip(params, values, strict=True):
+            param.copy_(value)

@@ -1,5 +1,6 @@
 """The many-worker simulation (onebit.simulate): bit for bit what real gloo processes compute
-(the test model, whose averaged gradients are exact in any order: helpers/simulation.py)."""
+(the test model, whose averaged gradients are exact in any order: helpers/simulation.py),
+with the exchange delayed by a step too."""
 
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ CASES = {
         ("onebit-lamb", 1, 0.0, "numba"),
         ("onebit-adam", 1, 0.0, "numba"),
         ("onebit-lamb", 1, 0.05, "torch"),
+        ("onebit-lamb-delayed", 1, 0.05, "numba"),
     ],
     4: [
         ("onebit-lamb", 1, 0.0, "numba"),
         ("onebit-lamb", 2, 0.05, "numba"),
         ("onebit-adam", 2, 0.0, "torch"),
+        ("onebit-adam-delayed", 1, 0.0, "torch"),
         ("lamb", 1, 0.05, "numba"),
     ],
 }
@@ -83,3 +86,4 @@ def test_simulation_equals_real_processes_bit_for_bit(workers: int) -> None:
         assert not torch.equal(simulated[FREEZE], simulated[-1]), case  # it trains
         if name != "lamb":
             assert optimizer.stage == "compression"
+            assert optimizer.update_pending == name.endswith("-delayed"), case

@@ -49,6 +49,9 @@ def build_optimizer(
     name: str, params, kernels: str, node_groups=None, max_grad_norm: float = 0.0
 ) -> torch.optim.Optimizer:
     clip = dict(kernels=kernels, max_grad_norm=max_grad_norm)
+    if name.endswith("-delayed"):  # ALGORITHM.md, "Delayed exchange"
+        name = name.removesuffix("-delayed")
+        clip["delayed_exchange"] = True
     if name == "lamb":
         return onebit.Lamb(params, lr=0.02, weight_decay=0.01, **clip)
     clip["compression"] = "fused"  # the simulated exchange is the fused one

@@ -1,6 +1,8 @@
 """The view of an exchange's result that the update kernels read
 (:class:`onebit.compression.SignRuns`): read element by element, it gives what ``decode()``
-gives, for a whole buffer's result, one segment per tensor, and buckets of different sizes."""
+gives, for a whole buffer's result, one segment per tensor, and buckets of different sizes;
+so does the runs' own ``decode()``, also after a round trip through a checkpoint (as a
+delayed exchange's pending update is saved)."""
 
 from __future__ import annotations
 
@@ -71,3 +73,25 @@ def test_chunks_of_one_size_in_element_order_are_read_by_offset():
     assert _whole(2).sign_runs().chunk_elements == 40
     assert _buckets(1).sign_runs().chunk_elements is None  # 32, 32 and 8 elements
     assert _per_tensor(2).sign_runs().chunk_elements is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize(
+    "make", [_whole, _per_tensor, _buckets], ids=["whole", "per_tensor", "buckets"]
+)
+def test_the_runs_decode_what_the_result_decodes_also_from_a_checkpoint(make, n, dtype):
+    result = make(n)
+    runs = result.sign_runs()
+    runs = SignRuns(runs.bounds, runs.first_bits, runs.scales.to(dtype), runs.signs)
+    runs.scales[0] = 0.0  # a chunk of zeros: -0.0 where its signs are 0, as decode() gives
+    expected = _read(runs)
+    assert torch.equal(runs.decode(torch.empty(runs.numel, dtype=dtype)), expected)
+    assert torch.equal(
+        torch.signbit(runs.decode(torch.empty(runs.numel, dtype=dtype))), torch.signbit(expected)
+    )
+    saved = SignRuns.from_state_dict(runs.state_dict(), torch.device("cpu"))
+    assert saved.sign_runs() is saved
+    assert torch.equal(
+        saved.decode(torch.empty(runs.numel + 5, dtype=dtype))[: runs.numel], expected
+    )

@@ -56,6 +56,18 @@ class TrafficCounter:
             if nbytes:
                 self.record(kind, nbytes)
 
+    def take(self, other: TrafficCounter) -> None:
+        """Move ``other``'s bytes and calls into this counter (``other`` is left empty)."""
+        with other._lock:
+            moved = dict(other.bytes_sent), dict(other.calls)
+            other.bytes_sent.clear()
+            other.calls.clear()
+        with self._lock:
+            for kind, nbytes in moved[0].items():
+                self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + nbytes
+            for kind, calls in moved[1].items():
+                self.calls[kind] = self.calls.get(kind, 0) + calls
+
     def total(self) -> int:
         """All bytes sent so far, every kind together."""
         with self._lock:

@@ -50,6 +50,11 @@ class DataParallel:
     first use from ``compression``, ``node_groups`` and ``bucket_elements``, or given with
     :meth:`use_exchange` (``simulatable`` optimizers only). ``owner`` names the optimizer in
     messages; ``stages`` are the keys of :attr:`bytes_sent`.
+
+    ``delayed``: the exchange runs in a thread of its own while the caller computes
+    (ALGORITHM.md, "Delayed exchange"): over a process group of its own (the same ranks,
+    created here and where the group changes, on every rank), its bytes counted apart until
+    :meth:`take_exchange_traffic` adds them to the step that waits for it.
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class DataParallel:
         node_groups: NodeGroups | None,
         bucket_elements: int | None,
         simulatable: bool,
+        delayed: bool = False,
     ) -> None:
         self.owner = owner
         self.compression = compression
@@ -78,6 +84,9 @@ class DataParallel:
         self.traffic = TrafficCounter()
         self.bytes_sent: dict[str, int] = dict.fromkeys(stages, 0)
         self._check_node_groups()
+        self._delayed = delayed
+        self._exchange_traffic = TrafficCounter() if delayed else self.traffic
+        self._exchange_group = self._own_group()
 
     # ----------------------------------------------------------------- the group
     @property
@@ -93,6 +102,8 @@ class DataParallel:
         """Set before training (the DDP hook sets DDP's group): an exchange built from the
         old group is built again, keeping its error state if the topology is the same."""
         previous, self._process_group = self._process_group, group
+        if group != previous:
+            self._exchange_group = self._own_group()
         old = self._exchange
         if old is None or self._exchange_given:
             return
@@ -149,6 +160,20 @@ class DataParallel:
                 f"but the data-parallel group has {self.world_size}"
             )
 
+    def _own_group(self) -> dist.ProcessGroup | None:
+        """The group the exchange runs over: the data-parallel group, or with ``delayed`` a
+        group of its own over the same ranks (collective: every rank calls this alike)."""
+        if not self._delayed or self.world_size == 1:
+            return self._process_group
+        ranks = dist.get_process_group_ranks(self._process_group or dist.group.WORLD)
+        return dist.new_group(ranks, use_local_synchronization=True)
+
+    def take_exchange_traffic(self) -> None:
+        """With ``delayed``: add the bytes the exchange sent since the last call to
+        :attr:`traffic` (and so to the stage being counted)."""
+        if self._exchange_traffic is not self.traffic:
+            self.traffic.take(self._exchange_traffic)
+
     def is_logging_rank(self) -> bool:
         return not dist.is_initialized() or dist.get_rank(self._process_group) == 0
 
@@ -160,15 +185,16 @@ class DataParallel:
         return self._exchange
 
     def _build_exchange(self) -> Exchange:
+        group = self._exchange_group
         if self.compression == "per_tensor" and self._bucket_elements:
-            return PerTensorBucketedExchange(self._process_group, self._bucket_elements)
+            return PerTensorBucketedExchange(group, self._bucket_elements)
         if self.compression == "per_tensor":
-            return PerTensorExchange(self._process_group)
+            return PerTensorExchange(group)
         if self.node_groups:
             return HierarchicalExchange(self.node_groups)
         if self._bucket_elements:
-            return BucketedExchange(self._process_group, self._bucket_elements)
-        return FlatExchange(self._process_group)
+            return BucketedExchange(group, self._bucket_elements)
+        return FlatExchange(group)
 
     def use_exchange(self, exchange: Exchange) -> None:
         """Exchange through ``exchange`` (a simulation of many workers in one process), before
@@ -210,7 +236,11 @@ class DataParallel:
         """The exchange, bound to the flat state's tensors, the backend and the traffic."""
         exchange = self.exchange
         exchange.bind(
-            [t.numel() for t in flat.tensors], flat.dtype, flat.device, backend, self.traffic
+            [t.numel() for t in flat.tensors],
+            flat.dtype,
+            flat.device,
+            backend,
+            self._exchange_traffic,
         )
         return exchange
 
@@ -235,7 +265,7 @@ class DataParallel:
         new = self._build_exchange()
         if old.worker_error is not None:
             worker, server = old.moved_errors(origin, numels)
-            new.carry_errors(numels, worker, server, old.backend, self.traffic)
+            new.carry_errors(numels, worker, server, old.backend, self._exchange_traffic)
         self._exchange = new
 
     def error_feedback_layout(self, numels: list[int]) -> dict[str, Any]:

@@ -11,6 +11,8 @@
   error feedback), DDP, the bytes sent;
 - :class:`~onebit.optim._compression_stage.CompressionStage`: the exchange buffer and masks;
 - :class:`~onebit.optim._overlap.BackwardOverlap`: the exchange started during backward;
+- :class:`~onebit.optim._delay.DelayedExchange`: the exchange run behind the next step's
+  forward and backward, its update applied by that step;
 - :class:`~onebit.optim._guard.StepGuard`: replica checks and non-finite gradients.
 """
 
@@ -39,6 +41,7 @@ from onebit.optim._compression_stage import (
     scaling_coefficients_,
 )
 from onebit.optim._data_parallel import COMPRESSIONS, DataParallel
+from onebit.optim._delay import DelayedExchange
 from onebit.optim._flat import FlatState
 from onebit.optim._guard import StepGuard
 from onebit.optim._overlap import BackwardOverlap, bucket_members
@@ -61,8 +64,10 @@ logger = logging.getLogger("onebit")
 #: The buckets of ``overlap_backward`` when no ``bucket_cap_mb`` is given (DDP's default).
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: The layout of ``state_dict()["onebit"]``. Format 1 (no ``"format"`` key) differs only in
-#: that it recorded ``compression="fused"`` for 0/1 Adam, which exchanges each tensor alone.
-CHECKPOINT_FORMAT = 2
+#: that it recorded ``compression="fused"`` for 0/1 Adam, which exchanges each tensor alone;
+#: format 3 is format 2 with a ``"pending_update"`` (``delayed_exchange``), written only where
+#: one is pending.
+CHECKPOINT_FORMAT = 3
 
 
 def _saved_compression(extra: dict[str, Any]) -> str:
@@ -154,11 +159,27 @@ class OneBitOptimizer(Optimizer):
         bucket_cap_mb: float | None = None,
         overlap_backward: bool = False,
         simulatable: bool = True,
+        delayed_exchange: bool = False,
     ) -> None:
         name = type(self).__name__
         checks.check_max_grad_norm(max_grad_norm)
-        if not isinstance(overlap_backward, bool):
-            raise ValueError(f"overlap_backward must be True or False, got {overlap_backward!r}")
+        for option, value in (
+            ("overlap_backward", overlap_backward),
+            ("delayed_exchange", delayed_exchange),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"{option} must be True or False, got {value!r}")
+        if delayed_exchange and overlap_backward:
+            raise ValueError(
+                "delayed_exchange=True runs each step's exchange behind the next forward and "
+                "backward already, and overlap_backward would form the next step's buckets "
+                "before the delayed exchange delivers the momentum they start from: use one "
+                "of them"
+            )
+        if delayed_exchange and node_groups is not None:
+            raise ValueError(
+                "delayed_exchange=True runs over one process group: not with node_groups"
+            )
         if overlap_backward:
             if max_grad_norm:
                 raise ValueError(
@@ -209,8 +230,20 @@ class OneBitOptimizer(Optimizer):
             if bucket_cap_mb is None
             else bucket_elements(bucket_cap_mb, 8 if dtypes == {torch.float64} else 4),
             simulatable=simulatable,
+            delayed=delayed_exchange,
+        )
+        self._delay = (
+            DelayedExchange(threaded=self._data_parallel.world_size > 1)
+            if delayed_exchange
+            else None
         )
         if self.shards is not None:
+            if delayed_exchange:
+                raise ValueError(
+                    "delayed_exchange=True with FSDP-sharded parameters: FSDP gathers and "
+                    "reduces them in forward and backward itself; construct the optimizer with "
+                    "delayed_exchange=False"
+                )
             if overlap_backward:
                 raise ValueError(
                     "overlap_backward=True with FSDP-sharded parameters: FSDP reduce-scatters "
@@ -237,6 +270,8 @@ class OneBitOptimizer(Optimizer):
         flat = self._flat_state(step)
         self._unscale_for_grad_scaler(flat.params)
         kind = self.schedule.kind(step)
+        if kind != COMPRESSION:
+            self.finish_exchange()
         with self._data_parallel.counting(kind):
             try:
                 if not self._overlaps_this_step():  # else after the exchange: one order
@@ -247,7 +282,9 @@ class OneBitOptimizer(Optimizer):
                 else:
                     self._warn_if_left_out(step, kind, flat, grads)
                     self._clip_own_gradients(grads)
-                    if kind == COMPRESSION:
+                    if kind == COMPRESSION and self._delay is not None:
+                        applied = self._delayed_compressed_step(step, flat, grads)
+                    elif kind == COMPRESSION:
                         applied = self._compressed_step(step, flat, grads)
                     elif kind == GRADIENT_1BIT:
                         applied = self._gradient_1bit_step(step, flat, grads)
@@ -326,6 +363,65 @@ class OneBitOptimizer(Optimizer):
             self.updates, flat, packed, buffer, self._stage.mask, applied, per_tensor
         )
         return True
+
+    def _delayed_compressed_step(
+        self, step: int, flat: FlatState, grads: list[Tensor | None]
+    ) -> bool:
+        """The update of the exchange the last step started (none at the stage's first step,
+        nor after a load or :meth:`finish_exchange`), then this rank's momentum of this step
+        formed and its exchange started, to run while the caller computes the next step's
+        gradients (ALGORITHM.md, "Delayed exchange")."""
+        delay = cast(DelayedExchange, self._delay)
+        buffer = self._momentum_buffer(step, flat)
+        self._apply_delayed_update(flat, buffer)
+        active = self._taking_part(flat)
+        self._scaled_local_momentum(flat, grads, buffer, active)
+        self._check_gradients_once(step, COMPRESSION, buffer)
+        applies_to = self._where_some_rank_had(step, COMPRESSION, flat, active, grads)
+        exchange = self.exchange
+        delay.start(step, lambda: exchange.exchange(buffer), flat.device, applies_to)
+        return True
+
+    def _apply_delayed_update(self, flat: FlatState, buffer: Tensor) -> None:
+        """Wait for the exchange in flight and apply its update (``buffer`` its scratch);
+        where some rank's momentum was not finite, drop it (or raise)."""
+        delay = cast(DelayedExchange, self._delay)
+        started = delay.step
+        if started is None:
+            return
+        data_parallel = self._data_parallel
+        with data_parallel.collective(started, COMPRESSION):
+            landed = cast(Any, delay.wait())
+        data_parallel.take_exchange_traffic()
+        if landed.result is None:
+            self._guard.skip(
+                f"a rank's local momentum; its update is dropped at step {self._step + 1}",
+                started,
+            )
+            return
+        per_tensor = data_parallel.compression == "per_tensor"
+        self.rule.compressed(
+            self.updates,
+            flat,
+            landed.result,
+            buffer,
+            self._stage.mask,
+            landed.applies_to,
+            per_tensor,
+        )
+
+    @torch.no_grad()
+    def finish_exchange(self) -> None:
+        """With ``delayed_exchange=True``: wait for the exchange the last ``step()`` started
+        and apply its update, so the weights hold every step's update (at the end of
+        training; a checkpoint needs no such call). The next ``step()`` then applies nothing.
+        Nothing to do otherwise."""
+        if self._delay is None or self._delay.step is None:
+            return
+        flat = cast(FlatState, self._parameters.flat)
+        with self._data_parallel.counting(COMPRESSION):
+            self._apply_delayed_update(flat, cast(Tensor, self._stage.buffer))
+        flat.refresh_half_params()
 
     def _gradient_1bit_step(self, step: int, flat: FlatState, grads: list[Tensor | None]) -> bool:
         """0/1 Adam before the freeze: the local gradients (zeros where a rank has none)
@@ -735,6 +831,18 @@ class OneBitOptimizer(Optimizer):
     kernels, flat_state, backend, updates, shards = views_of_flat_parameters()
 
     @property
+    def delayed_exchange(self) -> bool:
+        """Whether each compression step's exchange runs behind the next step and its update
+        lands there (ALGORITHM.md, "Delayed exchange")."""
+        return self._delay is not None
+
+    @property
+    def update_pending(self) -> bool:
+        """With ``delayed_exchange``: whether an update waits to be applied (by the next
+        ``step()`` or :meth:`finish_exchange`); ``False`` otherwise."""
+        return self._delay is not None and self._delay.step is not None
+
+    @property
     def overlap_backward(self) -> bool:
         """Whether the compression stage's exchange starts during backward."""
         return self._overlap is not None
@@ -767,6 +875,11 @@ class OneBitOptimizer(Optimizer):
             raise RuntimeError(
                 "local_momentum() would overwrite the momentum whose exchange started during "
                 "backward (overlap_backward=True); call it before backward or after step()"
+            )
+        if self._delay is not None and self._delay.step is not None:
+            raise RuntimeError(
+                "local_momentum() would overwrite the momentum whose exchange is in flight "
+                "(delayed_exchange=True); call finish_exchange() first"
             )
         flat = self._parameters.build(self.param_groups, self.state)
         grads = [_common.dense_grad(p, flat.dtype) for p in flat.params]
@@ -820,11 +933,14 @@ class OneBitOptimizer(Optimizer):
         error-feedback buffers, the world size they belong to, the traffic counters and the
         schedule's decisions. Where the replicas differ by design (inside 0/1 Adam's local
         intervals) each parameter's state also holds this rank's own weights
-        (``local_param``)."""
+        (``local_param``). With ``delayed_exchange``, the exchange in flight is waited for
+        and its result saved (``"pending_update"``), to be applied by the next step, as it
+        will be here: nothing changes."""
+        pending = None if self._delay is None else self._delay.state_dict()
         state = super().state_dict()
         data_parallel = self._data_parallel
         state["onebit"] = {
-            "format": CHECKPOINT_FORMAT,
+            "format": CHECKPOINT_FORMAT if pending is not None else 2,
             "optimizer": type(self).__name__,
             "step": self._step,
             "skipped_steps": self._guard.skipped_steps,
@@ -835,6 +951,8 @@ class OneBitOptimizer(Optimizer):
             **self.schedule.state_dict(),
             **data_parallel.exchange.state_dict(self._local_numels()),
         }
+        if pending is not None:
+            state["onebit"]["pending_update"] = pending
         if not self.schedule.replicas_agree(self._step):
             self._save_own_weights(state)
         return state
@@ -863,6 +981,12 @@ class OneBitOptimizer(Optimizer):
             raise ValueError(
                 f"checkpoint has format {extra['format']}, newer than this onebit reads "
                 f"({CHECKPOINT_FORMAT}): upgrade onebit to load it"
+            )
+        if extra.get("pending_update") is not None and self._delay is None:
+            raise ValueError(
+                f"checkpoint holds the update of step {extra['pending_update']['step']}, whose "
+                "exchange was in flight (saved with delayed_exchange=True): construct the "
+                "optimizer with delayed_exchange=True to resume it"
             )
         saved_compression = _saved_compression(extra)
         if saved_compression != self.compression:
@@ -893,6 +1017,9 @@ class OneBitOptimizer(Optimizer):
             fits["restart"] = exchange.restart_reason(hooked["onebit"], numels)
             if self._overlap is not None:
                 self._overlap.cancel()
+            if self._delay is not None:
+                self._delay.cancel()
+                self._data_parallel.take_exchange_traffic()
 
         extra = _common.load_checked(self, state_dict, check)["onebit"]
         errors_fit, restart = fits["errors"], fits["restart"]
@@ -912,6 +1039,8 @@ class OneBitOptimizer(Optimizer):
         device = next(iter(_common.params_in_order(self.param_groups))).device
         exchange.load_state_dict(extra if errors_fit else None, device)
         self._readiness.load_state_dict(extra.get("readiness"), device)
+        if self._delay is not None:
+            self._delay.load_state_dict(extra.get("pending_update"), device)
         self.schedule.load_state_dict(extra)
         self._gradients_since_sync = extra.get("gradients_since_sync")
         for param in _common.params_in_order(self.param_groups):

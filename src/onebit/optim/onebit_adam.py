@@ -27,9 +27,9 @@ class OneBitAdam(OneBitOptimizer):
 
     Arguments as DeepSpeed's ``OnebitAdam``; ``freeze_step="auto"`` with ``max_freeze_step``,
     ``process_group``, ``on_nonfinite``, ``verify_every``, ``kernels``, ``node_groups``,
-    ``max_grad_norm``, ``bucket_cap_mb``, ``overlap_backward`` and the ``exp_avg_mask`` group
-    option as in
-    :class:`onebit.OneBitLamb`, and ``compression``, how the momentum is exchanged:
+    ``max_grad_norm``, ``bucket_cap_mb``, ``overlap_backward``, ``delayed_exchange`` and the
+    ``exp_avg_mask`` group option as in :class:`onebit.OneBitLamb`, and ``compression``, how
+    the momentum is exchanged:
 
     * ``"per_tensor"``: DeepSpeed's scheme, each tensor compressed alone with its own scales
       and error buffers and no ``s_p`` (:func:`onebit.compressed_allreduce_per_tensor`, all
@@ -63,6 +63,7 @@ class OneBitAdam(OneBitOptimizer):
         bucket_cap_mb: float | None = None,
         overlap_backward: bool = False,
         max_freeze_step: int | None = None,
+        delayed_exchange: bool = False,
     ) -> None:
         checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(
@@ -79,4 +80,5 @@ class OneBitAdam(OneBitOptimizer):
             max_grad_norm=max_grad_norm,
             bucket_cap_mb=bucket_cap_mb,
             overlap_backward=overlap_backward,
+            delayed_exchange=delayed_exchange,
         )

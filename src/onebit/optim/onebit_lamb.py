@@ -103,6 +103,12 @@ class OneBitLamb(OneBitOptimizer):
             :meth:`no_sync`. Plain loops and DDP (with :func:`onebit.ddp.register_comm_hook`)
             alike.
         max_freeze_step: the latest step ``freeze_step="auto"`` freezes at.
+        delayed_exchange: run each compression step's exchange while the caller computes
+            the next step's gradients, and apply its update there, one step late
+            (ALGORITHM.md, "Delayed exchange"): a slow link's step takes about the longer of
+            the compute and the wire instead of their sum. The weights lack the last update
+            until :meth:`finish_exchange` (call it at the end of training); checkpoints keep
+            the pending update. Not with ``overlap_backward``, ``node_groups`` or FSDP.
 
     Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
     ``scaler.step(optimizer)``): the step unscales the
@@ -135,6 +141,7 @@ class OneBitLamb(OneBitOptimizer):
         bucket_cap_mb: float | None = None,
         overlap_backward: bool = False,
         max_freeze_step: int | None = None,
+        delayed_exchange: bool = False,
     ) -> None:
         checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         checks.check_coeff_bounds(min_coeff, max_coeff)
@@ -167,6 +174,7 @@ class OneBitLamb(OneBitOptimizer):
             max_grad_norm=max_grad_norm,
             bucket_cap_mb=bucket_cap_mb,
             overlap_backward=overlap_backward,
+            delayed_exchange=delayed_exchange,
         )
 
     def get_lamb_coeffs(self) -> list[float]:
