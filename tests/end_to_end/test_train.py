@@ -195,6 +195,26 @@ def test_lamb_with_powersgd_counts_its_bytes_and_resumes_exactly(workspace: Path
     assert_same_trajectory(killed, out)
 
 
+@pytest.mark.slow
+def test_delayed_exchange_job_sends_the_same_bytes_and_resumes_exactly(
+    workspace: Path, reference_run: Path
+) -> None:
+    """``--delayed-exchange``: the same bytes in all as the undelayed reference (the last
+    update lands at the last step); the checkpoint of step 6 holds that step's update, in
+    flight; killed after step 7 and restarted from it: the same trajectory bit for bit."""
+    out = workspace / "delayed"
+    options = ("--delayed-exchange", "--checkpoint-every", "3", "--keep-checkpoints", "4")
+    assert train(*tiny(workspace, out, *options)) == 0
+    rows, reference_rows = report.read_metrics(out).train, report.read_metrics(reference_run).train
+    assert sum(r["bytes"] for r in rows) == sum(r["bytes"] for r in reference_rows)
+    saved = torch.load(checkpoint.step_dir(out / "checkpoints", 6) / checkpoint.rank_file(1))
+    assert saved["optimizer"]["onebit"]["pending_update"]["step"] == 6
+    killed = workspace / "delayed-killed"
+    extra = ("--max-restarts", "1", "--kill-at-step", "7")
+    assert train(*tiny(workspace, killed, *options, *extra)) == 0
+    assert_same_trajectory(killed, out)
+
+
 ZERO_ONE = [
     "--optimizer", "zero-one-adam", "--lr", "0.01", "--var-freeze-step", "6",
     "--var-update-scaler", "2", "--local-step-scaler", "2", "--local-step-clipper", "4",

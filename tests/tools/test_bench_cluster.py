@@ -115,7 +115,28 @@ def test_analyze_derives_shares_speedups_and_targets(tmp_path: Path, capsys) -> 
     assert "### 2 workers, 100mbit, model tiny" in out  # the full report
     row = out.splitlines()[-1]  # the sweep table's row: 1-bit LAMB plain, fp16, not run
     assert row.startswith("| 2 | 100mbit |") and "| 3.20x / 2.22x |" in row
-    assert "| 1.60x |" in row and row.count("not run") == 9
+    assert "| 1.60x |" in row and row.count("not run") == 10
+
+
+def test_the_delayed_exchange_is_held_to_the_longer_of_compute_and_wire() -> None:
+    """At 100 Mbit/s 100,000 bytes a step are 8 ms on the wire; the compute-only step is 1 s,
+    so the delayed step (1.1 s) is within 1.15x of the longer, and faster than undelayed."""
+    warm = _block("warmup", 4.0, 3200, 3200)
+    raw = _raw(
+        {
+            "lamb": [[_block("steady", 4.0, 3200, 0)]],
+            "lamb-compute": [[_block("steady", 1.0, 10, 0)]],
+            "onebit-lamb": [[warm, _block("compression", 1.25, 100_000, 100_000)]],
+            "onebit-lamb-delayed": [[warm, _block("compression", 1.1, 100_000, 100_000)]],
+        }
+    )
+    targets = analysis.analyze(raw)["targets"]
+    within = targets["delayed_within_1.15x_of_max_compute_wire"]
+    assert within["met"] is True and "= 1.10" in within["detail"]
+    assert targets["delayed_not_slower_than_undelayed"]["met"] is True
+    slow = analysis.analyze(raw | {"settings": {**raw["settings"], "bandwidth": "100kbit"}})
+    within = slow["targets"]["delayed_within_1.15x_of_max_compute_wire"]
+    assert within["met"] is True and "wire time 8.000 s" in within["detail"]
 
 
 def test_zero_one_adam_arm_holds_every_kind_of_step() -> None:

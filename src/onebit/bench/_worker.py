@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from onebit.bench.settings import (
     ADAM_LR_SHARE,
+    DELAYED_METHOD,
     HIERARCHICAL_METHOD,
     HSDP_METHODS,
     METHODS,
@@ -128,6 +129,7 @@ class _Method:
         elif spec.compresses:
             self.freeze_step = values["freeze_step"] = cfg["skip_steps"] + cfg["warm_steps"]
             values["overlap_backward"] = name in OVERLAP_METHODS
+            values["delayed_exchange"] = name == DELAYED_METHOD
             if name == PER_TENSOR_OVERLAP_METHOD:
                 values["compression"] = "per_tensor"
             if name == HIERARCHICAL_METHOD:
@@ -223,6 +225,9 @@ class _Runner:
             t = time.perf_counter()
             phases.append(method.step(self.next_batch()))
             step_seconds.append(time.perf_counter() - t)
+        finish = getattr(method.optimizer, "finish_exchange", None)
+        if finish is not None:  # the delayed exchange's last update lands within the block
+            finish()
         dist.barrier()
         seconds = time.perf_counter() - start
         library = method.library_bytes() - library_before

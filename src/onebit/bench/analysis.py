@@ -28,13 +28,16 @@ from typing import Any
 
 from onebit.bench.node_analysis import compare_nodes, node_targets, target
 from onebit.bench.settings import (
+    DELAYED_METHOD,
     ONEBIT_LAMB_METHODS,
     ONEBIT_METHODS,
     OVERLAP_METHODS,
+    UNDELAYED_METHOD,
     ZERO_ONE_ADAM_METHOD,
 )
 from onebit.optim.zero_one_adam import STEP_KINDS, step_kind
 from onebit.train.config import ZERO_ONE_ADAM, TrainConfig
+from onebit.units import parse_bandwidth
 
 __all__ = ["analyze", "ideal_speedup", "ideal_traffic_reduction", "zero_one_adam_run_schedule"]
 
@@ -276,6 +279,34 @@ def _overlap_targets(summary: dict[str, Any]) -> dict[str, Any]:
     return targets
 
 
+def _delay_targets(summary: dict[str, Any], bandwidth: str | None) -> dict[str, Any]:
+    """The delayed exchange's targets (ALGORITHM.md, "Delayed exchange"): on a shaped link its
+    compression-stage step within 1.15x of the longer of the compute-only step and the wire
+    time of its own bytes at line rate (each host's bytes on its interface per step); and
+    never slower than the same method without the delay."""
+    delayed, compute = summary.get(DELAYED_METHOD), summary.get("lamb-compute")
+    targets: dict[str, Any] = {}
+    if delayed is None:
+        return targets
+    if compute and bandwidth is not None and delayed.get("wire_comp"):
+        wire = delayed["wire_comp"] * 8 / parse_bandwidth(bandwidth)
+        floor = max(compute["t_comp"], wire)
+        ratio = delayed["t_comp"] / floor
+        targets["delayed_within_1.15x_of_max_compute_wire"] = target(
+            ratio <= 1.15,
+            f"{DELAYED_METHOD} compression-stage step {delayed['t_comp']:.3f} s / max(compute-only "
+            f"step {compute['t_comp']:.3f} s, wire time {wire:.3f} s) = {ratio:.2f}",
+        )
+    undelayed = summary.get(UNDELAYED_METHOD)
+    if undelayed:
+        ratio = delayed["t_comp"] / undelayed["t_comp"]
+        targets["delayed_not_slower_than_undelayed"] = target(
+            ratio <= 1.0,
+            f"{DELAYED_METHOD} / {UNDELAYED_METHOD} compression-stage step = {ratio:.2f}",
+        )
+    return targets
+
+
 def _targets(raw: dict[str, Any]) -> dict[str, Any]:
     summary, derived, settings = raw["summary"], raw["derived"], raw["settings"]
     targets: dict[str, Any] = {}
@@ -331,6 +362,7 @@ def _targets(raw: dict[str, Any]) -> dict[str, Any]:
             f"{ideal_speedup(s, w=settings['freeze_fraction']):.2f}x; " + "; ".join(parts),
         )
     targets.update(_overlap_targets(summary))
+    targets.update(_delay_targets(summary, settings["bandwidth"]))
     if settings["bandwidth"] is None:
         parts, met = [], True
         for m in lamb_paths:

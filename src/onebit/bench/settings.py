@@ -57,6 +57,12 @@ METHODS: dict[str, Method] = {
         "1-bit LAMB overlapped per tensor (plain)",
         "onebit-lamb",
     ),
+    "onebit-lamb-delayed": Method(
+        "1-bit LAMB, plain path, per-tensor compression, each step's exchange run behind the "
+        "next step's forward and backward (delayed_exchange)",
+        "1-bit LAMB delayed (plain)",
+        "onebit-lamb",
+    ),
     "onebit-lamb-hier": Method(
         "1-bit LAMB, hierarchical exchange (dense in a node, 1-bit between nodes), DDP hook path",
         "1-bit LAMB (hier.)",
@@ -88,9 +94,24 @@ OVERLAP_METHODS = (
 )
 #: The overlapped method that compresses each tensor alone (the others: the fused buffer).
 PER_TENSOR_OVERLAP_METHOD = "onebit-lamb-overlap-per-tensor"
+#: 1-bit LAMB with ``delayed_exchange=True``, and the method it is compared with (the same
+#: path and compression, undelayed).
+DELAYED_METHOD = "onebit-lamb-delayed"
+UNDELAYED_METHOD = "onebit-lamb"
 #: The methods that run without DDP (the optimizer averages warm-up gradients itself).
-PLAIN_METHODS = ("onebit-lamb", "onebit-lamb-overlap", "onebit-lamb-overlap-per-tensor")
-ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb", "onebit-lamb-hier", *OVERLAP_METHODS)
+PLAIN_METHODS = (
+    "onebit-lamb",
+    "onebit-lamb-overlap",
+    "onebit-lamb-overlap-per-tensor",
+    DELAYED_METHOD,
+)
+ONEBIT_LAMB_METHODS = (
+    "onebit-lamb-ddp",
+    "onebit-lamb",
+    "onebit-lamb-hier",
+    *OVERLAP_METHODS,
+    DELAYED_METHOD,
+)
 ONEBIT_METHODS = (*ONEBIT_LAMB_METHODS, "onebit-adam")
 #: The flat 1-bit LAMB methods, against which the hierarchical one is compared.
 FLAT_ONEBIT_LAMB_METHODS = ("onebit-lamb-ddp", "onebit-lamb")

@@ -233,6 +233,13 @@ class TrainConfig:
         help="1-bit LAMB / 1-bit Adam (fused, flat exchange): start each bucket's exchange "
         "during backward, as soon as its gradients are in (needs --grad-clip 0)",
     )
+    delayed_exchange: bool = option(
+        False,
+        group=_SYSTEM,
+        help="1-bit LAMB / 1-bit Adam: run each compression step's exchange behind the next "
+        "step's forward and backward and apply its update there, one step late (not with "
+        "--overlap-backward, --node-size > 1 or --fsdp)",
+    )
     powersgd_rank: int = option(
         0,
         group=_SYSTEM,

@@ -19,6 +19,7 @@ def check_exchange_options(config: TrainConfig) -> None:
     """Raise ``ValueError`` naming the option that does not fit the others."""
     _check_fsdp(config)
     _check_buckets(config)
+    _check_delay(config)
     _check_powersgd(config)
 
 
@@ -65,6 +66,24 @@ def _check_buckets(config: TrainConfig) -> None:
             "--overlap-backward sends each bucket during backward, before the gradient "
             "norm that --grad-clip clips by is known: add --grad-clip 0"
         )
+
+
+def _check_delay(config: TrainConfig) -> None:
+    """``--delayed-exchange``: 1-bit LAMB and 1-bit Adam over one flat group."""
+    if not config.delayed_exchange:
+        return
+    if config.optimizer not in ("onebit-lamb", "onebit-adam"):
+        raise ValueError(
+            f"--delayed-exchange delays the 1-bit exchange of onebit-lamb and onebit-adam, not "
+            f"of {config.optimizer}"
+        )
+    for flag, value in (
+        ("--overlap-backward", config.overlap_backward),
+        ("--node-size > 1", config.node_size > 1),
+        ("--fsdp", config.fsdp),
+    ):
+        if value:
+            raise ValueError(f"--delayed-exchange is not offered with {flag}")
 
 
 def _check_powersgd(config: TrainConfig) -> None:

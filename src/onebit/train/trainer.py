@@ -269,6 +269,8 @@ class Trainer:
         sent_before = self._bytes_sent()
         links_before = self._link_bytes() if config.hierarchical else None
         loss_sum, masked = self._gradient_step(step, inputs, labels)
+        if step == config.steps and isinstance(self.optimizer, onebit.OneBitOptimizer):
+            self.optimizer.finish_exchange()  # a delayed exchange's last update lands
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         sent = self._bytes_sent() - sent_before
