@@ -60,7 +60,7 @@ def _setup(rank: int, backend: str, mode: str, inf_step, current, **options):
         kernels=backend,
         bucket_cap_mb=BUCKET_MB,
         overlap_backward=not mode.endswith("after"),
-        **options,
+        **{"compression": "fused", **options},  # buckets of the fused buffer: several a layer
     )
     if ddp:
         onebit.ddp.register_comm_hook(model, optimizer)
@@ -201,7 +201,11 @@ def _accumulation(rank: int):
     for overlap in (False, True):
         net = _Net()
         optimizer = onebit.OneBitLamb(
-            net.parameters(), freeze_step=1, bucket_cap_mb=BUCKET_MB, overlap_backward=overlap
+            net.parameters(),
+            freeze_step=1,
+            bucket_cap_mb=BUCKET_MB,
+            overlap_backward=overlap,
+            compression="fused",
         )
         for step in range(1, 5):
             optimizer.zero_grad()
@@ -266,7 +270,11 @@ def test_an_optimizer_that_is_gone_leaves_no_hook_behind():
 
     def train(steps: int) -> onebit.OneBitLamb:
         optimizer = onebit.OneBitLamb(
-            net.parameters(), freeze_step=1, bucket_cap_mb=BUCKET_MB, overlap_backward=True
+            net.parameters(),
+            freeze_step=1,
+            bucket_cap_mb=BUCKET_MB,
+            overlap_backward=True,
+            compression="fused",
         )
         for step in range(1, steps + 1):
             optimizer.zero_grad()
@@ -294,7 +302,11 @@ def test_a_parameter_group_added_later_is_overlapped_too():
         later = [*net.last.parameters(), *net.branch.parameters()]
         first = [p for p in net.parameters() if all(p is not q for q in later)]
         optimizer = onebit.OneBitLamb(
-            first, freeze_step=1, bucket_cap_mb=BUCKET_MB, overlap_backward=overlap
+            first,
+            freeze_step=1,
+            bucket_cap_mb=BUCKET_MB,
+            overlap_backward=overlap,
+            compression="fused",
         )
         optimizer.add_param_group({"params": later, "lr": 0.005})
         started = []

@@ -16,6 +16,7 @@ from onebit.estimate.model import (
     HOST_THROUGHPUT,
     Cluster,
     Machine,
+    delayed_exchange,
     dense_allreduce,
     estimate,
     flat_exchange,
@@ -114,6 +115,20 @@ def test_overlapped_exchange_by_hand():
     assert overlapped_exchange(job(1, 1), MACHINE).seconds == 0
 
 
+def test_delayed_exchange_by_hand():
+    # The core: t_c 2 s, local work 4096 / 2e4 s, host 228 / 1e4 s; the link: 12 message
+    # steps of 10 ms and 228 / (1000 * 0.5) s of bytes, shorter: the exchange adds the host.
+    delayed = delayed_exchange(job(4, 1), MACHINE)
+    assert delayed.seconds == pytest.approx(228 / 1e4)
+    assert delayed.rank_bytes == flat_exchange(job(4, 1), MACHINE).rank_bytes
+    # a link of 10 B/s: 0.12 + 228 / 5 s on the wire sets the step, of which t_c and the
+    # local work are not the exchange's
+    slow = dataclasses.replace(job(4, 1), bandwidth=10.0)
+    expected = 0.12 + 228 / 5 - 2 - 4096 / 2e4
+    assert delayed_exchange(slow, MACHINE).seconds == pytest.approx(expected)
+    assert delayed_exchange(job(1, 1), MACHINE).seconds == 0
+
+
 def test_tail_shares_are_the_embeddings_of_named_models(capsys):
     # BERT-base: (30522 + 512 + 2) * 768 + 2 * 768 embedding parameters of 109514298
     assert model_tail_share("bert-base") == pytest.approx(23_837_184 / 109_514_298)
@@ -159,7 +174,7 @@ def test_step_times_speedup_and_traffic_by_hand():
     shared = dataclasses.replace(MACHINE, cpu_sharing=2.0)
     rows = {row.method: row for row in estimate(cluster, shared)}
     # one rank per node: no hierarchical row
-    assert set(rows) == {"lamb", "fp16", "onebit", "onebit-overlap"}
+    assert set(rows) == {"lamb", "fp16", "onebit", "onebit-overlap", "onebit-delayed"}
     lamb_step = 2.0 + 6 * 0.01 + 4096 * 1.5 / 1000 + 2 * 4096 * 1.5 / 1e4
     local = 2 * 4 * 1024 / 2e4
     comp_step = 2.0 + local + 12 * 0.01 + 228 / 500 + 2 * 228 / 1e4
@@ -187,7 +202,13 @@ def test_free_local_work_and_latency_give_the_32x_byte_ratio():
 
 def test_one_node_sends_nothing_over_links_and_mixed_precision_drops_the_fp16_row():
     rows = estimate(job(1, 4, mixed_precision=True), MACHINE)
-    assert [row.method for row in rows] == ["lamb", "onebit", "onebit-overlap", "onebit-hier"]
+    assert [row.method for row in rows] == [
+        "lamb",
+        "onebit",
+        "onebit-overlap",
+        "onebit-delayed",
+        "onebit-hier",
+    ]
     assert all(row.traffic_reduction is None for row in rows)
     lamb = dense_allreduce(job(1, 4), MACHINE, 2)
     assert rows[0].compression_step == pytest.approx(2.0 + lamb.seconds)
@@ -253,6 +274,7 @@ def test_command_prints_a_table_and_json(capsys):
         "fp16",
         "onebit",
         "onebit-overlap",
+        "onebit-delayed",
     ]
 
 

@@ -103,10 +103,9 @@ def test_the_default_is_per_tensor_and_fused_where_only_the_fused_buffer_is_exch
         return OPTIMIZERS[kind]([torch.nn.Parameter(torch.zeros(3))], freeze_step=2, **options)
 
     assert made().compression == "per_tensor"
-    assert made(bucket_cap_mb=1.0).compression == "fused"
-    assert made(overlap_backward=True).compression == "fused"
-    assert made(compression="per_tensor", bucket_cap_mb=1.0).compression == "per_tensor"
-    assert made(compression="per_tensor", overlap_backward=True).compression == "per_tensor"
+    assert made(bucket_cap_mb=1.0).compression == "per_tensor"  # buckets of whole tensors
+    assert made(overlap_backward=True).compression == "per_tensor"
+    assert made(compression="fused", overlap_backward=True).compression == "fused"
     # simulated: the default becomes the simulation's fused exchange; a refusal changes nothing
     simulated = made()
     simulated.use_exchange(SimulatedExchange(2))
@@ -117,7 +116,7 @@ def test_the_default_is_per_tensor_and_fused_where_only_the_fused_buffer_is_exch
     refused = made(compression=None, bucket_cap_mb=1.0)
     with pytest.raises(ValueError, match="bucket_cap_mb is not simulated"):
         refused.use_exchange(SimulatedExchange(2))
-    assert refused.compression == "fused"
+    assert refused.compression == "per_tensor"
     started = made()  # past its first exchange: too late to simulate, and it stays per tensor
     for _ in range(3):
         started.param_groups[0]["params"][0].grad = torch.ones(3)

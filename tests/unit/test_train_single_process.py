@@ -57,12 +57,17 @@ from onebit.train.run_dir import prepare_run_dir
         ),
         (
             ["--optimizer", "lamb", "--bucket-cap-mb", "1"],
-            "--bucket-cap-mb buckets the flat fused exchange of onebit-lamb and onebit-adam",
+            "--bucket-cap-mb buckets the flat exchange of onebit-lamb and onebit-adam",
         ),
         (["--overlap-backward"], "add --grad-clip 0"),
         (
             ["--overlap-backward", "--grad-clip", "0", "--workers", "4", "--node-size", "2"],
-            "--overlap-backward buckets the flat fused exchange",
+            "--overlap-backward buckets the flat exchange",
+        ),
+        (["--optimizer", "lamb", "--delayed-exchange"], "not of lamb"),
+        (
+            ["--delayed-exchange", "--overlap-backward", "--grad-clip", "0"],
+            "--delayed-exchange is not offered with --overlap-backward",
         ),
         (
             ["--corpus", "/nonexistent/corpus.txt"],

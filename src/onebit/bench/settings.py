@@ -92,8 +92,8 @@ OVERLAP_METHODS = (
     "onebit-lamb-overlap",
     "onebit-lamb-overlap-per-tensor",
 )
-#: The overlapped method that compresses each tensor alone (the others: the fused buffer).
-PER_TENSOR_OVERLAP_METHOD = "onebit-lamb-overlap-per-tensor"
+#: The overlapped methods that exchange the fused buffer (the other: each tensor alone).
+FUSED_OVERLAP_METHODS = ("onebit-lamb-ddp-overlap", "onebit-lamb-overlap")
 #: 1-bit LAMB with ``delayed_exchange=True``, and the method it is compared with (the same
 #: path and compression, undelayed).
 DELAYED_METHOD = "onebit-lamb-delayed"

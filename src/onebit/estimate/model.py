@@ -29,6 +29,7 @@ __all__ = [
     "Exchange",
     "Machine",
     "MethodEstimate",
+    "delayed_exchange",
     "dense_allreduce",
     "estimate",
     "flat_exchange",
@@ -267,6 +268,28 @@ def overlapped_exchange(cluster: Cluster, machine: Machine) -> Exchange:
     return Exchange(max(link, tail) - compute - local, flat.rank_bytes, flat.node_link_bytes)
 
 
+def delayed_exchange(cluster: Cluster, machine: Machine) -> Exchange:
+    """:func:`flat_exchange` with ``delayed_exchange=True``: step t's exchange runs during step
+    t+1 (ALGORITHM.md, "Delayed exchange"), so the core and the link work at once over the
+    whole step, and the step takes the longer of two bounds.
+
+    * The core computes, does the compression stage's local work and moves the exchange's
+      bytes through the collective library: ``T_core = t_c + t_local + k 2p / R_h``.
+    * The link carries one exchange a step, with nothing to wait for but its own messages:
+      ``T_link = 4 (W-1) alpha + link(node bytes) / eta_b``.
+
+    ``seconds`` is what the exchange adds to the step: ``max(T_core, T_link) - t_c -
+    t_local``."""
+    flat = flat_exchange(cluster, machine)
+    if cluster.world == 1:
+        return flat
+    compute, local = cluster.compute_seconds, local_compression_seconds(cluster, machine)
+    wire = link_seconds(flat.node_link_bytes, cluster, machine) / machine.burst_efficiency
+    core = compute + local + host_seconds(flat.rank_bytes, machine)
+    link = message_seconds(cluster, machine) + wire
+    return Exchange(max(core, link) - compute - local, flat.rank_bytes, flat.node_link_bytes)
+
+
 def hierarchical_exchange(cluster: Cluster, machine: Machine) -> Exchange:
     """:func:`~onebit.hierarchical_compressed_allreduce` with nodes of L ranks, its three steps
     one after another: ``(3 (L-1) + 4 (M-1)) alpha + link(L inter) / eta_b + intra / B_intra
@@ -323,6 +346,7 @@ METHODS = {
     "fp16": "LAMB + DDP fp16 hook",
     "onebit": "1-bit LAMB / 1-bit Adam, flat",
     "onebit-overlap": "1-bit LAMB / 1-bit Adam, flat, overlapped with backward",
+    "onebit-delayed": "1-bit LAMB / 1-bit Adam, flat, exchange delayed by one step",
     "onebit-hier": "1-bit LAMB / 1-bit Adam, hierarchical",
 }
 
@@ -340,6 +364,7 @@ def estimate(cluster: Cluster, machine: Machine) -> list[MethodEstimate]:
         stages["fp16"] = (fp16, fp16, 0.0)
     stages["onebit"] = (dense, flat_exchange(cluster, machine), local)
     stages["onebit-overlap"] = (dense, overlapped_exchange(cluster, machine), local)
+    stages["onebit-delayed"] = (dense, delayed_exchange(cluster, machine), local)
     if cluster.ranks_per_node > 1:
         stages["onebit-hier"] = (dense, hierarchical_exchange(cluster, machine), local)
 

@@ -24,6 +24,7 @@ from onebit.estimate.model import (
     Cluster,
     Exchange,
     Machine,
+    delayed_exchange,
     dense_allreduce,
     flat_exchange,
     hierarchical_exchange,
@@ -68,6 +69,8 @@ _PREDICTED = {
     ("onebit-lamb-hier", "compression"): "hierarchical",
     **{(m, "warmup"): "dense" for m in _OVERLAP_METHODS},
     **{(m, "compression"): "overlapped" for m in _OVERLAP_METHODS},
+    ("onebit-lamb-delayed", "warmup"): "dense",
+    ("onebit-lamb-delayed", "compression"): "delayed",
 }
 
 
@@ -148,6 +151,7 @@ def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[
         "flat": (flat_exchange(cluster, run_machine), local),
         "hierarchical": (hierarchical_exchange(cluster, run_machine), local),
         "overlapped": (overlapped_exchange(cluster, run_machine), local),
+        "delayed": (delayed_exchange(cluster, run_machine), local),
     }
     predictions = []
     for method, summary in result["summary"].items():

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from onebit.collectives import allreduce_mean_
 from onebit.compression import ExchangeResult
-from onebit.exchange import Exchange, NodeGroups, NonFiniteError
+from onebit.exchange import Exchange, NodeGroups, NonFiniteError, world_size
 from onebit.exchange.bucketed import bucket_elements
 from onebit.optim import _common, checks
 from onebit.optim._compression_stage import (
@@ -77,19 +77,12 @@ def _saved_compression(extra: dict[str, Any]) -> str:
     return extra.get("compression", "fused")
 
 
-def choose_compression(
-    compression: str | None,
-    node_groups: NodeGroups | None,
-    bucket_cap_mb: float | None,
-    overlap_backward: bool,
-) -> tuple[str, bool]:
+def choose_compression(compression: str | None, node_groups: NodeGroups | None) -> tuple[str, bool]:
     """``(compression, left to the default)``: ``None`` is ``"per_tensor"``, or ``"fused"``
-    where the exchange asked for (hierarchical, bucketed or overlapped) carries only the
-    fused buffer."""
-    fused_only = node_groups is not None or bucket_cap_mb is not None or overlap_backward
+    with ``node_groups``, whose hierarchical exchange carries only the fused buffer."""
     chosen = compression is None
     if compression is None:
-        compression = "fused" if fused_only else "per_tensor"
+        compression = "fused" if node_groups is not None else "per_tensor"
     if compression not in COMPRESSIONS:
         raise ValueError(f"Invalid compression={compression!r}: use None or one of {COMPRESSIONS}")
     if compression == "per_tensor" and node_groups is not None:
@@ -180,6 +173,8 @@ class OneBitOptimizer(Optimizer):
             raise ValueError(
                 "delayed_exchange=True runs over one process group: not with node_groups"
             )
+        if delayed_exchange and bucket_cap_mb is None and world_size(process_group) > 1:
+            bucket_cap_mb = DEFAULT_BUCKET_CAP_MB  # its phases pipelined in the thread
         if overlap_backward:
             if max_grad_norm:
                 raise ValueError(
@@ -189,9 +184,7 @@ class OneBitOptimizer(Optimizer):
                 )
             if bucket_cap_mb is None:
                 bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
-        compression, chosen = choose_compression(
-            compression, node_groups, bucket_cap_mb, overlap_backward
-        )
+        compression, chosen = choose_compression(compression, node_groups)
         checks.check_bucket_cap_mb("bucket_cap_mb", bucket_cap_mb)
         if bucket_cap_mb is not None and node_groups is not None:
             raise ValueError(

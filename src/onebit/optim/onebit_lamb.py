@@ -80,9 +80,9 @@ class OneBitLamb(OneBitOptimizer):
             buffer of all tensors, each scaled by ``s_p``, one scale per rank and chunk (it
             diverged in 5 of 10 short runs where per-tensor compression did not:
             docs/VARIANCE-READINESS.md). ``None`` (default): ``"per_tensor"``, or ``"fused"``
-            where ``node_groups``, ``bucket_cap_mb`` or ``overlap_backward`` is given (they
-            exchange the fused buffer) and where the optimizer is simulated. A checkpoint
-            loads only into an optimizer of the compression it was saved with.
+            with ``node_groups`` (the hierarchical exchange carries the fused buffer) and
+            where the optimizer is simulated. A checkpoint loads only into an optimizer of
+            the compression it was saved with.
         max_grad_norm: if positive, ``step()`` clips the gradients its update uses (as
             ``torch.nn.utils.clip_grad_norm_`` does): the averaged ones at ``max_grad_norm``
             in the warm-up (after its own average, or DDP's), each rank's own at
@@ -108,7 +108,9 @@ class OneBitLamb(OneBitOptimizer):
             (ALGORITHM.md, "Delayed exchange"): a slow link's step takes about the longer of
             the compute and the wire instead of their sum. The weights lack the last update
             until :meth:`finish_exchange` (call it at the end of training); checkpoints keep
-            the pending update. Not with ``overlap_backward``, ``node_groups`` or FSDP.
+            the pending update. Over more than one rank the exchange is bucketed (25 MiB
+            unless ``bucket_cap_mb`` is given). Not with ``overlap_backward``,
+            ``node_groups`` or FSDP.
 
     Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
     ``scaler.step(optimizer)``): the step unscales the

@@ -154,8 +154,8 @@ class TrainConfig:
         choices=COMPRESSIONS,
         help="1-bit LAMB and 1-bit Adam: how the momentum is exchanged: per_tensor (each tensor "
         "compressed alone) or fused (DeepSpeed's 1-bit LAMB: one buffer of all tensors, scaled "
-        "per tensor); default: per_tensor, or fused with --node-size > 1, --bucket-cap-mb or "
-        "--overlap-backward",
+        "per tensor); default: per_tensor, or fused with --node-size > 1 and in the "
+        "simulation",
     )
     var_freeze_step: int | str | None = option(
         None,
@@ -223,14 +223,14 @@ class TrainConfig:
     bucket_cap_mb: float | None = option(
         None,
         group=_SYSTEM,
-        help="1-bit LAMB / 1-bit Adam (fused, flat exchange): exchange the momentum in buckets "
+        help="1-bit LAMB / 1-bit Adam (flat exchange): exchange the momentum in buckets "
         "of this many MiB, each compressed alone, their phases pipelined",
         default_help="the whole buffer at once (25 with --overlap-backward)",
     )
     overlap_backward: bool = option(
         False,
         group=_SYSTEM,
-        help="1-bit LAMB / 1-bit Adam (fused, flat exchange): start each bucket's exchange "
+        help="1-bit LAMB / 1-bit Adam (flat exchange): start each bucket's exchange "
         "during backward, as soon as its gradients are in (needs --grad-clip 0)",
     )
     delayed_exchange: bool = option(

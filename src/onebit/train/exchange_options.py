@@ -48,18 +48,14 @@ def _check_fsdp(config: TrainConfig) -> None:
 
 
 def _check_buckets(config: TrainConfig) -> None:
-    """``--bucket-cap-mb`` and ``--overlap-backward``: the flat fused exchange only."""
+    """``--bucket-cap-mb`` and ``--overlap-backward``: the flat exchange only."""
     if config.bucket_cap_mb is None and not config.overlap_backward:
         return
     flag = "--overlap-backward" if config.overlap_backward else "--bucket-cap-mb"
     check_bucket_cap_mb("--bucket-cap-mb", config.bucket_cap_mb)
-    fused = (
-        config.optimizer in ("onebit-lamb", "onebit-adam") and config.compression != "per_tensor"
-    )
-    if not fused or config.node_size > 1:
+    if config.optimizer not in ("onebit-lamb", "onebit-adam") or config.node_size > 1:
         raise ValueError(
-            f"{flag} buckets the flat fused exchange of onebit-lamb and onebit-adam "
-            "(not --compression per_tensor, --node-size 1)"
+            f"{flag} buckets the flat exchange of onebit-lamb and onebit-adam (--node-size 1)"
         )
     if config.overlap_backward and config.grad_clip > 0:
         raise ValueError(
