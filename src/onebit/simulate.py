@@ -14,9 +14,11 @@ one optimizer suffices, holding the error state of all ``W`` workers, and a step
   its local momentum from :meth:`OneBitOptimizer.local_momentum` (the optimizer's code),
   compressed at once with its worker error (for ``L > 1`` each node's ranks are first
   averaged densely); then the last worker's gradient and ``optimizer.step()``, whose
-  exchange (:class:`onebit.exchange.SimulatedExchange`, given to the optimizer with
-  :meth:`OneBitOptimizer.use_exchange`) takes that worker's momentum, runs the servers and
-  returns the result to the optimizer's own update.
+  exchange (given to the optimizer with :meth:`OneBitOptimizer.use_exchange`) takes that
+  worker's momentum, runs the servers and returns the result to the optimizer's own update.
+  The exchange is the optimizer's: each tensor compressed alone
+  (:class:`onebit.exchange.PerTensorSimulatedExchange`, the default) or the fused buffer
+  (:class:`onebit.exchange.SimulatedExchange`), flat or hierarchical.
 
 The exchange runs the same stages of the two-phase protocol (:mod:`onebit.exchange.protocol`)
 in the same order as a distributed exchange, flat or hierarchical, so the parameters equal
@@ -52,7 +54,7 @@ from torch import Tensor
 
 from onebit.clipping import clip_grad_norm_
 from onebit.collectives import TrafficCounter, allreduce_bytes
-from onebit.exchange import SimulatedExchange, SimulationDiverged
+from onebit.exchange import PerTensorSimulatedExchange, SimulatedExchange, SimulationDiverged
 from onebit.optim import COMPRESSION, OneBitOptimizer
 from onebit.optim.onebit_adam import OneBitAdam
 from onebit.optim.onebit_lamb import OneBitLamb
@@ -91,7 +93,13 @@ class SimulatedDataParallel:
         *,
         max_grad_norm: float = 0.0,
     ) -> None:
-        self.exchange = SimulatedExchange(workers, node_size)
+        per_tensor = (
+            isinstance(optimizer, OneBitOptimizer) and optimizer.compression == "per_tensor"
+        )
+        simulated = PerTensorSimulatedExchange if per_tensor else SimulatedExchange
+        self.exchange: SimulatedExchange | PerTensorSimulatedExchange = simulated(
+            workers, node_size
+        )
         if max_grad_norm < 0 or not math.isfinite(max_grad_norm):
             raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
         if isinstance(optimizer, OneBitOptimizer):

@@ -1,6 +1,6 @@
 """The many-worker simulation (onebit.simulate): bit for bit what real gloo processes compute
 (the test model, whose averaged gradients are exact in any order: helpers/simulation.py),
-with the exchange delayed by a step too."""
+fused and per tensor, with the exchange delayed by a step too."""
 
 from __future__ import annotations
 
@@ -31,12 +31,17 @@ CASES = {
         ("onebit-adam", 1, 0.0, "numba"),
         ("onebit-lamb", 1, 0.05, "torch"),
         ("onebit-lamb-delayed", 1, 0.05, "numba"),
+        ("onebit-lamb-per-tensor", 1, 0.0, "numba"),
+        ("onebit-adam-per-tensor-delayed", 1, 0.05, "torch"),
+        ("onebit-lamb-per-tensor", 2, 0.0, "numba"),  # one node of two
     ],
     4: [
         ("onebit-lamb", 1, 0.0, "numba"),
         ("onebit-lamb", 2, 0.05, "numba"),
         ("onebit-adam", 2, 0.0, "torch"),
         ("onebit-adam-delayed", 1, 0.0, "torch"),
+        ("onebit-lamb-per-tensor", 1, 0.05, "torch"),
+        ("onebit-adam-per-tensor", 2, 0.0, "numba"),
         ("lamb", 1, 0.05, "numba"),
     ],
 }
@@ -87,3 +92,4 @@ def test_simulation_equals_real_processes_bit_for_bit(workers: int) -> None:
         if name != "lamb":
             assert optimizer.stage == "compression"
             assert optimizer.update_pending == name.endswith("-delayed"), case
+            assert optimizer.compression == ("per_tensor" if "-per-tensor" in name else "fused")

@@ -54,7 +54,10 @@ def build_optimizer(
         clip["delayed_exchange"] = True
     if name == "lamb":
         return onebit.Lamb(params, lr=0.02, weight_decay=0.01, **clip)
-    clip["compression"] = "fused"  # the simulated exchange is the fused one
+    clip["compression"] = "fused"
+    if name.endswith("-per-tensor"):
+        name = name.removesuffix("-per-tensor")
+        clip["compression"] = "per_tensor"
     if name == "onebit-adam":
         return onebit.OneBitAdam(
             params, lr=0.01, freeze_step=FREEZE, node_groups=node_groups, **clip

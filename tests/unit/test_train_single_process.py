@@ -45,11 +45,6 @@ from onebit.train.run_dir import prepare_run_dir
         (["--workers", "0"], "--workers must be at least 1"),
         (["--workers", "4", "--node-size", "3"], "--node-size 3 does not divide --workers 4"),
         (["--node-size", "0"], "--node-size must be a positive integer"),
-        (
-            ["--optimizer", "onebit-adam", "--compression", "per_tensor"]
-            + ["--workers", "4", "--node-size", "2"],
-            "not offered with --compression per_tensor",
-        ),
         (["--no-launch"], "needs torchrun's environment variables; ['RANK'"),
         (
             ["--bucket-cap-mb", "0"],

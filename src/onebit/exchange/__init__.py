@@ -21,9 +21,11 @@ from onebit.exchange.hierarchical import (
     HierarchicalExchange,
     HierarchicalWorkspace,
     NodeGroups,
+    PerTensorHierarchicalExchange,
     hierarchical_bytes,
     node_groups,
     node_topology,
+    per_tensor_hierarchical_bytes,
 )
 from onebit.exchange.protocol import (
     Layout,
@@ -31,7 +33,11 @@ from onebit.exchange.protocol import (
     exchange_bytes,
     padded_size,
 )
-from onebit.exchange.simulated import SimulatedExchange, SimulationDiverged
+from onebit.exchange.simulated import (
+    PerTensorSimulatedExchange,
+    SimulatedExchange,
+    SimulationDiverged,
+)
 from onebit.exchange.transport import (
     KernelMismatchError,
     NonFiniteError,
@@ -56,6 +62,8 @@ __all__ = [
     "NonFiniteError",
     "PackedResult",
     "PerTensorExchange",
+    "PerTensorHierarchicalExchange",
+    "PerTensorSimulatedExchange",
     "SimulatedExchange",
     "SimulationDiverged",
     "TrafficCounter",
@@ -64,6 +72,7 @@ __all__ = [
     "node_groups",
     "node_topology",
     "padded_size",
+    "per_tensor_hierarchical_bytes",
     "per_tensor_error_sizes",
     "world_size",
 ]

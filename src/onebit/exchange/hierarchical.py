@@ -19,6 +19,7 @@ from torch import Tensor
 
 from onebit.compression import scale_dtype
 from onebit.exchange.base import Exchange
+from onebit.exchange.flat import padded_segments
 from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
     Layout,
@@ -41,11 +42,13 @@ __all__ = [
     "HierarchicalExchange",
     "HierarchicalWorkspace",
     "NodeGroups",
+    "PerTensorHierarchicalExchange",
     "hierarchical_bytes",
     "hierarchical_compressed_allreduce",
     "hierarchical_exchange",
     "node_groups",
     "node_topology",
+    "per_tensor_hierarchical_bytes",
 ]
 
 NodeGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
@@ -221,6 +224,105 @@ class HierarchicalExchange(Exchange):
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
         return hierarchical_exchange(
             buffer, worker_error, server_error, self.groups, self.workspace, self.backend
+        )
+
+
+def per_tensor_hierarchical_bytes(
+    numels: Sequence[int], local: int, nodes: int, dtype: torch.dtype
+) -> dict[str, int]:
+    """Bytes one rank sends per per-tensor hierarchical exchange of tensors of ``numels``
+    elements: ``"intra_node"`` (the dense all-to-all of every tensor's shards and the
+    all-gather of the compressed results) and ``"inter_node"`` (its per-tensor exchange of
+    the shards over ``M`` ranks)."""
+    shards = [size // local for size in Layout.per_tensor(numels, local * nodes).sizes]
+    element = torch.empty((), dtype=dtype).element_size()
+    scale = torch.empty((), dtype=scale_dtype(dtype)).element_size()
+    gathered = (local - 1) * (sum(shards) // 8 + nodes * len(shards) * scale)
+    return {
+        "intra_node": (local - 1) * sum(shards) * element + gathered,
+        "inter_node": exchange_bytes(Layout.per_tensor(shards, nodes), dtype),
+    }
+
+
+class PerTensorHierarchicalExchange(Exchange):
+    """The hierarchical exchange with every tensor compressed alone (ALGORITHM.md,
+    "Hierarchical exchange", "Per tensor"): tensor ``t`` padded alone to ``P_t`` (a multiple
+    of ``8 L M``); the node's mean of every tensor's shard ``l`` on its rank ``l``; the
+    per-tensor exchange of those shards between nodes; the compressed results gathered in
+    the node. The buffer holds the tensors one after another, unpadded (as
+    :class:`~onebit.exchange.PerTensorExchange`'s); error buffers of ``sum P_t / L`` and
+    ``sum P_t / (L M)``. Per tensor it is :class:`HierarchicalExchange` of the tensor padded
+    alone, bit for bit."""
+
+    def __init__(self, groups: NodeGroups) -> None:
+        super().__init__()
+        if len(groups) != 2:
+            raise ValueError("node_groups must be the pair (intra_group, inter_group)")
+        self.groups = tuple(groups)
+        self.outer = CompressionWorkspace()  # the padded tensors, the shards sent and received
+        self.inner = CompressionWorkspace()  # the exchange between nodes
+
+    @property
+    def topology(self) -> tuple[int, int]:
+        return node_topology(self.groups)
+
+    def buffer_size(self, numels: Sequence[int]) -> int:
+        return sum(numels)
+
+    def _layout(self, numels: Sequence[int]) -> Layout:
+        return Layout.per_tensor(numels, self.world_size)
+
+    def error_sizes(self, numels: Sequence[int]) -> tuple[int, int]:
+        width = self._layout(numels).width
+        return width // self.topology[0], width // self.world_size
+
+    def bytes_per_call(self) -> dict[str, int]:
+        return per_tensor_hierarchical_bytes(self.numels, *self.topology, self.dtype)
+
+    def nbytes(self) -> int:
+        return self.outer.nbytes() + self.inner.nbytes()
+
+    def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
+        intra, inter = self.groups
+        local, nodes = self.topology
+        layout = self._layout(self.numels)
+        dtype, device = self.dtype, self.device
+        outer = self.outer.prepare(layout, dtype, device, self.backend)
+        padded, padding = padded_segments(buffer.split(self.numels), layout, outer)
+        shards = [size // local for size in layout.sizes]
+        if local == 1:
+            z = padded
+        else:  # row l: shard l of every tensor, for local rank l
+            send = outer.buffer("send", layout.width, dtype, device).view(local, -1)
+            for column, segment in zip(send.split(shards, dim=1), padded, strict=True):
+                column.copy_(segment.view(local, -1))
+            received = outer.buffer("received", layout.width, dtype, device).view(local, -1)
+            dist.all_to_all_single(received.view(-1), send.view(-1), group=intra)
+            mean = outer.buffer("mean", layout.width // local, dtype, device)
+            mean.copy_(received[0])
+            for rank in range(1, local):
+                mean.add_(received[rank])
+            mean.div_(local)
+            z = list(mean.split(shards))
+        inner_layout = Layout.per_tensor(shards, nodes)
+        ws = self.inner.prepare(inner_layout, dtype, device, self.backend)
+        xs = ws.buffer("x", inner_layout.width, dtype, device).split(inner_layout.sizes)
+        transport = GroupTransport(inter, agree_on=intra)
+        result = exchange_over_group(z, xs, worker_error, server_error, transport, ws)
+        signs, scales = result.signs, result.scales
+        if local > 1:  # every shard's result, in chunk order l M + j
+            signs = outer.buffer("signs", local * result.signs.numel(), torch.uint8, device)
+            scales = outer.buffer(
+                "scales", local * result.scales.numel(), result.scales.dtype, device
+            )
+            all_gather_into(signs, result.signs, intra, local)
+            all_gather_into(scales, result.scales, intra, local)
+        return PackedResult(
+            signs.view(local * nodes, -1),
+            scales.view(local * nodes, -1),
+            layout,
+            self.backend,
+            padding,
         )
 
 

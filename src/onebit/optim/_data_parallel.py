@@ -24,6 +24,8 @@ from onebit.exchange import (
     NodeGroups,
     PerTensorBucketedExchange,
     PerTensorExchange,
+    PerTensorHierarchicalExchange,
+    PerTensorSimulatedExchange,
     TrafficCounter,
     node_topology,
     world_size,
@@ -186,20 +188,22 @@ class DataParallel:
 
     def _build_exchange(self) -> Exchange:
         group = self._exchange_group
+        if self.node_groups and self.compression == "per_tensor":
+            return PerTensorHierarchicalExchange(self.node_groups)
+        if self.node_groups:
+            return HierarchicalExchange(self.node_groups)
         if self.compression == "per_tensor" and self._bucket_elements:
             return PerTensorBucketedExchange(group, self._bucket_elements)
         if self.compression == "per_tensor":
             return PerTensorExchange(group)
-        if self.node_groups:
-            return HierarchicalExchange(self.node_groups)
         if self._bucket_elements:
             return BucketedExchange(group, self._bucket_elements)
         return FlatExchange(group)
 
     def use_exchange(self, exchange: Exchange) -> None:
         """Exchange through ``exchange`` (a simulation of many workers in one process), before
-        the first exchange, for the fused exchange (taken where the compression was left to
-        the default)."""
+        the first exchange, of this compression (or of its own where the compression was left
+        to the default)."""
         if not self._simulatable:
             raise ValueError(
                 f"{self.owner} exchanges every tensor alone over its process group; it cannot "
@@ -210,12 +214,12 @@ class DataParallel:
                 f"{self.owner} is already simulated: it exchanges through "
                 f"{type(self._exchange).__name__} (one SimulatedDataParallel per optimizer)"
             )
-        compression = "fused" if self._compression_chosen else self.compression
-        if compression != "fused":
+        simulated = "per_tensor" if isinstance(exchange, PerTensorSimulatedExchange) else "fused"
+        compression = simulated if self._compression_chosen else self.compression
+        if compression != simulated:
             raise ValueError(
-                f"compression={compression!r} exchanges over the process group only; a "
-                f"{type(exchange).__name__} simulates the fused exchange (use "
-                "compression='fused')"
+                f"{self.owner} has compression={compression!r}; a {type(exchange).__name__} "
+                f"simulates compression={simulated!r}"
             )
         if self.node_groups is not None or self.world_size > 1:
             raise ValueError(

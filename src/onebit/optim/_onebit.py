@@ -77,19 +77,13 @@ def _saved_compression(extra: dict[str, Any]) -> str:
     return extra.get("compression", "fused")
 
 
-def choose_compression(compression: str | None, node_groups: NodeGroups | None) -> tuple[str, bool]:
-    """``(compression, left to the default)``: ``None`` is ``"per_tensor"``, or ``"fused"``
-    with ``node_groups``, whose hierarchical exchange carries only the fused buffer."""
+def choose_compression(compression: str | None) -> tuple[str, bool]:
+    """``(compression, left to the default)``: ``None`` is ``"per_tensor"``."""
     chosen = compression is None
     if compression is None:
-        compression = "fused" if node_groups is not None else "per_tensor"
+        compression = "per_tensor"
     if compression not in COMPRESSIONS:
         raise ValueError(f"Invalid compression={compression!r}: use None or one of {COMPRESSIONS}")
-    if compression == "per_tensor" and node_groups is not None:
-        raise ValueError(
-            "compression='per_tensor' does not support node_groups (the hierarchical "
-            "exchange is fused only); use compression='fused' or node_groups=None"
-        )
     return compression, chosen
 
 
@@ -184,7 +178,7 @@ class OneBitOptimizer(Optimizer):
                 )
             if bucket_cap_mb is None:
                 bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
-        compression, chosen = choose_compression(compression, node_groups)
+        compression, chosen = choose_compression(compression)
         checks.check_bucket_cap_mb("bucket_cap_mb", bucket_cap_mb)
         if bucket_cap_mb is not None and node_groups is not None:
             raise ValueError(

@@ -34,14 +34,12 @@ class OneBitAdam(OneBitOptimizer):
     * ``"per_tensor"``: DeepSpeed's scheme, each tensor compressed alone with its own scales
       and error buffers and no ``s_p`` (:func:`onebit.compressed_allreduce_per_tensor`, all
       tensors in the same two collectives; in buckets of whole tensors with
-      ``bucket_cap_mb``, ``overlap_backward`` or ``delayed_exchange``). Not with
-      ``node_groups``.
+      ``bucket_cap_mb``, ``overlap_backward`` or ``delayed_exchange``; shard by shard
+      between nodes with ``node_groups``).
     * ``"fused"``: one :func:`onebit.compressed_allreduce` of all tensors, each scaled by
       ``s_p`` as in DeepSpeed's 1-bit LAMB (it blew up in 3 of 10 short runs where per-tensor
       compression did not: docs/ONEBIT-ADAM.md).
-    * ``None`` (default): ``"per_tensor"``, or ``"fused"`` with ``node_groups`` (the
-      hierarchical exchange carries the fused buffer) and where the optimizer is simulated
-      (:meth:`use_exchange`).
+    * ``None`` (default): ``"per_tensor"``.
 
     A checkpoint loads only into an optimizer of the compression it was saved with.
     """

@@ -79,10 +79,8 @@ class OneBitLamb(OneBitOptimizer):
             (ALGORITHM.md, "Each tensor compressed alone"); ``"fused"``: DeepSpeed's one
             buffer of all tensors, each scaled by ``s_p``, one scale per rank and chunk (it
             diverged in 5 of 10 short runs where per-tensor compression did not:
-            docs/VARIANCE-READINESS.md). ``None`` (default): ``"per_tensor"``, or ``"fused"``
-            with ``node_groups`` (the hierarchical exchange carries the fused buffer) and
-            where the optimizer is simulated. A checkpoint loads only into an optimizer of
-            the compression it was saved with.
+            docs/VARIANCE-READINESS.md). ``None`` (default): ``"per_tensor"``. A checkpoint
+            loads only into an optimizer of the compression it was saved with.
         max_grad_norm: if positive, ``step()`` clips the gradients its update uses (as
             ``torch.nn.utils.clip_grad_norm_`` does): the averaged ones at ``max_grad_norm``
             in the warm-up (after its own average, or DDP's), each rank's own at

@@ -154,8 +154,7 @@ class TrainConfig:
         choices=COMPRESSIONS,
         help="1-bit LAMB and 1-bit Adam: how the momentum is exchanged: per_tensor (each tensor "
         "compressed alone) or fused (DeepSpeed's 1-bit LAMB: one buffer of all tensors, scaled "
-        "per tensor); default: per_tensor, or fused with --node-size > 1 and in the "
-        "simulation",
+        "per tensor); default: per_tensor",
     )
     var_freeze_step: int | str | None = option(
         None,
@@ -309,11 +308,6 @@ class TrainConfig:
         for name in ("freeze_step", "var_freeze_step", "var_warmup_steps"):
             if getattr(self, name) not in (None, AUTO):
                 check_positive_int_option(name, getattr(self, name))
-        if self.node_size > 1 and self.compression == "per_tensor" and not self.fsdp:
-            raise ValueError(
-                "--node-size > 1 (the hierarchical exchange) is not offered with "
-                "--compression per_tensor"
-            )
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
         for name in ("steps", "batch_size", "layers", "hidden", "heads", "keep_checkpoints"):

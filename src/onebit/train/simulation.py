@@ -71,7 +71,7 @@ class SimulatedTrainer(Trainer):
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         return {
             "simulation": {
-                "node_size": self.simulation.exchange.local,
+                "node_size": self.simulation.exchange.topology[0],
                 "memory_bytes": self.simulation.memory_bytes(),
                 "peak_rss_bytes": 1024 * peak_kib,
             }
@@ -84,11 +84,6 @@ def check_simulated(config: TrainConfig) -> None:
         raise ValueError(
             f"--optimizer {config.optimizer} cannot be simulated; choose one of "
             f"{list(SIMULATED_OPTIMIZERS)}"
-        )
-    if config.compression == "per_tensor":
-        raise ValueError(
-            "--compression per_tensor is not simulated (the simulation exchanges the fused "
-            "momentum buffer, which 1-bit LAMB and 1-bit Adam use there by default)"
         )
     if config.bucket_cap_mb is not None or config.overlap_backward:
         raise ValueError(
