@@ -103,9 +103,10 @@ class OneBitLamb(OneBitOptimizer):
         max_freeze_step: the latest step ``freeze_step="auto"`` freezes at.
         delayed_exchange: run each compression step's exchange while the caller computes
             the next step's gradients, and apply its update there, one step late
-            (ALGORITHM.md, "Delayed exchange"): a slow link's step takes about the longer of
-            the compute and the wire instead of their sum. The weights lack the last update
-            until :meth:`finish_exchange` (call it at the end of training); checkpoints keep
+            (ALGORITHM.md, "Delayed exchange"), so that a slow link's bytes travel while the
+            next step computes. Experimental: the stale gradients cost convergence
+            (docs/CONVERGENCE.md, "1-bit LAMB with the delayed exchange"). The weights lack
+            the last update until :meth:`finish_exchange` (call it at the end of training); checkpoints keep
             the pending update. Over more than one rank the exchange is bucketed (25 MiB
             unless ``bucket_cap_mb`` is given). Not with ``overlap_backward``,
             ``node_groups`` or FSDP.
