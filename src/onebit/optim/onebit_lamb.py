@@ -106,10 +106,10 @@ class OneBitLamb(OneBitOptimizer):
             (ALGORITHM.md, "Delayed exchange"), so that a slow link's bytes travel while the
             next step computes. Experimental: the stale gradients cost convergence
             (docs/CONVERGENCE.md, "1-bit LAMB with the delayed exchange"). The weights lack
-            the last update until :meth:`finish_exchange` (call it at the end of training); checkpoints keep
-            the pending update. Over more than one rank the exchange is bucketed (25 MiB
-            unless ``bucket_cap_mb`` is given). Not with ``overlap_backward``,
-            ``node_groups`` or FSDP.
+            the last update until :meth:`finish_exchange` (call it at the end of training);
+            checkpoints keep the pending update. Over more than one rank the exchange is
+            bucketed (25 MiB unless ``bucket_cap_mb`` is given). Not with
+            ``overlap_backward``, ``node_groups`` or FSDP.
 
     Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
     ``scaler.step(optimizer)``): the step unscales the
