@@ -97,3 +97,25 @@ def test_without_anything_pending_the_checkpoint_keeps_its_format():
     optimizer.step()
     saved = optimizer.state_dict()["onebit"]
     assert saved["format"] == 2 and "pending_update" not in saved
+
+
+def test_an_update_loaded_from_a_checkpoint_can_be_finished_before_any_step():
+    """``finish_exchange()`` right after loading applies the saved update, as the run that
+    saved it applies it."""
+    params = _params()
+    optimizer = onebit.OneBitLamb(params, freeze_step=FREEZE, delayed_exchange=True)
+    for step in range(1, FREEZE + 3):
+        _gradients(params, step)
+        optimizer.step()
+    saved = io.BytesIO()
+    torch.save(optimizer.state_dict(), saved)  # the state's own tensors change in place
+    weights = [p.detach().clone() for p in params]
+    optimizer.finish_exchange()
+    loaded_params = [torch.nn.Parameter(w.clone()) for w in weights]
+    loaded = onebit.OneBitLamb(loaded_params, freeze_step=FREEZE, delayed_exchange=True)
+    saved.seek(0)
+    loaded.load_state_dict(torch.load(saved))
+    loaded.finish_exchange()
+    assert not loaded.update_pending
+    assert all(torch.equal(a, b) for a, b in zip(params, loaded_params, strict=True))
+    assert not any(torch.equal(a, w) for a, w in zip(loaded_params, weights, strict=True))

@@ -90,12 +90,14 @@ class DelayedExchange:
             future = self._executor.submit(_without_grad, run)
         self._in_flight = _InFlight(step, future, applies_to, device, done)
 
-    def wait(self) -> Landed | None:
-        """The pending exchange, once it has completed (``None``: none is pending), its
+    def wait(self) -> Landed:
+        """The pending exchange (:attr:`step` is not ``None``), once it has completed, its
         result ready on the caller's current stream; nothing is pending afterwards. Raises
         what it raised, other than a non-finite momentum."""
         self._settle()
         landed, self._landed = self._landed, None
+        if landed is None:
+            raise RuntimeError("no exchange is pending")
         return landed
 
     def _settle(self) -> None:

@@ -378,7 +378,7 @@ class OneBitOptimizer(Optimizer):
             return
         data_parallel = self._data_parallel
         with data_parallel.collective(started, COMPRESSION):
-            landed = cast(Any, delay.wait())
+            landed = delay.wait()
         data_parallel.take_exchange_traffic()
         if landed.result is None:
             self._guard.skip(
@@ -405,9 +405,10 @@ class OneBitOptimizer(Optimizer):
         Nothing to do otherwise."""
         if self._delay is None or self._delay.step is None:
             return
-        flat = cast(FlatState, self._parameters.flat)
+        flat = self._parameters.build(self.param_groups, self.state)  # also after a load
+        buffer = self._momentum_buffer(self._step + 1, flat)
         with self._data_parallel.counting(COMPRESSION):
-            self._apply_delayed_update(flat, cast(Tensor, self._stage.buffer))
+            self._apply_delayed_update(flat, buffer)
         flat.refresh_half_params()
 
     def _gradient_1bit_step(self, step: int, flat: FlatState, grads: list[Tensor | None]) -> bool:
