@@ -88,7 +88,7 @@ class DataParallel:
         self._check_node_groups()
         self._delayed = delayed
         self._exchange_traffic = TrafficCounter() if delayed else self.traffic
-        self._exchange_group = self._own_group()
+        self._delay_group = self._new_delay_group()
 
     # ----------------------------------------------------------------- the group
     @property
@@ -105,7 +105,7 @@ class DataParallel:
         old group is built again, keeping its error state if the topology is the same."""
         previous, self._process_group = self._process_group, group
         if group != previous:
-            self._exchange_group = self._own_group()
+            self._delay_group = self._new_delay_group()
         old = self._exchange
         if old is None or self._exchange_given:
             return
@@ -162,13 +162,20 @@ class DataParallel:
                 f"but the data-parallel group has {self.world_size}"
             )
 
-    def _own_group(self) -> dist.ProcessGroup | None:
-        """The group the exchange runs over: the data-parallel group, or with ``delayed`` a
-        group of its own over the same ranks (collective: every rank calls this alike)."""
+    def _new_delay_group(self) -> dist.ProcessGroup | None:
+        """With ``delayed`` over more than one rank: a group of the data-parallel group's
+        ranks for the exchange alone (collective: every rank calls this alike); else
+        ``None``."""
         if not self._delayed or self.world_size == 1:
-            return self._process_group
+            return None
         ranks = dist.get_process_group_ranks(self._process_group or dist.group.WORLD)
         return dist.new_group(ranks, use_local_synchronization=True)
+
+    @property
+    def _exchange_group(self) -> dist.ProcessGroup | None:
+        """The group the exchange runs over: the data-parallel group, or the delayed
+        exchange's own."""
+        return self._process_group if self._delay_group is None else self._delay_group
 
     def take_exchange_traffic(self) -> None:
         """With ``delayed``: add the bytes the exchange sent since the last call to
