@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -68,11 +69,14 @@ class _StreamedWorkers(Exchange):
         self._added = 0
         return self._serve(server_error)
 
+    @abstractmethod
     def _add(self, rank: int, buffer: Tensor) -> None:
-        raise NotImplementedError
+        """Compress worker ``rank``'s flat buffer with its error (for a node's last worker,
+        the node's mean)."""
 
+    @abstractmethod
     def _serve(self, server_error: Tensor) -> PackedResult:
-        raise NotImplementedError
+        """Every server's stage, once all workers are in; the result."""
 
 
 class SimulatedExchange(_StreamedWorkers):
