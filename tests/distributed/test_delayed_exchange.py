@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -196,6 +197,7 @@ def _ddp_and_plain(rank: int, world: int):
     return out
 
 
+@pytest.mark.slow
 def test_under_ddp_the_delayed_run_is_the_plain_loops():
     ranks = spawn_workers(_ddp_and_plain, 2, timeout_s=180)
     for rank, out in enumerate(ranks):

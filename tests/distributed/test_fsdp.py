@@ -240,6 +240,7 @@ def _rejected(rank: int, world: int):
     return errors
 
 
+@pytest.mark.slow
 def test_what_does_not_fit_is_a_named_error():
     errors = spawn_workers(_rejected, 4, timeout_s=180)[0]
     assert "mesh['shard']" in errors["2-D mesh"]

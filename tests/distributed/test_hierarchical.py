@@ -80,6 +80,7 @@ def _non_finite(rank: int, world: int):
     return None
 
 
+@pytest.mark.slow
 def test_non_finite_input_anywhere_raises_on_every_rank_without_touching_state():
     assert spawn_workers(_non_finite, 4, timeout_s=60) == [True] * 4
 

@@ -43,7 +43,14 @@ def _exchange(rank: int, world: int, local: int, backend: str):
 
 
 @pytest.mark.parametrize(("nodes", "local"), [(2, 2), pytest.param(3, 1, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("backend", [name for name in kernels.available() if name != "triton"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        name if name == "numba" else pytest.param(name, marks=pytest.mark.slow)
+        for name in kernels.available()
+        if name != "triton"
+    ],
+)
 def test_each_tensor_is_the_hierarchical_exchange_of_it_padded_alone(nodes, local, backend):
     world = nodes * local
     ranks = spawn_workers(_exchange, world, args=(local, backend), timeout_s=180)

@@ -114,6 +114,7 @@ def _lamb_by_backend(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("numba" not in onebit.kernels.available(), reason="numba is not installed")
 def test_numba_reads_every_servers_signs_as_the_reference_in_float32():
     """On 3 ranks the update kernels read each tensor's momentum from 3 servers' rows of the

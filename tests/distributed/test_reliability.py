@@ -108,6 +108,7 @@ def _without_scaler(rank, world_size):
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_grad_scaler_keeps_every_rank_consistent():
     scaled = spawn_workers(_grad_scaler, 2, timeout_s=120)
     plain = spawn_workers(_without_scaler, 2, timeout_s=120)

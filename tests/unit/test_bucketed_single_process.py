@@ -22,6 +22,7 @@ def test_bucket_ranges():
     assert bucket_ranges(152, 1000, 2) == [(0, 152)]
 
 
+@pytest.mark.slow
 def test_another_bucket_layout_restarts_the_error_buffers_with_a_warning():
     params, optimizer = build("lamb", torch.float64, bucket_cap_mb=16 * 8 / 2**20)
     for _ in range(FREEZE + 2):
