@@ -67,12 +67,18 @@ def test_the_pending_update_lands_at_the_next_step_or_when_finished(cls):
     optimizer.finish_exchange()  # nothing pending: nothing to do
 
 
-def test_a_pending_update_is_refused_by_an_optimizer_without_the_delay():
+def _two_steps_into_the_stage() -> tuple[list[nn.Parameter], onebit.OneBitLamb]:
+    """Delayed 1-bit LAMB after ``FREEZE + 2`` steps: the second stage step's update pending."""
     params = _params()
     optimizer = onebit.OneBitLamb(params, freeze_step=FREEZE, delayed_exchange=True)
     for step in range(1, FREEZE + 3):
         _gradients(params, step)
         optimizer.step()
+    return params, optimizer
+
+
+def test_a_pending_update_is_refused_by_an_optimizer_without_the_delay():
+    _, optimizer = _two_steps_into_the_stage()
     saved = optimizer.state_dict()
     assert saved["onebit"]["format"] == 3
     assert saved["onebit"]["pending_update"]["step"] == FREEZE + 2
@@ -102,11 +108,7 @@ def test_without_anything_pending_the_checkpoint_keeps_its_format():
 def test_an_update_loaded_from_a_checkpoint_can_be_finished_before_any_step():
     """``finish_exchange()`` right after loading applies the saved update, as the run that
     saved it applies it."""
-    params = _params()
-    optimizer = onebit.OneBitLamb(params, freeze_step=FREEZE, delayed_exchange=True)
-    for step in range(1, FREEZE + 3):
-        _gradients(params, step)
-        optimizer.step()
+    params, optimizer = _two_steps_into_the_stage()
     saved = io.BytesIO()
     torch.save(optimizer.state_dict(), saved)  # the state's own tensors change in place
     weights = [p.detach().clone() for p in params]
