@@ -273,9 +273,8 @@ class SignRuns:
         starts = torch.from_numpy(self.bounds[:-1]).to(device)[runs]
         first_bits = torch.from_numpy(self.first_bits).to(device)[runs]
         bits = first_bits + torch.arange(self.numel, device=device) - starts
-        positive = (self.signs[bits // 8] >> (7 - bits % 8).to(torch.uint8)) & 1
-        scales = self.scales[runs]
-        out.view(-1)[: self.numel].copy_(torch.where(positive.bool(), scales, -scales))
+        signs = unpack_signs(self.signs, 8 * self.signs.numel(), dtype=self.scales.dtype)
+        out.view(-1)[: self.numel].copy_(signs[bits] * self.scales[runs])
         return out
 
     def state_dict(self) -> dict[str, Tensor]:
