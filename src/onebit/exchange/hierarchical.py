@@ -171,12 +171,7 @@ def hierarchical_exchange(
     if local == 1:
         mean = flat
     else:
-        dist.all_to_all_single(ws.shards.view(-1), flat, group=intra)
-        mean = ws.mean
-        mean.copy_(ws.shards[0])
-        for rank in range(1, local):
-            mean.add_(ws.shards[rank])
-        mean.div_(local)
+        mean = _node_mean(flat, ws.shards, ws.mean, intra)
     inner_ws = ws.inner.prepare(
         Layout.flat(numel // local, nodes), buffer.dtype, buffer.device, backend
     )
@@ -185,10 +180,39 @@ def hierarchical_exchange(
     inner = exchange_over_group([mean], [scratch], worker_error, server_error, transport, inner_ws)
     if local == 1:
         return inner
-    all_gather_into(ws.signs, inner.signs, intra, local)
-    all_gather_into(ws.scales, inner.scales, intra, local)
     layout = Layout.flat(numel, local * nodes)
-    return PackedResult(ws.signs.view(local * nodes, -1), ws.scales.view(-1, 1), layout, backend)
+    return _gathered_in_node(inner, ws.signs, ws.scales, intra, layout)
+
+
+def _node_mean(
+    send: Tensor, received: Tensor, out: Tensor, intra: dist.ProcessGroup | None
+) -> Tensor:
+    """Step 1: row ``l`` of ``send`` (``[L, n]`` flat) to local rank ``l``, the rows from
+    every local rank into ``received`` (``[L, n]``); ``out`` = their mean, summed in rank order
+    (reproducible), then divided by ``L``."""
+    dist.all_to_all_single(received.view(-1), send.view(-1), group=intra)
+    out.copy_(received[0])
+    for row in received[1:]:
+        out.add_(row)
+    return out.div_(received.shape[0])
+
+
+def _gathered_in_node(
+    inner: PackedResult,
+    signs: Tensor,
+    scales: Tensor,
+    intra: dist.ProcessGroup | None,
+    layout: Layout,
+    padding: Tensor | None = None,
+) -> PackedResult:
+    """Step 3: every local rank's result between nodes (``M`` rows of signs and scales),
+    gathered in the node into ``signs`` and ``scales``; the result over ``L M`` chunks of
+    ``layout`` (chunk ``l M + j``: server ``j``'s chunk of shard ``l``)."""
+    local = signs.numel() // inner.signs.numel()
+    all_gather_into(signs, inner.signs, intra, local)
+    all_gather_into(scales, inner.scales, intra, local)
+    rows = local * inner.signs.shape[0]
+    return PackedResult(signs.view(rows, -1), scales.view(rows, -1), layout, inner.backend, padding)
 
 
 class HierarchicalExchange(Exchange):
@@ -297,33 +321,16 @@ class PerTensorHierarchicalExchange(Exchange):
             for column, segment in zip(send.split(shards, dim=1), padded, strict=True):
                 column.copy_(segment.view(local, -1))
             received = outer.buffer("received", layout.width, dtype, device).view(local, -1)
-            dist.all_to_all_single(received.view(-1), send.view(-1), group=intra)
             mean = outer.buffer("mean", layout.width // local, dtype, device)
-            mean.copy_(received[0])
-            for rank in range(1, local):
-                mean.add_(received[rank])
-            mean.div_(local)
-            z = list(mean.split(shards))
+            z = list(_node_mean(send, received, mean, intra).split(shards))
         inner_layout = Layout.per_tensor(shards, nodes)
         ws = self.inner.prepare(inner_layout, dtype, device, self.backend)
         xs = ws.buffer("x", inner_layout.width, dtype, device).split(inner_layout.sizes)
         transport = GroupTransport(inter, agree_on=intra)
         result = exchange_over_group(z, xs, worker_error, server_error, transport, ws)
-        signs, scales = result.signs, result.scales
-        if local > 1:  # every shard's result, in chunk order l M + j
-            signs = outer.buffer("signs", local * result.signs.numel(), torch.uint8, device)
-            scales = outer.buffer(
-                "scales", local * result.scales.numel(), result.scales.dtype, device
-            )
-            all_gather_into(signs, result.signs, intra, local)
-            all_gather_into(scales, result.scales, intra, local)
-        return PackedResult(
-            signs.view(local * nodes, -1),
-            scales.view(local * nodes, -1),
-            layout,
-            self.backend,
-            padding,
-        )
+        signs = outer.buffer("signs", local * result.signs.numel(), torch.uint8, device)
+        scales = outer.buffer("scales", local * result.scales.numel(), result.scales.dtype, device)
+        return _gathered_in_node(result, signs, scales, intra, layout, padding)
 
 
 def hierarchical_compressed_allreduce(
