@@ -9,9 +9,9 @@
 #      torch and triton backends, in device-to-device copies of the same buffer;
 #   5. every optimizer's kinds of step on BERT-base and BERT-Large shapes beside
 #      torch.optim.AdamW(fused=True) and AdamW(foreach=True), in ms and copies, with the
-#      targets (scripts/gpu_step_benchmark.py; its JSON is step-benchmark.json in LOG_DIR);
+#      targets (benchmarks/optimizer_steps.py; its JSON is step-benchmark.json in LOG_DIR);
 #   6. the optimizers on the GPU against the same run on CPU, and on 2 NCCL ranks against 2
-#      gloo ranks where two GPUs are visible (scripts/gpu_optimizer_check.py).
+#      gloo ranks where two GPUs are visible (benchmarks/gpu_optimizer_check.py).
 # Every step runs under its own timeout; a failure is recorded, never fatal. One summary is
 # printed at the end; each step's full output is in LOG_DIR.
 #
@@ -217,14 +217,14 @@ EOF
 
 # -- 5. optimizer steps ------------------------------------------------------------------
 step_benchmark() {
-    "$PY" scripts/gpu_step_benchmark.py --repeats 15 --out "$LOG_DIR/step-benchmark.json"
+    "$PY" benchmarks/optimizer_steps.py --repeats 15 --out "$LOG_DIR/step-benchmark.json"
 }
 
 # -- 6. the optimizers on CUDA --------------------------------------------------------
 # The optimizers on CUDA against CPU (and 2 NCCL ranks against 2 gloo ranks where two GPUs
 # are visible); exit 77 when nothing could run.
 nccl_optimizer_check() {
-    "$PY" scripts/gpu_optimizer_check.py
+    "$PY" benchmarks/gpu_optimizer_check.py
 }
 
 # -- run ---------------------------------------------------------------------------------

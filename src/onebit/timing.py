@@ -4,7 +4,7 @@ cost model's calibration (``onebit estimate --calibrate``).
 Every function is timed *interleaved* (one after the other, round after round, the median of
 each kept), so that all of them see the same load on a shared machine; ratios between them are
 the result, not absolute times. :func:`time_calls` adds up the wall time of a method's calls
-where it runs (the breakdowns of ``scripts/step_cpu.py`` and ``scripts/overlap_step_split.py``).
+where it runs (the breakdowns of ``benchmarks/step_cpu.py``).
 """
 
 from __future__ import annotations

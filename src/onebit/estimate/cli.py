@@ -89,7 +89,7 @@ class EstimateSettings:
         0.6,
         group="job",
         help="share of --compute spent in backward, from whose start an overlapped exchange "
-        "keeps the link busy (this machine's BERT-base: 0.6, scripts/step_phases.py)",
+        "keeps the link busy (this machine's BERT-base: 0.6, benchmarks/step_phases.py)",
     )
     bucket_cap_mb: float = option(
         DEFAULT_BUCKET_CAP_MB,

@@ -122,7 +122,7 @@ class Cluster:
     """Gradients in fp16 (2 bytes) for the dense allreduce, as in the paper's runs."""
     backward_share: float = 0.6
     """b: share of ``t_c`` spent in backward, from whose start an overlapped exchange keeps
-    the link busy (this machine's BERT-base: 0.6, ``scripts/step_phases.py``)."""
+    the link busy (this machine's BERT-base: 0.6, ``benchmarks/step_phases.py``)."""
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     """MiB per bucket of the overlapped exchange (the optimizer's ``bucket_cap_mb``)."""
     tail_share: float = 0.0

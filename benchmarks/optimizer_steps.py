@@ -1,17 +1,20 @@
 """Optimizer steps side by side on BERT shapes, in milliseconds and in copies of the parameters.
 
 Every step of torch's AdamW (``fused=True`` and ``foreach=True``), onebit's Lamb and each kind
-of step of OneBitLamb, OneBitAdam and ZeroOneAdam (world size 1: the exchange's local work and
-the update, nothing on a wire) runs on the same BERT tensor shapes (fp32 parameters, the same
-gradients), one after the other, round after round (as :func:`onebit.timing.interleaved`
-does), and the median of each is kept; a *copy* is one copy of all parameters (fp32) timed
-in the same rounds. The steps run in three groups (LAMB's, 1-bit Adam's and 0/1 Adam's), each with
-its own AdamW(fused=True) and copy so that every ratio is measured side by side, and only one
-group's optimizers are in memory at a time. Prints one table per model and the issue's
-targets with the measured ratios; ``--out`` writes the results as JSON.
+of step of OneBitLamb, OneBitAdam (both exchanges: ``fused`` and ``per_tensor``) and
+ZeroOneAdam (variance update, 1-bit gradient, local, synchronisation) runs in a world of one
+rank (the exchange's local work and the update, nothing on a wire) on the same BERT tensor
+shapes (fp32 parameters, the same gradients), one after the other, round after round (as
+:func:`onebit.timing.interleaved` does), and the median of each is kept; a *copy* is one copy
+of all parameters (fp32) timed in the same rounds. The steps run in three groups (LAMB's,
+1-bit Adam's and 0/1 Adam's), each with its own AdamW(fused=True) and copy so that every ratio
+is measured side by side, and only one group's optimizers are in memory at a time. Prints one
+table per model (ms, copies, ratio to AdamW(fused=True), backend) and the targets with the
+measured ratios; ``--out`` writes the results as JSON. Exit status 77 when ``--device cuda``
+finds no GPU.
 
-Usage (part of scripts/gpu_check.sh on a GPU; ``--device cpu --scale 0.05`` for a quick run):
-    python scripts/gpu_step_benchmark.py [--device cuda] [--models base large] [--repeats 20]
+    .venv/bin/python benchmarks/optimizer_steps.py --device cpu --models base --scale 0.25
+    .venv/bin/python benchmarks/optimizer_steps.py --device cuda   # part of scripts/gpu_check.sh
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from functools import partial
 import torch
 
 import onebit
-from onebit.bert_shapes import bert_shapes
+from onebit.bert_shapes import PRESETS, bert_shapes
 from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 from onebit.timing import copy_fn
 
@@ -152,14 +155,29 @@ def time_group(methods: list[Method], grads, repeats: int, device) -> dict[str, 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--models", nargs="+", default=["base", "large"])
-    parser.add_argument(
-        "--scale", type=float, default=1.0, help="multiply the widths (below 1 shrinks)"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument(
+        "--device", default="cuda", help="where the steps run: cuda or cpu (default: cuda)"
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["base", "large"],
+        choices=sorted(PRESETS),
+        help="BERT shapes to time (default: base large)",
+    )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply the models' widths by this factor; below 1 shrinks them (default: 1.0)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="timed steps of each kind (default: 20)"
+    )
+    parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

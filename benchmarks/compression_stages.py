@@ -4,7 +4,11 @@ and error update of its chunk of ``2^k`` elements from ``n`` ranks' signs (the e
 both in place and into ``out``); one thread, every stage and a copy of ``2^k`` float32 (the
 unit of a pass over memory) timed in turn, medians over the repeats.
 
-    .venv/bin/python scripts/compression_stages.py [--ranks 2,4] [--log2 24] [--kernels numba,torch]
+    .venv/bin/python benchmarks/compression_stages.py [--ranks 2,4] [--log2 22] \\
+        [--kernels numba,torch]
+
+Prints one Markdown row per backend, world size and stage: milliseconds, and copies of the
+stage's elements (a worker stage handles ``n`` chunks).
 
 Run it under ``PYTHONPATH`` of another checkout's ``src`` to time that version's kernels.
 """
@@ -12,6 +16,9 @@ Run it under ``PYTHONPATH`` of another checkout's ``src`` to time that version's
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
 
 def stage_times(backend_name: str, n: int, log2: int, repeats: int) -> dict[str, float]:
@@ -70,31 +77,66 @@ def stage_times(backend_name: str, n: int, log2: int, repeats: int) -> dict[str,
     return interleaved(fns, repeats, sync=lambda: None)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", default="2,4", help="comma-separated world sizes (2,4)")
-    parser.add_argument("--log2", type=int, default=24, help="server chunk of 2^k elements (24)")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--kernels", default="numba,torch", help="backends (numba,torch)")
-    args = parser.parse_args()
+def _names(text: str) -> list[str]:
+    return [name for name in text.split(",") if name.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(n) for n in text.split(",") if n.strip()]
+    if not values or min(values) < 1:
+        raise ValueError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--ranks", type=_ints, default=[2, 4], help="comma-separated world sizes (default: 2,4)"
+    )
+    parser.add_argument(
+        "--log2", type=int, default=22, help="a server chunk of 2^LOG2 elements (default: 22)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=15, help="timed calls of each stage (default: 15)"
+    )
+    parser.add_argument(
+        "--kernels",
+        type=_names,
+        default=None,
+        help="comma-separated backends (default: every CPU backend installed: torch, numba)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.log2 < 3 or args.repeats < 1:
+        parser.error("--log2 must be at least 3 and --repeats at least 1")
 
     import torch
 
+    from onebit.timing import cpu_backends
+
     torch.set_num_threads(1)
+    rows = []
     print(f"server chunk 2^{args.log2} float32; one thread; medians of {args.repeats} (ms)")
     print("| backend | ranks | stage | ms | copies of its elements |")
     print("|---|---:|---|---:|---:|")
-    for name in args.kernels.split(","):
-        for n in (int(r) for r in args.ranks.split(",")):
+    for name in args.kernels or cpu_backends():
+        for n in args.ranks:
             times = stage_times(name, n, args.log2, args.repeats)
             copy = (times["copy of the chunk"] + times["copy of the chunk, again"]) / 2
             for stage, seconds in times.items():
                 elements = n if stage.startswith("worker") or "n chunks" in stage else 1
-                print(
-                    f"| {name} | {n} | {stage} | {seconds * 1e3:.1f} | "
-                    f"{seconds / (copy * elements):.2f} |"
-                )
+                copies = seconds / (copy * elements)
+                rows.append(
+                    {"backend": name, "ranks": n, "stage": stage, "ms": seconds * 1e3,
+                     "copies": copies}
+                )  # fmt: skip
+                print(f"| {name} | {n} | {stage} | {seconds * 1e3:.3f} | {copies:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"log2": args.log2, "rows": rows}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,7 +4,7 @@ order) with the methods and properties each defines, and for one compression ste
 default ``OneBitLamb`` on 2 gloo ranks the frames from ``step()`` to the first collective, the
 files on that path, and the onebit functions and files the step runs through.
 
-    .venv/bin/python scripts/optimizer_anatomy.py [--json FILE]
+    .venv/bin/python benchmarks/optimizer_anatomy.py [--json FILE]
 
 Run it with ``PYTHONPATH=<another checkout>/src`` to count another version of the library.
 """
@@ -102,7 +102,9 @@ def _step_anatomy(rank: int, world: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", type=Path, help="also write the counts here")
     args = parser.parse_args(argv)
     classes = class_counts()

@@ -1,6 +1,6 @@
 """onebit's dense DiLoCo against torchft 0.2.0's ``torchft.local_sgd.DiLoCo``, round by round.
 
-    python scripts/diloco_vs_torchft.py [--rounds 5] [--sync-every 4] [--workers 2]
+    .venv/bin/python benchmarks/diloco_vs_torchft.py [--rounds 5] [--sync-every 4] [--workers 2]
 
 (``RUST_LOG=info`` shows torchft's quorum log, quiet by default.)
 
@@ -21,7 +21,8 @@ Both with the inner optimizer ``AdamW(lr=1e-2, weight_decay=0.01)`` and the oute
 every H-th inner step). Prints, per round, the largest absolute difference between torchft's and
 onebit's weights on worker 0, that difference over the largest |weight|, whether the two are
 equal bit for bit, and whether the workers of each implementation agree bit for bit. Exits 0 if
-every round's relative difference is below 1e-5 and every torchft round committed, 1 otherwise.
+every round's relative difference is below 1e-5 and every torchft round committed, 1 otherwise,
+77 when torchft is not installed.
 
 What had to match torchft's semantics (torchft/local_sgd.py and manager.py, 0.2.0):
 
@@ -39,7 +40,7 @@ What had to match torchft's semantics (torchft/local_sgd.py and manager.py, 0.2.
   new backup, ``lerp_(local, fragment_update_alpha=0)`` (exact), ``outer.zero_grad()``;
 * ``init_sync=False``: with the default, a replica at step 0 may be healed from the primary's
   checkpoint at the first quorum (which comes after the first round's inner steps); the
-  workers build identical models from one seed, so no healing is wanted. The script counts
+  workers build identical models from one seed, so no healing is wanted. The tool counts
   calls of the registered ``load_state_dict`` to show none happened.
 """
 
@@ -272,8 +273,10 @@ def report(args: argparse.Namespace, results: dict[int, tuple[dict, dict]]) -> b
     return ok
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5, help="outer rounds (default 5)")
     parser.add_argument(
         "--sync-every", type=int, default=4, help="inner steps per round, H (default 4)"
@@ -282,13 +285,14 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds before giving up (default 120)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds < 1 or args.sync_every < 1 or args.workers < 1:
         parser.error("--rounds, --sync-every and --workers must be >= 1")
     try:
         torchft_version = version("torchft")
     except Exception:
-        raise SystemExit("torchft is not installed: pip install torchft==0.2.0") from None
+        print("torchft is not installed: pip install torchft==0.2.0", file=sys.stderr)
+        return 77
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
     print(
         f"torch {torch.__version__}, torchft {torchft_version}: {args.workers} workers, "
@@ -297,8 +301,8 @@ def main() -> None:
     results = run_workers(args)
     ok = report(args, results)
     print(f"{'PASS' if ok else 'FAIL'}: every relative difference below {THRESHOLD:g}: {ok}")
-    sys.exit(0 if ok else 1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,17 +16,22 @@ processes' warm-up (its first steps' page faults cost several times the system t
 ones): name a method twice, first and again later, to see it (the second run is shown as
 ``NAME (2)``).
 
-    .venv/bin/python scripts/step_cpu.py --workers 4 --model small \\
+    .venv/bin/python benchmarks/step_cpu.py --workers 4 --model small \\
         --methods lamb-compute,lamb,onebit-lamb-ddp,onebit-lamb --steps 6 --kernels
+
+Prints one Markdown table row per method (``--json FILE`` also writes rank 0's figures).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import resource
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 PHASES = ("forward_backward", "optimizer_step")
@@ -142,13 +147,29 @@ def _median(steps: list[dict], phase: str, measure: str) -> float:
     return statistics.median(step[phase][measure] for step in steps)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--methods", default="lamb-compute,lamb,onebit-lamb-ddp,onebit-lamb")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per method")
-    parser.add_argument("--seq-len", type=int, default=64)
+def main(argv: list[str] | None = None) -> int:
+    from onebit.bert_shapes import PRESETS
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="local gloo ranks, one thread each (default: 2)"
+    )
+    parser.add_argument(
+        "--model",
+        default="mini",
+        choices=sorted(PRESETS),
+        help="the benchmark's BERT preset (default: mini)",
+    )
+    parser.add_argument(
+        "--methods",
+        default="lamb,onebit-lamb",
+        help="comma-separated methods of onebit bench cluster, in the order run "
+        "(default: lamb,onebit-lamb)",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per method (default: 4)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens a sequence (default: 64)")
     parser.add_argument("--kernels", action="store_true", help="time the kernel calls too")
     parser.add_argument(
         "--exchange", action="store_true", help="time the exchange's steps and hooks too"
@@ -160,7 +181,10 @@ def main() -> None:
         help="all ranks meet before every timed step (default); without, steps run back to "
         "back as in training",
     )
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="also write rank 0's figures here")
+    args = parser.parse_args(argv)
+    if args.workers < 1 or args.steps < 1:
+        parser.error("--workers and --steps must be at least 1")
 
     from onebit.bench.settings import METHODS
     from onebit.testing import spawn_workers
@@ -168,7 +192,7 @@ def main() -> None:
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise SystemExit(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
+        parser.error(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
     cfg = {
         "model": args.model,
         "methods": methods,
@@ -212,7 +236,11 @@ def main() -> None:
         if result["kernels"]:
             calls = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in result["kernels"].items())
             print(f"\n{name}: wall time per step of the calls timed (ms): {calls}")
+    if args.json:
+        summary = {"model": args.model, "workers": args.workers, "methods": results}
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
