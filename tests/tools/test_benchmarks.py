@@ -1,0 +1,209 @@
+"""The measurement tools of benchmarks/: each explains itself with ``--help``, is listed in
+benchmarks/README.md, and runs at tiny sizes with output of the expected shape (no figure is
+checked: the timings of a shared machine vary). The GPU tools, prepared on CPU, say that
+there is no CUDA device and stop."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+from helpers.jobs import write_corpus
+from helpers.paths import BENCHMARKS, ROOT
+
+#: The tools benchmarks/README.md lists, one table row each.
+TOOLS = re.findall(
+    r"^\| `(\w+)\.py` \|", (BENCHMARKS / "README.md").read_text(), flags=re.MULTILINE
+)
+
+
+def _tool(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The tool ``name`` imported by its name from benchmarks/ (so that the ranks it spawns,
+    and its dataclasses, find their module)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def _run(name: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run the tool as its users do, from the repository root; its standard output."""
+    command = [sys.executable, str(BENCHMARKS / f"{name}.py"), *args]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def test_every_tool_the_readme_lists_is_there():
+    assert len(TOOLS) >= 8, TOOLS
+    assert all((BENCHMARKS / f"{name}.py").is_file() for name in TOOLS), TOOLS
+
+
+def test_the_gpu_check_calls_tools_that_exist():
+    check = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    called = re.findall(r"\b(benchmarks/\w+\.py)", check)
+    assert {"benchmarks/optimizer_steps.py", "benchmarks/gpu_optimizer_check.py"} <= set(called)
+    assert all((ROOT / path).is_file() for path in called), called
+    assert "scripts/gpu_step_benchmark.py" not in check
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_every_tool_says_what_it_measures_and_its_options(name, monkeypatch, capsys):
+    tool = _tool(name, monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        tool.main(["--help"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("usage:") and "options:" in printed
+    first_line = " ".join(tool.__doc__.split("\n\n")[0].split())
+    assert first_line[:40] in " ".join(printed.split())
+    assert f"benchmarks/{name}.py" in tool.__doc__  # its command, with its path
+
+
+# ------------------------------------------------------------------ optimizer_steps
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_the_step_benchmark_stops_with_a_message_without_cuda(monkeypatch, capsys):
+    assert _tool("optimizer_steps", monkeypatch).main([]) == 77
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_step_benchmark_times_every_kind_of_step_on_cpu(tmp_path, monkeypatch, capsys):
+    tool = _tool("optimizer_steps", monkeypatch)
+    out = tmp_path / "steps.json"
+    args = ["--device", "cpu", "--scale", "0.02", "--repeats", "2", "--models", "base"]
+    assert tool.main([*args, "--out", str(out)]) == 0
+    steps = json.loads(out.read_text())["results"]["base"]["steps"]
+    expected = {step for _, step, _, _ in tool.TARGETS} | {"AdamW(foreach=True)"}
+    assert expected <= set(steps), expected - set(steps)
+    for name, row in steps.items():
+        assert row["ms"] > 0 and row["copies"] > 0, name
+    assert steps["AdamW(fused=True)"]["vs_adamw_fused"] == 1.0
+    printed = capsys.readouterr().out
+    assert "BERT-base" in printed and "Lamb / AdamW(fused) <= 1.3" in printed
+
+
+def test_a_method_that_never_reaches_its_counted_kind_is_named_not_waited_for(monkeypatch):
+    tool = _tool("optimizer_steps", monkeypatch)
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    never = tool.Method("never counted", params, torch.optim.SGD(params, lr=0.1), lambda: False)
+    with pytest.raises(RuntimeError, match=r"\['never counted'\] took fewer than 2 steps"):
+        tool.time_group([never], [torch.ones(8)], repeats=2, device="cpu")
+
+
+# -------------------------------------------------------------- gpu_optimizer_check
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_the_gpu_optimizer_check_says_nothing_could_run_without_cuda(monkeypatch, capsys):
+    assert _tool("gpu_optimizer_check", monkeypatch).main([]) == 77
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- step_cpu
+
+
+@pytest.mark.slow
+def test_step_cpu_breaks_each_methods_step_down(tmp_path):
+    out = tmp_path / "step-cpu.json"
+    methods = "lamb,onebit-lamb"
+    printed = _run(
+        "step_cpu", "--workers", "2", "--model", "tiny", "--methods", methods, "--steps", "2",
+        "--json", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert list(result["methods"]) == ["lamb", "onebit-lamb"]
+    assert result["methods"]["onebit-lamb"]["stage"] == "compression"
+    for figures in result["methods"].values():
+        assert len(figures["steps"]) == 2
+        assert set(figures["steps"][0]) == {"forward_backward", "optimizer_step"}
+        assert set(figures["steps"][0]["optimizer_step"]) == {"wall", "user", "sys", "faults"}
+    rows = [line for line in printed.splitlines() if line.startswith("| lamb")]
+    assert len(rows) == 1 and "| onebit-lamb | compression |" in printed
+
+
+# ---------------------------------------------------------------------- step_phases
+
+
+def test_step_phases_gives_backwards_share_of_the_step(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "phases.json"
+    tool = _tool("step_phases", monkeypatch)
+    assert tool.main(["--model", "tiny", "--steps", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"forward", "backward", "update"}
+    assert 0 < result["backward_share"] < 1
+    assert "b = backward / step" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------- compression_stages
+
+
+def test_compression_stages_times_each_stage_beside_a_copy(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "stages.json"
+    tool = _tool("compression_stages", monkeypatch)
+    args = ["--ranks", "2", "--log2", "10", "--repeats", "2", "--kernels", "torch"]
+    assert tool.main([*args, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    stages = {row["stage"] for row in rows}
+    assert {"worker compression", "server compression", "copy of the chunk"} <= stages
+    assert all(row["backend"] == "torch" and row["ranks"] == 2 for row in rows)
+    assert all(row["ms"] > 0 and row["copies"] > 0 for row in rows)
+    assert capsys.readouterr().out.count("| torch | 2 |") == len(rows)
+
+
+# ------------------------------------------------------------------ simulation_cost
+
+
+@pytest.mark.slow
+def test_simulation_cost_measures_each_worker_count(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "cost.json"
+    job = [
+        "--steps", "3", "--freeze-step", "1", "--batch-size", "8", "--seq-len", "16",
+        "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab-size", "120",
+        "--eval-every", "3", "--checkpoint-every", "3", "--eval-seqs", "0",
+        "--corpus", str(corpus),
+    ]  # fmt: skip
+    env = {**os.environ, "ONEBIT_CACHE": str(tmp_path / "cache")}
+    printed = _run("simulation_cost", "--workers", "1", "2", "--out", str(out), "--", *job, env=env)
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["workers"] for run in runs] == [1, 2]
+    for run in runs:
+        assert set(run["step_time_s"]) == {"warmup", "compression"}
+        assert run["peak_rss_bytes"] > 0 and run["simulation_bytes"]["worker_errors"] > 0
+    assert printed.splitlines()[0].startswith("| workers | warmup s (x first)")
+
+
+# ---------------------------------------------------------------- diloco_vs_torchft
+
+
+@pytest.mark.slow
+def test_diloco_matches_torchft_round_by_round():
+    pytest.importorskip("torchft")
+    printed = _run("diloco_vs_torchft", "--rounds", "2", "--sync-every", "2")
+    rounds = [line.split() for line in printed.splitlines() if re.match(r"\s+\d+ ", line)]
+    assert [row[0] for row in rounds] == ["1", "2"]
+    assert printed.rstrip().splitlines()[-1].startswith("PASS")
+
+
+# ---------------------------------------------------------------- optimizer_anatomy
+
+
+def test_the_anatomy_names_the_path_from_step_to_the_first_collective(
+    tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "anatomy.json"
+    assert _tool("optimizer_anatomy", monkeypatch).main(["--json", str(out)]) == 0
+    counts = json.loads(out.read_text())
+    assert set(counts["classes"]["OneBitLamb"]) == {"OneBitLamb", "OneBitOptimizer"}
+    path = counts["step"]["path"]
+    assert path[0][1] == "step" and path[-1][0] == "exchange/transport.py"
+    assert counts["step"]["functions"] > len(path)
+    assert "frames in" in capsys.readouterr().out
