@@ -1,0 +1,1175 @@
+"""Regenerate the results tables of the documentation from the result files kept in docs/.
+
+Every table sits in a page between two markers::
+
+    <!-- table: NAME -->
+    ...generated: the table, then a line naming its source files, the commit and date they
+    were measured on (or recorded in) and the command that measures them again...
+    <!-- /table -->
+
+and is built here from the JSON (and JSONL) files under docs/bench, docs/convergence,
+docs/main-job and docs/zero-one-adam, never typed by hand. ``--check`` exits 1, naming the
+pages, when a committed page differs from what the data give (tests/tools/test_results_tables.py
+does the same).
+
+    .venv/bin/python benchmarks/results_tables.py           # rewrite the pages in place
+    .venv/bin/python benchmarks/results_tables.py --check   # only compare
+    .venv/bin/python benchmarks/results_tables.py --list    # the tables and their pages
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+#: The pages whose tables this tool owns, relative to the repository root.
+PAGES = (
+    "README.md",
+    "docs/BENCHMARKS.md",
+    "docs/CONVERGENCE.md",
+    "docs/ONEBIT-ADAM.md",
+    "docs/ZERO-ONE-ADAM.md",
+    "docs/ESTIMATE.md",
+)
+
+#: The dates of the library commits the result files name (``code.commit`` in a cluster
+#: result, or the commit that recorded a file that names none), from ``git log``: the
+#: result files do not record a date, and the check must not need the repository's history.
+COMMIT_DATES = {
+    "e41c598": "2026-11-30",
+    "ce967f0": "2026-11-30",
+    "61e58fd": "2026-11-30",
+    "3ea5fb3": "2026-11-30",
+    "1354b52": "2026-11-30",
+    "171c6ff": "2026-11-30",
+    "425d9d9": "2026-11-30",
+    "4118b9c": "2026-11-30",
+    "488406f": "2026-11-30",
+    "f960cf9": "2026-11-30",
+    "3364b60": "2026-11-30",
+    "86773e0": "2026-12-01",
+    "d85dfdc": "2026-12-01",
+    "0b0b186": "2026-12-01",
+    "132aeb6": "2026-12-01",
+    "5f2dabd": "2026-12-01",
+    "8ac4669": "2026-12-02",
+    "ae35092": "2026-12-02",
+    "306b326": "2026-12-02",
+    "c073904": "2026-12-02",
+    "41afe88": "2026-12-03",
+    "2af06df": "2026-12-03",
+    "480caa2": "2026-12-03",
+    "1c37e13": "2026-12-03",
+    "1fe11f6": "2026-12-03",
+    "ccf71d0": "2026-12-03",
+    "320bd06": "2026-12-04",
+    "f4d131b": "2026-12-04",
+    "95bcdd9": "2026-12-04",
+    "963ac7d": "2026-12-04",
+}
+
+#: Result files that do not name the commit they were measured on: the commit that recorded
+#: them (``git log -1 -- FILE``), or, where the page that described them named the library
+#: commit they were measured on, that commit.
+RECORDED_IN = {
+    "docs/bench/micro-allreduce.json": "e41c598",
+    "docs/bench/micro-optimizer.json": "e41c598",
+    "docs/convergence/lamb": "4118b9c",
+    "docs/convergence/onebit-lamb-n4": "488406f",
+    "docs/convergence/onebit-adam-n4": "488406f",
+    "docs/convergence/zero-one-adam-n4": "488406f",
+    "docs/convergence/zero-one-adam-n4-s120": "86773e0",
+    "docs/convergence/zero-one-adam-n4-k128-s120": "86773e0",
+    "docs/convergence/zero-one-adam-n4-momentum": "d85dfdc",
+    "docs/convergence/zero-one-adam-n4-momentum-s240": "d85dfdc",
+    "docs/convergence/zero-one-adam-n4-defaults": "0b0b186",
+    "docs/convergence/zero-one-adam-n4-defaults-t120": "132aeb6",
+    "docs/convergence/lamb-n16": "425d9d9",
+    "docs/convergence/onebit-lamb-n16": "86773e0",
+    "docs/convergence/onebit-lamb-n64": "86773e0",
+    "docs/convergence/onebit-lamb-n256": "86773e0",
+    "docs/convergence/lamb-n256": "86773e0",
+    "docs/convergence/powersgd/lamb": "306b326",
+    "docs/convergence/powersgd/onebit-lamb-n4-per-tensor": "306b326",
+    "docs/convergence/powersgd/lamb-powersgd-r4": "306b326",
+    "docs/convergence/powersgd/lamb-powersgd-r1": "306b326",
+    "docs/convergence/onebit-adam-n4-per-tensor": "8ac4669",
+    "docs/convergence/zero-one-adam-n4-auto": "8ac4669",
+    "docs/convergence/delayed/onebit-lamb-n4-delayed": "95bcdd9",
+    "docs/convergence/per-tensor/onebit-lamb-n4-per-tensor": "ae35092",
+    "docs/main-job": "c073904",
+    "docs/main-job/lamb-summary.json": "5f2dabd",
+    "docs/main-job/delayed": "95bcdd9",
+    "docs/main-job/delayed/lr-0.008": "963ac7d",
+    "docs/main-job/delayed/lr-0.008-undelayed": "963ac7d",
+    "docs/zero-one-adam": "1354b52",
+}
+
+RUN = "python3 run.py onebit"
+STUDY = f"{RUN} study run --spec docs/convergence/study.json"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A generated table: its Markdown rows and its stamp (sources, commits, dates, commands)."""
+
+    name: str
+    header: Sequence[str]
+    align: Sequence[str]  # "l" or "r" per column
+    rows: Sequence[Sequence[str]]
+    sources: Sequence[str]
+    commits: Sequence[str]
+    dates: Sequence[str]
+    commands: Sequence[str]
+    measured: bool = True  # False: the commits are those that recorded the files
+
+    def markdown(self) -> str:
+        lines = ["| " + " | ".join(self.header) + " |"]
+        lines.append("|" + "|".join("---:" if a == "r" else "---" for a in self.align) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        when = "measured at library commit" if self.measured else "recorded in commit"
+        if len(self.commits) > 1:
+            when += "s"
+        commits = ", ".join(f"`{c}`" for c in self.commits)
+        dates = " to ".join(sorted(set(self.dates))[:: max(1, len(set(self.dates)) - 1)])
+        sources = ", ".join(f"`{s}`" for s in self.sources)
+        commands = "; ".join(f"`{c}`" for c in self.commands)
+        lines += ["", f"Data: {sources}; {when} {commits}, {dates}. Reproduce: {commands}."]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def _read(path: str) -> Any:
+    return json.loads((ROOT / path).read_text())
+
+
+def _commit_of(path: str, data: Any | None = None) -> str:
+    if isinstance(data, dict) and isinstance(data.get("code"), dict):
+        return str(data["code"]["commit"])[:7]
+    key = path
+    while key not in RECORDED_IN:
+        if "/" not in key:
+            raise KeyError(f"no commit recorded for {path}: add it to RECORDED_IN")
+        key = key.rsplit("/", 1)[0]
+    return RECORDED_IN[key]
+
+
+def _stamp(paths: Iterable[str], datas: Iterable[Any] | None = None) -> tuple[list[str], list[str]]:
+    paths = list(paths)
+    datas = list(datas) if datas is not None else [None] * len(paths)
+    commits: list[str] = []
+    for path, data in zip(paths, datas, strict=True):
+        commit = _commit_of(path, data)
+        if commit not in commits:
+            commits.append(commit)
+    return commits, [COMMIT_DATES[c] for c in commits]
+
+
+def _validation_losses(run_dir: str) -> list[tuple[int, float]]:
+    """Every validation loss of a run folder's metrics, or its final one where only the
+    summary is kept."""
+    if not (ROOT / run_dir / "metrics.jsonl").exists():
+        summary = _read(f"{run_dir}/summary.json")
+        return [(int(summary["steps"]), float(summary["final_validation_loss"]))]
+    rows = []
+    for line in (ROOT / run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("kind") == "validation":
+            rows.append((int(row["step"]), float(row["loss"])))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def _pct(value: float) -> str:
+    return f"{value * 100:+.2f} %"
+
+
+def _mib(value: float) -> str:
+    if value >= 2**30:
+        return f"{value / 2**30:.2f} GiB"
+    return f"{value / 2**20:.1f} MiB"
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:.2f} MB"
+
+
+def _s(value: float) -> str:
+    return f"{value:.3f} s"
+
+
+LINKS = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", None: "unshaped"}
+
+METHODS = {
+    "lamb": "LAMB (DDP, fp32 allreduce)",
+    "lamb-compute": "LAMB without communication",
+    "onebit-lamb": "1-bit LAMB",
+    "onebit-lamb-ddp": "1-bit LAMB, DDP hook",
+    "onebit-lamb-overlap": "1-bit LAMB, overlapped with backward",
+    "onebit-lamb-ddp-overlap": "1-bit LAMB, DDP hook, overlapped",
+    "onebit-lamb-overlap-per-tensor": "1-bit LAMB, overlapped, per tensor",
+    "onebit-lamb-delayed": "1-bit LAMB, delayed exchange",
+    "onebit-adam": "1-bit Adam (DDP hook, fused exchange)",
+    "zero-one-adam": "0/1 Adam (DDP hook)",
+    "fp16": "LAMB + DDP fp16 hook",
+    "powersgd-1": "LAMB + PowerSGD rank 1",
+    "powersgd-4": "LAMB + PowerSGD rank 4",
+}
+
+
+def _cluster_command(path: str, result: dict[str, Any]) -> str:
+    s = result["settings"]
+    parts = [f"{RUN} bench cluster --model {s['model']} --workers {s['workers']}"]
+    if s.get("workers_per_node", 1) != 1:
+        parts.append(f"--workers-per-node {s['workers_per_node']}")
+    parts.append(f"--bandwidth {s['bandwidth'] or 'none'}")
+    parts.append(
+        f"--seq-len {s['seq_len']} --steps {s['steps']} --warm-steps {s['warm_steps']} "
+        f"--skip-steps {s['skip_steps']} --rounds {s.get('rounds', 2)}"
+    )
+    parts.append(f"--methods {','.join(s['methods'])} --output {path}")
+    return " ".join(parts)
+
+
+def _cluster_commands(files: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """One command per file, the files that differ only in the link given as one line."""
+    groups: dict[str, list[str]] = {}
+    for path, result in files:
+        command = _cluster_command(path, result)
+        link = result["settings"]["bandwidth"] or "none"
+        key = command.replace(f"--bandwidth {link}", "--bandwidth LINK").replace(path, "FILE")
+        links = groups.setdefault(key, [])
+        if link not in links:
+            links.append(link)
+    commands = []
+    for key, links in groups.items():
+        if len(links) == 1:
+            key = key.replace("LINK", links[0])
+        else:
+            key += f" (LINK: {', '.join(links)})"
+        commands.append(key.replace("--output FILE", "--output FILE.json"))
+    return commands
+
+
+def _cluster_table(
+    name: str,
+    header: Sequence[str],
+    align: Sequence[str],
+    rows: list[list[str]],
+    files: Sequence[tuple[str, dict[str, Any]]],
+) -> Table:
+    commits, dates = _stamp([p for p, _ in files], [r for _, r in files])
+    return Table(
+        name, header, align, rows, [p for p, _ in files], commits, dates, _cluster_commands(files)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# speed: docs/bench
+
+STEADY = [
+    f"docs/bench/steady/cluster-small-4w-{link}.json"
+    for link in ("100mbit", "1gbit", "10gbit", "unshaped")
+]
+DELAYED = [
+    "docs/bench/delayed/cluster-base-2w-100mbit.json",
+    "docs/bench/delayed/cluster-base-2w-1gbit.json",
+    "docs/bench/delayed/cluster-base-2w-1gbit-repeat.json",
+    "docs/bench/delayed/cluster-base-2w-unshaped.json",
+    "docs/bench/delayed/cluster-small-4w-100mbit.json",
+    "docs/bench/delayed/cluster-small-4w-1gbit.json",
+    "docs/bench/delayed/cluster-small-4w-1gbit-repeat.json",
+    "docs/bench/delayed/cluster-small-4w-unshaped.json",
+]
+ZERO_ONE_CLUSTER = [
+    "docs/bench/zero-one-adam/cluster-small-4w-100mbit.json",
+    "docs/bench/zero-one-adam/cluster-small-4w-1gbit.json",
+]
+
+
+def table_bytes_per_step() -> Table:
+    path = "docs/bench/steady/cluster-small-4w-1gbit.json"
+    result = _read(path)
+    summary = result["summary"]
+    lamb = summary["lamb"]["wire_comp"]
+    rows = []
+    for method, row in summary.items():
+        if method == "lamb-compute":
+            continue
+        stages = row["stages"]
+        library = stages.get("compression", stages.get("steady"))["library_bytes_per_step"]
+        rows.append(
+            [
+                METHODS[method],
+                _mb(row["wire_comp"]),
+                _mb(library) if library else "-",
+                _x(lamb / row["wire_comp"]),
+                _x(row["whole_run_traffic_reduction"]["0.20"]),
+            ]
+        )
+    return _cluster_table(
+        "bytes-per-step",
+        [
+            "method (`small`, 28.8M parameters, 4 workers)",
+            "on the wire per worker and step",
+            "counted by the library",
+            "fewer than LAMB",
+            "whole run, 20 % warm-up",
+        ],
+        "lrrrr",
+        rows,
+        [(path, result)],
+    )
+
+
+def _steady_files() -> list[tuple[str, dict[str, Any]]]:
+    return [(p, _read(p)) for p in STEADY]
+
+
+def table_cluster_step_time() -> Table:
+    files = _steady_files()
+    methods = list(files[0][1]["summary"])
+    rows = []
+    for method in methods:
+        cells = [METHODS[method]]
+        for _, result in files:
+            row = result["summary"].get(method)
+            if row is None:
+                cells.append("not run")
+                continue
+            lamb = result["summary"]["lamb"]["t_comp"]
+            cells.append(f"{_s(row['t_comp'])} ({_x(lamb / row['t_comp'])})")
+        rows.append(cells)
+    links = [LINKS[r["settings"]["bandwidth"]] for _, r in files]
+    return _cluster_table(
+        "cluster-step-time",
+        ["method (`small`, 4 workers): step (LAMB's step / it)", *links],
+        "l" + "r" * len(links),
+        rows,
+        files,
+    )
+
+
+def table_cluster_whole_run() -> Table:
+    files = _steady_files()
+    rows = []
+    for method in files[0][1]["summary"]:
+        if method in ("lamb", "lamb-compute"):
+            continue
+        rows.append(
+            [METHODS[method]]
+            + [_x(result["summary"][method]["end_to_end_speedup"]) for _, result in files]
+        )
+    links = [LINKS[r["settings"]["bandwidth"]] for _, r in files]
+    return _cluster_table(
+        "cluster-whole-run",
+        ["method (`small`, 4 workers): whole run, faster than LAMB", *links],
+        "l" + "r" * len(links),
+        rows,
+        files,
+    )
+
+
+def table_delayed_exchange() -> Table:
+    files = [(p, _read(p)) for p in DELAYED]
+    rows = []
+    for path, result in files:
+        s, summary = result["settings"], result["summary"]
+        lamb = summary["lamb"]["t_comp"]
+        undelayed = summary["onebit-lamb"]["t_comp"]
+        delayed = summary["onebit-lamb-delayed"]["t_comp"]
+        overlap = summary.get("onebit-lamb-overlap")
+        rows.append(
+            [
+                f"`{s['model']}`, {s['workers']} workers, {LINKS[s['bandwidth']]}"
+                + (" (again)" if path.endswith("-repeat.json") else ""),
+                _s(summary["lamb-compute"]["t_comp"]),
+                _s(lamb),
+                _s(undelayed),
+                _s(overlap["t_comp"]) if overlap else "not run",
+                _s(delayed),
+                _x(undelayed / delayed),
+                _x(lamb / delayed),
+            ]
+        )
+    return _cluster_table(
+        "delayed-exchange",
+        [
+            "run",
+            "without communication",
+            "LAMB",
+            "1-bit LAMB",
+            "1-bit LAMB, overlapped",
+            "1-bit LAMB, delayed",
+            "undelayed / delayed",
+            "LAMB / delayed",
+        ],
+        "lrrrrrrr",
+        rows,
+        files,
+    )
+
+
+def table_allreduce_local() -> Table:
+    path = "docs/bench/micro-allreduce.json"
+    data = _read(path)
+    rows = [
+        [
+            f"2^{row['numel'].bit_length() - 1}",
+            f"{2 * 4 * row['numel'] / row['seconds']['copy'] / 1e9:.1f}",
+            f"{row['copies']['torch']:.1f}",
+            f"{row['copies']['numba']:.1f}",
+        ]
+        for row in data["local"]
+    ]
+    commits, dates = _stamp([path])
+    return Table(
+        "allreduce-local",
+        ["elements", "copy (GB/s read + written)", "torch reference (copies)", "numba (copies)"],
+        "rrrr",
+        rows,
+        [path],
+        commits,
+        dates,
+        [
+            f"{RUN} bench allreduce --min-log2 20 --max-log2 26 --world-sizes 2 4 --repeats 5 "
+            f"--json {path}"
+        ],
+    )
+
+
+def table_allreduce_loopback() -> Table:
+    path = "docs/bench/micro-allreduce.json"
+    data = _read(path)
+    rows = []
+    for row in data["loopback"]:
+        seconds = row["seconds"]
+        rows.append(
+            [
+                str(row["world_size"]),
+                f"2^{row['numel'].bit_length() - 1}",
+                f"{seconds['all_reduce']:.4f}",
+                _x(seconds["all_reduce"] / seconds["torch"]),
+                _x(seconds["all_reduce"] / seconds["numba"]),
+            ]
+        )
+    commits, dates = _stamp([path])
+    return Table(
+        "allreduce-loopback",
+        ["ranks", "elements", "dense all_reduce (s)", "torch reference", "numba"],
+        "rrrrr",
+        rows,
+        [path],
+        commits,
+        dates,
+        table_allreduce_local().commands,
+    )
+
+
+def table_optimizer_step() -> Table:
+    path = "docs/bench/micro-optimizer.json"
+    data = _read(path)
+    rows = []
+    for row in data:
+        copy = row["copy_s"]
+        lamb = row["lamb_step_s"] + row["dense_allreduce_s"]
+        rows.append(
+            [
+                str(row["world_size"]),
+                {"torch": "torch reference"}.get(row["backend"], row["backend"]),
+                f"{row['lamb_step_s'] / copy:.1f}",
+                f"{row['dense_allreduce_s'] / copy:.1f}" if row["dense_allreduce_s"] else "-",
+                f"{row['onebit_warmup_step_s'] / copy:.1f}",
+                f"{row['onebit_compression_step_s'] / copy:.1f}",
+                f"{row['compressed_allreduce_s'] / copy:.1f}",
+                _x(row["onebit_warmup_step_s"] / lamb),
+                _x(row["onebit_compression_step_s"] / lamb),
+            ]
+        )
+    commits, dates = _stamp([path])
+    return Table(
+        "optimizer-step",
+        [
+            "ranks",
+            "kernels",
+            "`Lamb.step()`",
+            "its dense allreduce",
+            "1-bit LAMB warm-up step",
+            "1-bit LAMB compression step",
+            "`compressed_allreduce` alone",
+            "warm-up / LAMB",
+            "compression / LAMB",
+        ],
+        "rlrrrrrrr",
+        rows,
+        [path],
+        commits,
+        dates,
+        [f"{RUN} bench optimizer --world-sizes 1 2 --repeats 3 --json {path}"],
+    )
+
+
+def table_optimizer_memory() -> Table:
+    path = "docs/bench/micro-optimizer.json"
+    data = _read(path)
+    rows = []
+    for row in data:
+        words = 4 * row["parameters"]
+        rows.append(
+            [
+                str(row["world_size"]),
+                {"torch": "torch reference"}.get(row["backend"], row["backend"]),
+                f"{row['lamb_state_bytes'] / words:.2f}",
+                f"{row['onebit_warmup_state_bytes'] / words:.2f}",
+                f"{row['onebit_compression_state_bytes'] / words:.2f}",
+                f"{row['onebit_scratch_bytes'] / words:.2f}",
+            ]
+        )
+    commits, dates = _stamp([path])
+    return Table(
+        "optimizer-memory",
+        [
+            "ranks",
+            "kernels",
+            "LAMB state",
+            "1-bit LAMB state, warm-up",
+            "1-bit LAMB state, compression",
+            "1-bit LAMB scratch",
+        ],
+        "rlrrrr",
+        rows,
+        [path],
+        commits,
+        dates,
+        table_optimizer_step().commands,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# convergence: docs/convergence, docs/main-job
+
+#: (run folder, arm label) of the study's first installation, against its LAMB arm.
+STUDY_ARMS = [
+    ("docs/convergence/lamb", "LAMB"),
+    ("docs/convergence/onebit-lamb-n4", "1-bit LAMB (fused exchange)"),
+    ("docs/convergence/onebit-adam-n4", "1-bit Adam (fused exchange)"),
+    ("docs/convergence/zero-one-adam-n4", "0/1 Adam, κ 64, S 60"),
+    ("docs/convergence/zero-one-adam-n4-s120", "0/1 Adam, κ 64, S 120"),
+    ("docs/convergence/zero-one-adam-n4-k128-s120", "0/1 Adam, κ 128, S 120"),
+    ("docs/convergence/zero-one-adam-n4-momentum", "0/1 Adam, momentum exchange, κ 64, S 120"),
+    ("docs/convergence/zero-one-adam-n4-momentum-s240", "0/1 Adam, momentum exchange, κ 64, S 240"),
+    (
+        "docs/convergence/zero-one-adam-n4-defaults",
+        "0/1 Adam, momentum exchange, auto warm-up, κ 16, S 1, T 600",
+    ),
+    (
+        "docs/convergence/zero-one-adam-n4-defaults-t120",
+        "0/1 Adam, momentum exchange, auto warm-up, κ 16, T 120",
+    ),
+    ("docs/convergence/lamb-n16", "LAMB (simulated)"),
+    ("docs/convergence/onebit-lamb-n16", "1-bit LAMB (simulated, fused exchange)"),
+    ("docs/convergence/onebit-lamb-n64", "1-bit LAMB (simulated, fused exchange)"),
+    ("docs/convergence/lamb-n256", "LAMB (simulated)"),
+    ("docs/convergence/onebit-lamb-n256", "1-bit LAMB (simulated, fused exchange)"),
+]
+
+#: The arms run later in one installation with the library's defaults, against its LAMB arm.
+DEFAULT_ARMS = [
+    ("docs/convergence/powersgd/lamb", "LAMB"),
+    ("docs/convergence/powersgd/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
+    ("docs/convergence/onebit-adam-n4-per-tensor", "1-bit Adam"),
+    ("docs/convergence/zero-one-adam-n4-auto", "0/1 Adam"),
+    ("docs/convergence/powersgd/lamb-powersgd-r4", "LAMB + PowerSGD rank 4"),
+    ("docs/convergence/powersgd/lamb-powersgd-r1", "LAMB + PowerSGD rank 1"),
+]
+
+
+def _summary(run_dir: str) -> dict[str, Any]:
+    return _read(f"{run_dir}/summary.json")
+
+
+def _arm_rows(arms: Sequence[tuple[str, str]]) -> list[list[str]]:
+    lamb = _summary(arms[0][0])
+    rows = []
+    for run_dir, label in arms:
+        s = _summary(run_dir)
+        loss = s["final_validation_loss"]
+        rows.append(
+            [
+                label,
+                f"`{run_dir.rsplit('/', 1)[1]}`",
+                str(s["workers"]),
+                f"{loss:.4f}",
+                "" if run_dir == arms[0][0] else _pct(loss / lamb["final_validation_loss"] - 1),
+                _mib(s["bytes_sent"]["total"]),
+                _x(s["reduction_vs_lamb"]),
+            ]
+        )
+    return rows
+
+
+ARM_HEADER = [
+    "arm",
+    "run",
+    "workers",
+    "final validation loss",
+    "vs LAMB",
+    "bytes per worker",
+    "fewer than LAMB",
+]
+
+
+def table_convergence_study() -> Table:
+    paths = [f"{d}/summary.json" for d, _ in STUDY_ARMS]
+    commits, dates = _stamp(paths)
+    return Table(
+        "convergence-study",
+        ARM_HEADER,
+        "lllrrrr",
+        _arm_rows(STUDY_ARMS),
+        ["docs/convergence/<run>/summary.json"],
+        commits,
+        dates,
+        [f"{STUDY} --out runs/study2 --arms <run>"],
+        measured=False,
+    )
+
+
+def table_convergence_defaults() -> Table:
+    paths = [f"{d}/summary.json" for d, _ in DEFAULT_ARMS]
+    commits, dates = _stamp(paths)
+    return Table(
+        "convergence-defaults",
+        ARM_HEADER,
+        "lllrrrr",
+        _arm_rows(DEFAULT_ARMS),
+        paths,
+        commits,
+        dates,
+        [
+            f"{STUDY} --out runs/defaults --arms lamb onebit-lamb-n4-per-tensor "
+            "onebit-adam-n4-per-tensor zero-one-adam-n4-auto lamb-powersgd-r4 lamb-powersgd-r1"
+        ],
+        measured=False,
+    )
+
+
+MAIN_JOB = [
+    ("docs/main-job/lamb-summary.json", "LAMB", "python3 run.py train --optimizer lamb"),
+    ("docs/main-job/summary.json", "1-bit LAMB", "python3 run.py train"),
+    (
+        "docs/main-job/delayed/summary.json",
+        "1-bit LAMB, delayed exchange",
+        "python3 run.py train --delayed-exchange",
+    ),
+]
+
+
+def table_main_job() -> Table:
+    lamb = _read(MAIN_JOB[0][0])
+    rows = []
+    for path, label, _ in MAIN_JOB:
+        s = _read(path)
+        loss = s["final_validation_loss"]
+        rows.append(
+            [
+                label,
+                f"{loss:.4f}",
+                "" if path == MAIN_JOB[0][0] else _pct(loss / lamb["final_validation_loss"] - 1),
+                f"{(1 - loss / s['unigram_entropy']) * 100:.1f} %"
+                if "unigram_entropy" in s
+                else "not recorded",
+                _mib(s["bytes_sent"]["total"]),
+                _x(s["reduction_vs_lamb"]),
+                f"{s['train_time_s']:.0f} s",
+            ]
+        )
+    commits, dates = _stamp([p for p, _, _ in MAIN_JOB])
+    return Table(
+        "main-job",
+        [
+            "optimizer",
+            "final validation loss",
+            "vs LAMB",
+            "below the unigram level",
+            "bytes per worker",
+            "fewer than LAMB",
+            "training time",
+        ],
+        "lrrrrrr",
+        rows,
+        [p for p, _, _ in MAIN_JOB],
+        commits,
+        dates,
+        [c for _, _, c in MAIN_JOB],
+        measured=False,
+    )
+
+
+DELAYED_RUNS = [
+    ("docs/main-job", "main job, lr 0.016", "1-bit LAMB"),
+    ("docs/main-job/delayed", "main job, lr 0.016", "delayed"),
+    ("docs/main-job/delayed/lr-0.008-undelayed", "main job, lr 0.008", "1-bit LAMB"),
+    ("docs/main-job/delayed/lr-0.008", "main job, lr 0.008", "delayed"),
+    ("docs/convergence/per-tensor/onebit-lamb-n4-per-tensor", "study, 4 workers", "1-bit LAMB"),
+    ("docs/convergence/delayed/onebit-lamb-n4-delayed", "study, 4 workers", "delayed"),
+]
+
+
+def table_delayed_convergence() -> Table:
+    curves = {d: dict(_validation_losses(d)) for d, _, _ in DELAYED_RUNS}
+    steps = sorted(set().union(*[set(c) for c in curves.values()]))
+    header = ["run", "exchange", *[str(s) for s in steps]]
+    rows = []
+    for run_dir, run, exchange in DELAYED_RUNS:
+        curve = curves[run_dir]
+        rows.append([run, exchange, *[f"{curve[s]:.3f}" if s in curve else "" for s in steps]])
+    paths = [
+        f"{d}/metrics.jsonl" if (ROOT / d / "metrics.jsonl").exists() else f"{d}/summary.json"
+        for d, _, _ in DELAYED_RUNS
+    ]
+    commits, dates = _stamp(paths)
+    return Table(
+        "delayed-convergence",
+        header,
+        "ll" + "r" * len(steps),
+        rows,
+        paths,
+        commits,
+        dates,
+        [
+            "python3 run.py train --delayed-exchange [--lr 0.008]",
+            f"{STUDY} --out runs/study-delay-n4 --arms onebit-lamb-n4-delayed",
+        ],
+        measured=False,
+    )
+
+
+def table_onebit_adam_convergence() -> Table:
+    arms = [
+        ("docs/convergence/lamb", "docs/convergence/onebit-adam-n4", "fused"),
+        (
+            "docs/convergence/powersgd/lamb",
+            "docs/convergence/onebit-adam-n4-per-tensor",
+            "per tensor",
+        ),
+    ]
+    rows = []
+    paths = []
+    for lamb_dir, run_dir, mode in arms:
+        lamb, s = _summary(lamb_dir), _summary(run_dir)
+        paths += [f"{lamb_dir}/summary.json", f"{run_dir}/summary.json"]
+        rows.append(
+            [
+                mode,
+                f"`{run_dir.rsplit('/', 1)[1]}`",
+                f"{s['final_validation_loss']:.4f}",
+                f"{lamb['final_validation_loss']:.4f}",
+                _pct(s["final_validation_loss"] / lamb["final_validation_loss"] - 1),
+                _x(s["reduction_vs_lamb"]),
+            ]
+        )
+    commits, dates = _stamp(paths)
+    return Table(
+        "onebit-adam-convergence",
+        [
+            "exchange",
+            "run",
+            "final validation loss",
+            "LAMB's, same installation",
+            "vs LAMB",
+            "fewer bytes than LAMB",
+        ],
+        "llrrrr",
+        rows,
+        paths,
+        commits,
+        dates,
+        [f"{STUDY} --out runs/study2 --arms lamb onebit-adam-n4 onebit-adam-n4-per-tensor"],
+        measured=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 0/1 Adam
+
+
+def table_zero_one_adam_study() -> Table:
+    pairs = [
+        ("docs/convergence/onebit-adam-n4", [d for d, _ in STUDY_ARMS if "zero-one" in d]),
+        ("docs/convergence/onebit-adam-n4-per-tensor", ["docs/convergence/zero-one-adam-n4-auto"]),
+    ]
+    labels = dict(STUDY_ARMS)
+    labels["docs/convergence/zero-one-adam-n4-auto"] = "0/1 Adam, its defaults"
+    rows = []
+    paths = []
+    for base_dir, runs in pairs:
+        base = _summary(base_dir)
+        paths.append(f"{base_dir}/summary.json")
+        for run_dir in runs:
+            s = _summary(run_dir)
+            paths.append(f"{run_dir}/summary.json")
+            rows.append(
+                [
+                    labels[run_dir],
+                    f"`{run_dir.rsplit('/', 1)[1]}`",
+                    f"{s['final_validation_loss']:.4f}",
+                    f"`{base_dir.rsplit('/', 1)[1]}`: {base['final_validation_loss']:.4f}",
+                    _pct(s["final_validation_loss"] / base["final_validation_loss"] - 1),
+                    _x(base["bytes_sent"]["total"] / s["bytes_sent"]["total"]),
+                ]
+            )
+    commits, dates = _stamp(paths)
+    return Table(
+        "zero-one-adam-study",
+        [
+            "arm",
+            "run",
+            "final validation loss",
+            "1-bit Adam, same installation",
+            "vs 1-bit Adam",
+            "fewer bytes than 1-bit Adam",
+        ],
+        "llrrrr",
+        rows,
+        ["docs/convergence/<run>/summary.json"],
+        commits,
+        dates,
+        [f"{STUDY} --out runs/study2 --arms <run>"],
+        measured=False,
+    )
+
+
+def table_zero_one_adam_cluster() -> Table:
+    files = [(p, _read(p)) for p in ZERO_ONE_CLUSTER]
+    kinds = ["variance_update", "gradient_1bit", "local", "sync"]
+    rows = []
+    for _, result in files:
+        summary = result["summary"]
+        zo = summary["zero-one-adam"]
+        link = LINKS[result["settings"]["bandwidth"]]
+        cells = [link, _s(summary["lamb"]["t_comp"]), _s(summary["onebit-adam"]["t_comp"])]
+        cells += [_s(zo["stages"][k]["step_seconds"]) for k in kinds]
+        cells += [
+            _x(zo["vs"]["lamb"]["end_to_end_speedup"]),
+            _x(zo["vs"]["onebit-adam"]["end_to_end_speedup"]),
+            _x(zo["vs"]["lamb"]["whole_run_bytes_reduction"]),
+            _x(zo["vs"]["onebit-adam"]["whole_run_bytes_reduction"]),
+        ]
+        rows.append(cells)
+    return _cluster_table(
+        "zero-one-adam-cluster",
+        [
+            "link (`small`, 4 workers)",
+            "LAMB step",
+            "1-bit Adam compression step",
+            *[f"0/1 Adam `{k}` step" for k in kinds],
+            "whole run faster than LAMB",
+            "than 1-bit Adam",
+            "fewer bytes than LAMB",
+            "than 1-bit Adam",
+        ],
+        "l" + "r" * 10,
+        rows,
+        files,
+    )
+
+
+def table_zero_one_adam_main_job() -> Table:
+    runs = [
+        ("docs/zero-one-adam/onebit-adam.summary.json", "1-bit Adam (fused exchange)"),
+        ("docs/zero-one-adam/zero-one-adam.summary.json", "0/1 Adam, DeepSpeed's schedule"),
+    ]
+    rows = []
+    for path, label in runs:
+        s = _read(path)
+        for kind, stage in s["bytes_sent"]["by_stage"].items():
+            rows.append(
+                [
+                    label,
+                    f"`{kind}`",
+                    str(stage["steps"]),
+                    _mib(stage["bytes"]),
+                    _mib(stage["lamb_bytes"]),
+                    _x(stage["lamb_bytes"] / stage["bytes"]) if stage["bytes"] else "nothing sent",
+                    "",
+                ]
+            )
+        rows.append(
+            [
+                label,
+                "whole run",
+                str(s["steps"]),
+                _mib(s["bytes_sent"]["total"]),
+                _mib(s["lamb_bytes"]),
+                _x(s["reduction_vs_lamb"]),
+                f"{s['final_validation_loss']:.4f}",
+            ]
+        )
+    commits, dates = _stamp([p for p, _ in runs])
+    flags = (
+        "--steps 400 --batch-size 128 --vocab-size 4096 --heads 2 --architecture bert "
+        "--freeze-step 80"
+    )
+    return Table(
+        "zero-one-adam-main-job",
+        [
+            "optimizer",
+            "kind of step",
+            "steps",
+            "bytes per worker",
+            "LAMB's, same steps",
+            "fewer than LAMB",
+            "final validation loss",
+        ],
+        "llrrrrr",
+        rows,
+        [p for p, _ in runs],
+        commits,
+        dates,
+        [
+            f"{RUN} train {flags} --optimizer zero-one-adam --var-warmup-steps 16 "
+            "--pre-freeze-exchange gradient",
+            f"{RUN} train {flags} --optimizer onebit-adam --compression fused",
+        ],
+        measured=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost model: docs/bench/pipelined
+
+
+def _predictions(folder: str) -> list[Any]:
+    from onebit.estimate.model import Machine
+    from onebit.estimate.validate import emulated_machine, load_results, validate
+
+    return validate(load_results([ROOT / folder]), emulated_machine(Machine()))
+
+
+def table_estimate_validation() -> Table:
+    folder = "docs/bench/pipelined"
+    predictions = _predictions(folder)
+    rows = []
+    for p in predictions:
+        rows.append(
+            [
+                f"`{p.run}`",
+                METHODS.get(p.method, p.method),
+                p.stage,
+                _s(p.measured),
+                _s(p.predicted),
+                f"{p.predicted / p.measured:.2f}",
+            ]
+        )
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).glob("cluster-*.json"))
+    results = [_read(f) for f in files]
+    commits, dates = _stamp(files, results)
+    return Table(
+        "estimate-validation",
+        ["run", "method", "stage", "measured", "predicted", "predicted / measured"],
+        "lllrrr",
+        rows,
+        [f"{folder}/cluster-*.json"],
+        commits,
+        dates,
+        [f"{RUN} estimate --validate {folder}"],
+    )
+
+
+def table_estimate_summary() -> Table:
+    folder = "docs/bench/pipelined"
+    predictions = _predictions(folder)
+    ratios = [p.predicted / p.measured for p in predictions]
+    within = sum(abs(r - 1) <= 0.2 for r in ratios)
+    rows = [
+        [
+            str(len(ratios)),
+            str(within),
+            f"{min(ratios):.2f}",
+            f"{max(ratios):.2f}",
+        ]
+    ]
+    base = table_estimate_validation()
+    return Table(
+        "estimate-summary",
+        ["step times", "within 20 %", "lowest predicted / measured", "highest"],
+        "rrrr",
+        rows,
+        base.sources,
+        base.commits,
+        base.dates,
+        base.commands,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the README's one table
+
+
+def table_readme_results() -> Table:
+    steady = {r["settings"]["bandwidth"]: (p, r) for p, r in _steady_files()}
+    zero_one = {
+        r["settings"]["bandwidth"]: (p, r) for p, r in ((p, _read(p)) for p in ZERO_ONE_CLUSTER)
+    }
+    defaults = {d: _summary(d) for d, _ in DEFAULT_ARMS}
+    lamb_loss = defaults["docs/convergence/powersgd/lamb"]["final_validation_loss"]
+    links = ["100mbit", "1gbit", None]
+
+    def speed(source: dict[Any, tuple[str, dict[str, Any]]], method: str) -> list[str]:
+        cells = []
+        for link in links:
+            if link not in source:
+                cells.append("not measured")
+                continue
+            row = source[link][1]["summary"][method]
+            value = row["vs"]["lamb"] if "vs" in row else row
+            cells.append(_x(value["end_to_end_speedup"]))
+        return cells
+
+    rows = []
+    for label, run_dir, source, method in [
+        (
+            "1-bit LAMB",
+            "docs/convergence/powersgd/onebit-lamb-n4-per-tensor",
+            steady,
+            "onebit-lamb",
+        ),
+        ("1-bit Adam", "docs/convergence/onebit-adam-n4-per-tensor", zero_one, "onebit-adam"),
+        ("0/1 Adam", "docs/convergence/zero-one-adam-n4-auto", zero_one, "zero-one-adam"),
+    ]:
+        s = defaults[run_dir]
+        rows.append(
+            [
+                label,
+                _x(s["reduction_vs_lamb"]),
+                *speed(source, method),
+                _pct(s["final_validation_loss"] / lamb_loss - 1),
+            ]
+        )
+    files = [steady[k] for k in links] + list(zero_one.values())
+    paths = [f"{d}/summary.json" for d, _ in DEFAULT_ARMS[:4]]
+    c1, d1 = _stamp([p for p, _ in files], [r for _, r in files])
+    c2, d2 = _stamp(paths)
+    return Table(
+        "readme-results",
+        [
+            "optimizer",
+            "bytes per worker, fewer than LAMB",
+            "whole run faster than LAMB, 100 Mbit/s",
+            "1 Gbit/s",
+            "unshaped",
+            "final validation loss vs LAMB",
+        ],
+        "lrrrrr",
+        rows,
+        [p for p, _ in files] + paths,
+        c1 + [c for c in c2 if c not in c1],
+        d1 + d2,
+        [
+            f"{RUN} bench cluster --model small --workers 4 --bandwidth LINK (docs/BENCHMARKS.md)",
+            f"{STUDY} (docs/CONVERGENCE.md)",
+        ],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# pages
+
+TABLES: dict[str, Callable[[], Table]] = {
+    "readme-results": table_readme_results,
+    "bytes-per-step": table_bytes_per_step,
+    "cluster-step-time": table_cluster_step_time,
+    "cluster-whole-run": table_cluster_whole_run,
+    "delayed-exchange": table_delayed_exchange,
+    "allreduce-local": table_allreduce_local,
+    "allreduce-loopback": table_allreduce_loopback,
+    "optimizer-step": table_optimizer_step,
+    "optimizer-memory": table_optimizer_memory,
+    "convergence-study": table_convergence_study,
+    "convergence-defaults": table_convergence_defaults,
+    "main-job": table_main_job,
+    "delayed-convergence": table_delayed_convergence,
+    "onebit-adam-convergence": table_onebit_adam_convergence,
+    "zero-one-adam-study": table_zero_one_adam_study,
+    "zero-one-adam-cluster": table_zero_one_adam_cluster,
+    "zero-one-adam-main-job": table_zero_one_adam_main_job,
+    "estimate-validation": table_estimate_validation,
+    "estimate-summary": table_estimate_summary,
+}
+
+MARKER = re.compile(
+    r"(<!-- table: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.DOTALL
+)
+
+
+def render(text: str, tables: dict[str, Table] | None = None) -> str:
+    """The page ``text`` with every marked table regenerated; an unknown name raises."""
+    cache: dict[str, Table] = dict(tables or {})
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group("name")
+        if name not in TABLES:
+            raise KeyError(f"unknown table {name!r}; known: {', '.join(TABLES)}")
+        if name not in cache:
+            cache[name] = TABLES[name]()
+        return f"{match.group(1)}{cache[name].markdown()}\n{match.group(4)}"
+
+    return MARKER.sub(replace, text)
+
+
+def tables_in(text: str) -> list[str]:
+    return [m.group("name") for m in MARKER.finditer(text)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Regenerate the results tables of README.md and docs/ from the result "
+        "files under docs/ (between <!-- table: NAME --> and <!-- /table --> markers).",
+    )
+    parser.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
+    parser.add_argument("--list", action="store_true", help="list the tables and their pages")
+    args = parser.parse_args(argv)
+    if args.list:
+        for page in PAGES:
+            print(page, " ".join(tables_in((ROOT / page).read_text())))
+        return 0
+    cache = {name: build() for name, build in TABLES.items()}
+    stale = []
+    for page in PAGES:
+        path = ROOT / page
+        text = path.read_text()
+        new = render(text, cache)
+        if new != text:
+            stale.append(page)
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print("out of date: " + ", ".join(stale), file=sys.stderr)
+        return 1
+    for page in stale:
+        print(f"rewrote {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
