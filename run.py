@@ -5,6 +5,8 @@
     python3 run.py test  [ARGS...]   # the test suite (pytest): without ARGS the default
                                      # suite, then the end-to-end group (-m slow)
     python3 run.py onebit ARGS...    # any `onebit` sub-command
+    python3 run.py docs              # the documentation site (mkdocs, warnings are errors)
+                                     # into site/
 
 The first call creates a virtual environment in `.venv` next to this file and installs
 onebit into it with its training and test extras; torch is pinned to a CPU build here.
@@ -66,14 +68,26 @@ def run_suite(python: str) -> int:
     return 0 if code in (0, 5) else code
 
 
+def build_docs(python: str, rest: list[str]) -> int:
+    """``mkdocs build --strict`` of mkdocs.yml into ``site/`` (ARGS go to mkdocs)."""
+    args = [python, "-m", "mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site")]
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's notice on every build
+    code = subprocess.call([*args, *rest], cwd=ROOT, env=env)
+    if code == 0:
+        print(f"[run.py] documentation site: {ROOT / 'site' / 'index.html'}", flush=True)
+    return code
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"train", "test", "onebit"}:
+    if not argv or argv[0] not in {"train", "test", "onebit", "docs"}:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     python = str(ensure_environment())
     command, rest = argv[0], argv[1:]
     if command == "test" and not rest:
         return run_suite(python)
+    if command == "docs":
+        return build_docs(python, rest)
     if command == "test":
         args = [python, "-m", "pytest", *rest]
     elif command == "train":
