@@ -71,6 +71,7 @@ def test_follows_float64_model_and_ranks_stay_bit_identical(world_size):
         assert run["bytes"] == {
             "warmup": FREEZE * dense,
             "compression": (STEPS - FREEZE) * compressed + gradient_check,
+            "refresh": 0,
         }
         if kind == "lamb":
             assert len(run["coeffs"]) == 4

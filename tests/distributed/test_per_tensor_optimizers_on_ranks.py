@@ -88,6 +88,7 @@ def _check_trajectories(kind, world_size, results):
         assert run["bytes"] == {
             "warmup": FREEZE * dense,
             "compression": (STEPS - FREEZE) * compressed + 8 * (n - 1),  # + gradient check
+            "refresh": 0,
         }
         saved = run["errors"]["onebit"]
         sizes = onebit.per_tensor_error_sizes(NUMELS, n)

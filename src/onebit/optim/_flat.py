@@ -143,10 +143,12 @@ class FlatState:
             self._scratch[slot] = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         return self._scratch[slot]
 
-    def enable_fresh_variance(self) -> None:
-        """Create ``exp_avg_sq_fresh`` as a copy of ``exp_avg_sq`` (1-bit LAMB's switch)."""
+    def enable_fresh_variance(self) -> Tensor:
+        """``exp_avg_sq_fresh``, created as a copy of ``exp_avg_sq`` where there is none yet
+        (1-bit LAMB's switch)."""
         if self.exp_avg_sq_fresh is None:
             self.exp_avg_sq_fresh = self.exp_avg_sq.clone()
+        return self.exp_avg_sq_fresh
 
     def enable_synced_param(self) -> Tensor:
         """``synced_param``, created as a copy of the weights where there is none yet (0/1

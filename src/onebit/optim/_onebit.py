@@ -13,7 +13,9 @@
 - :class:`~onebit.optim._overlap.BackwardOverlap`: the exchange started during backward;
 - :class:`~onebit.optim._delay.DelayedExchange`: the exchange run behind the next step's
   forward and backward, its update applied by that step;
-- :class:`~onebit.optim._guard.StepGuard`: replica checks and non-finite gradients.
+- :class:`~onebit.optim._guard.StepGuard`: replica checks and non-finite gradients;
+- :class:`~onebit.optim._variance_guard.VarianceGuard`: the growth of the momentum against the
+  frozen variance, which returns the schedule to dense refresh steps.
 """
 
 from __future__ import annotations
@@ -48,7 +50,16 @@ from onebit.optim._overlap import BackwardOverlap, bucket_members
 from onebit.optim._parameters import FlatParameters, trainable, views_of_flat_parameters
 from onebit.optim._readiness import ReadinessMonitor
 from onebit.optim._rules import UpdateRule, ZeroOneAdamRule
-from onebit.optim._schedule import COMPRESSION, GRADIENT_1BIT, SYNC, WARMUP, Schedule
+from onebit.optim._schedule import (
+    COMPRESSION,
+    GRADIENT_1BIT,
+    REFRESH,
+    SYNC,
+    WARMUP,
+    FreezeSchedule,
+    Schedule,
+)
+from onebit.optim._variance_guard import MODE_OFF, MODE_REFRESH, VarianceGuard, check_mode
 from onebit.optim.functional import _active_indices
 
 __all__ = [
@@ -147,9 +158,12 @@ class OneBitOptimizer(Optimizer):
         overlap_backward: bool = False,
         simulatable: bool = True,
         delayed_exchange: bool = False,
+        variance_guard: str = MODE_OFF,
     ) -> None:
         name = type(self).__name__
         checks.check_max_grad_norm(max_grad_norm)
+        if check_mode(variance_guard) != MODE_OFF and not isinstance(schedule, FreezeSchedule):
+            raise ValueError(f"variance_guard={variance_guard!r}: {name} has no guard after the freeze")
         for option, value in (
             ("overlap_backward", overlap_backward),
             ("delayed_exchange", delayed_exchange),
@@ -198,6 +212,9 @@ class OneBitOptimizer(Optimizer):
         self._parameters = FlatParameters(rule.scalars, kernels, takes_fsdp_hsdp=False)
         self._stage = CompressionStage()
         self._readiness = ReadinessMonitor(name)
+        self._variance_guard = (
+            None if variance_guard == MODE_OFF else VarianceGuard(name, variance_guard)
+        )
         self._overlap = (
             BackwardOverlap(self._overlaps_this_step, self._begin_overlap)
             if overlap_backward
@@ -259,6 +276,8 @@ class OneBitOptimizer(Optimizer):
         kind = self.schedule.kind(step)
         if kind != COMPRESSION:
             self.finish_exchange()
+        if kind == REFRESH and self._refresh_starts(step):
+            self._return_to_dense()
         with self._data_parallel.counting(kind):
             try:
                 if not self._overlaps_this_step():  # else after the exchange: one order
@@ -283,7 +302,22 @@ class OneBitOptimizer(Optimizer):
         if applied:
             flat.refresh_half_params()
             self._step = step
+            if kind == REFRESH and self.schedule.last_freeze(step + 1) == step:
+                self._log_refresh_end(step)
         return loss
+
+    def _log_refresh_end(self, step: int) -> None:
+        if self._data_parallel.is_logging_rank():
+            first, _ = cast(FreezeSchedule, self.schedule).refreshes[-1]
+            logger.info(
+                "%s: dense refresh steps %d-%d refreshed the variance, frozen again from step "
+                "%d; refresh steps have sent %d bytes in all",
+                type(self).__name__,
+                first,
+                step,
+                step + 1,
+                self._data_parallel.bytes_sent[REFRESH],
+            )
 
     def _dense_step(
         self, step: int, kind: str, flat: FlatState, grads: Sequence[Tensor | None]
@@ -312,9 +346,13 @@ class OneBitOptimizer(Optimizer):
         self._parameters.expose_new(self.state, present)
         if not self.rule.dense(self.updates, flat, grads, present):
             return self._guard.skip("warm-up gradients", step)
-        self._readiness.after_dense_step(
-            step, self.schedule, flat, grads, present, data_parallel.is_logging_rank()
-        )
+        logging_rank = data_parallel.is_logging_rank()
+        if kind == REFRESH:
+            self._readiness.after_refresh_step(
+                step, self.schedule, flat, grads, present, logging_rank
+            )
+        else:
+            self._readiness.after_dense_step(step, self.schedule, flat, grads, present, logging_rank)
         return True
 
     def _compressed_step(self, step: int, flat: FlatState, grads: list[Tensor | None]) -> bool:
@@ -349,6 +387,7 @@ class OneBitOptimizer(Optimizer):
         self.rule.compressed(
             self.updates, flat, packed, buffer, self._stage.mask, applied, per_tensor
         )
+        self._watch_variance(step, flat)
         return True
 
     def _delayed_compressed_step(
@@ -360,7 +399,8 @@ class OneBitOptimizer(Optimizer):
         gradients (ALGORITHM.md, "Delayed exchange")."""
         delay = cast(DelayedExchange, self._delay)
         buffer = self._momentum_buffer(step, flat)
-        self._apply_delayed_update(flat, buffer)
+        if self._apply_delayed_update(flat, buffer):
+            self._watch_variance(step, flat)
         active = self._taking_part(flat)
         self._scaled_local_momentum(flat, grads, buffer, active)
         self._check_gradients_once(step, COMPRESSION, buffer)
@@ -369,23 +409,23 @@ class OneBitOptimizer(Optimizer):
         delay.start(step, lambda: exchange.exchange(buffer), flat.device, applies_to)
         return True
 
-    def _apply_delayed_update(self, flat: FlatState, buffer: Tensor) -> None:
+    def _apply_delayed_update(self, flat: FlatState, buffer: Tensor) -> bool:
         """Wait for the exchange in flight and apply its update (``buffer`` its scratch);
-        where some rank's momentum was not finite, drop it (or raise)."""
+        where some rank's momentum was not finite, drop it (or raise). Returns whether an
+        update was applied."""
         delay = cast(DelayedExchange, self._delay)
         started = delay.step
         if started is None:
-            return
+            return False
         data_parallel = self._data_parallel
         with data_parallel.collective(started, COMPRESSION):
             landed = delay.wait()
         data_parallel.take_exchange_traffic()
         if landed.result is None:
-            self._guard.skip(
+            return self._guard.skip(
                 f"a rank's local momentum; its update is dropped at step {self._step + 1}",
                 started,
             )
-            return
         per_tensor = data_parallel.compression == "per_tensor"
         self.rule.compressed(
             self.updates,
@@ -396,6 +436,7 @@ class OneBitOptimizer(Optimizer):
             landed.applies_to,
             per_tensor,
         )
+        return True
 
     @torch.no_grad()
     def finish_exchange(self) -> None:
@@ -575,16 +616,19 @@ class OneBitOptimizer(Optimizer):
             return self._stage.buffer
         exchange = self._data_parallel.bind(flat, self.backend)
         buffer = self._stage.set_up(flat, self._has_state, exchange, self.param_groups, self.shards)
-        if step == self.schedule.freeze_step + 1:  # not when resuming later in the stage
+        if step == self.schedule.last_freeze(step) + 1:  # not when resuming later in the stage
             self._start_compression(flat)
         return buffer
 
     def _start_compression(self, flat: FlatState) -> None:
-        """The switch: ``s_p`` of the fused exchange, what the rule keeps from here on."""
+        """The switch (at every freeze): ``s_p`` of the fused exchange, what the rule keeps
+        from here on, the guard's baseline anew."""
         if self.compression == "fused":
             scaling_coefficients_(flat, self._has_state)
         self.rule.start_compression(flat)
         self._parameters.expose_all(self.state)
+        if self._variance_guard is not None:
+            self._variance_guard.restart()
         if self._data_parallel.is_logging_rank():
             logger.info(
                 "%s: switching to 1-bit compressed momentum at step %d (%d tensors, %d "
@@ -595,6 +639,43 @@ class OneBitOptimizer(Optimizer):
                 sum(t.numel() for t, has in zip(flat.tensors, self._has_state, strict=True) if has),
                 self.world_size,
             )
+
+    def _watch_variance(self, step: int, flat: FlatState) -> None:
+        """After compression step ``step``: the guard's observation; where its check finds
+        the frozen variance fallen behind, a refresh from the next step on (or a warning)."""
+        guard = self._variance_guard
+        if guard is None:
+            return
+        growth = guard.observe(flat)
+        if growth is None:
+            return
+        logging_rank = self._data_parallel.is_logging_rank()
+        if guard.mode != MODE_REFRESH:
+            guard.warned = True
+            if logging_rank:
+                guard.warn(step, growth, flat, "Nothing changes (variance_guard='warn').")
+            return
+        cast(FreezeSchedule, self.schedule).start_refresh(step + 1)
+        if logging_rank:
+            guard.warn(
+                step,
+                growth,
+                flat,
+                f"Steps from {step + 1} on are dense, refreshing the variance, until it has "
+                "caught up; then it freezes again (variance_guard='warn' only warns).",
+            )
+
+    def _refresh_starts(self, step: int) -> bool:
+        schedule = cast(FreezeSchedule, self.schedule)
+        return schedule.refreshes[-1][0] == step
+
+    def _return_to_dense(self) -> None:
+        """At a refresh's first step (the exchange in flight has landed): the error feedback
+        restarts from zero, the stage is set up again at the next freeze, and the readiness
+        statistic starts a new window."""
+        self.exchange.reset_errors()
+        self._stage.reset()
+        self._readiness.restart()
 
     def _scaled_local_momentum(
         self,
@@ -716,6 +797,19 @@ class OneBitOptimizer(Optimizer):
         fixed one."""
         flat = self._parameters.flat
         return self._readiness.ratios(flat, self.schedule.variance_updates(self._step))
+
+    @property
+    def variance_guard(self) -> str:
+        """What a growth of the momentum against the frozen variance does (ALGORITHM.md, "The
+        guard after the freeze"): ``"refresh"``, ``"warn"`` or ``"off"``."""
+        return MODE_OFF if self._variance_guard is None else self._variance_guard.mode
+
+    @property
+    def refreshes(self) -> list[tuple[int, int | None]]:
+        """The first and last step of each refresh the guard after the freeze returned to
+        (the last ``None`` while it lasts)."""
+        schedule = self.schedule
+        return list(schedule.refreshes) if isinstance(schedule, FreezeSchedule) else []
 
     @property
     def skipped_steps(self) -> int:
@@ -935,6 +1029,9 @@ class OneBitOptimizer(Optimizer):
             "bytes_sent": dict(data_parallel.bytes_sent),
             "compression": data_parallel.compression,
             "readiness": self._readiness.state_dict(),
+            "variance_guard": None
+            if self._variance_guard is None
+            else self._variance_guard.state_dict(),
             "gradients_since_sync": self._gradients_since_sync,
             **self.schedule.state_dict(),
             **data_parallel.exchange.state_dict(self._local_numels()),
@@ -1014,7 +1111,10 @@ class OneBitOptimizer(Optimizer):
         self._loaded = True
         self._step = int(extra["step"])
         self._guard.skipped_steps = int(extra["skipped_steps"])
-        self._data_parallel.bytes_sent = dict(extra["bytes_sent"])
+        self._data_parallel.bytes_sent = {
+            **dict.fromkeys(self.schedule.kinds, 0),
+            **extra["bytes_sent"],
+        }
         self._parameters.forget()
         self._stage.reset()
         self._guard.restart()
@@ -1027,6 +1127,8 @@ class OneBitOptimizer(Optimizer):
         device = next(iter(_common.params_in_order(self.param_groups))).device
         exchange.load_state_dict(extra if errors_fit else None, device)
         self._readiness.load_state_dict(extra.get("readiness"), device)
+        if self._variance_guard is not None:
+            self._variance_guard.load_state_dict(extra.get("variance_guard"), device)
         if self._delay is not None:
             self._delay.load_state_dict(extra.get("pending_update"), device)
         self.schedule.load_state_dict(extra)

@@ -93,6 +93,12 @@ class VarianceReadiness:
             return CAUGHT_UP
         return CATCHING_UP
 
+    def settled(self, largest: float) -> bool:
+        """Record a check of a refresh (ALGORITHM.md, "The guard after the freeze"): whether
+        the variance has caught up, ``largest <= max(READY_RATIO, peak / 2)``."""
+        self.peak, self.last = max(self.peak, largest), largest
+        return largest <= max(READY_RATIO, self.peak / 2)
+
     def relayout(self, origin: Sequence[int | None]) -> None:
         """The tensors were laid out anew (``origin[i]``: new tensor ``i``'s old index): each
         tensor's energies move with it; a tensor that joined had 0."""
@@ -176,6 +182,44 @@ class ReadinessMonitor:
                 self.statistic.peak,
                 describe(ratios, flat),
             )
+
+    def after_refresh_step(
+        self,
+        step: int,
+        schedule,
+        flat: FlatState,
+        grads: Sequence[Tensor | None],
+        present: Sequence[bool],
+        log: bool,
+    ) -> None:
+        """After refresh step ``step`` of a :class:`~onebit.optim._schedule.FreezeSchedule`:
+        observe; every :data:`READINESS_WINDOW` steps of the refresh, end it once the variance
+        has caught up (logged where ``log``)."""
+        if not any(present):
+            return
+        self.statistic.observe(flat, grads, present)
+        first, _ = schedule.refreshes[-1]
+        if (step - first + 1) % READINESS_WINDOW:
+            return
+        ratios = self.statistic.ratios(flat, schedule.variance_updates(step))
+        if not self.statistic.settled(float(ratios.max())):
+            return
+        schedule.end_refresh(step)
+        if log:
+            logger.info(
+                "%s: the variance has caught up after refresh step %d: it freezes again "
+                "(dense steps %d-%d; the largest R was %.3g; now %s)",
+                self.owner,
+                step,
+                first,
+                step,
+                self.statistic.peak,
+                describe(ratios, flat),
+            )
+
+    def restart(self) -> None:
+        """A refresh begins: a new window and peak."""
+        self.statistic = VarianceReadiness()
 
     def relayout(self, origin: Sequence[int | None]) -> None:
         """The tensors were laid out anew (:meth:`VarianceReadiness.relayout`)."""

@@ -109,7 +109,9 @@ class OneBitLambRule(UpdateRule):
         return True
 
     def start_compression(self, flat: FlatState) -> None:
-        flat.enable_fresh_variance()
+        """At every freeze: ``v_fresh = copy(v)``, ``f_last = 1``."""
+        flat.enable_fresh_variance().copy_(flat.exp_avg_sq)
+        flat.scalars["last_factor"].fill_(1.0)
 
     def compressed(self, updates, flat, packed, scratch, mask, active, per_tensor) -> None:
         scalars = flat.scalars

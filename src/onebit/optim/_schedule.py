@@ -30,6 +30,7 @@ from onebit.optim._zero_one_schedule import (
 
 __all__ = [
     "COMPRESSION",
+    "REFRESH",
     "WARMUP",
     "FreezeSchedule",
     "Schedule",
@@ -40,9 +41,11 @@ __all__ = [
     "VARIANCE_UPDATE",
 ]
 
-#: 1-bit LAMB's and 1-bit Adam's kinds: dense steps, then the momentum exchanged at 1 bit.
+#: 1-bit LAMB's and 1-bit Adam's kinds: dense steps, then the momentum exchanged at 1 bit,
+#: and the dense steps of a refresh (ALGORITHM.md, "The guard after the freeze").
 WARMUP = "warmup"
 COMPRESSION = "compression"
+REFRESH = "refresh"
 
 #: A check of the variance's readiness: what happens after that dense step, what to do.
 Check = tuple[str, str]
@@ -71,6 +74,9 @@ class Schedule(Protocol):
     def readiness_checks(self) -> dict[int, Check]:
         """The dense steps (counted as :meth:`variance_updates`) after which an unready
         variance is warned about."""
+
+    def last_freeze(self, step: int) -> int:
+        """The step after which the variance was last frozen, as of ``step``."""
 
     def decision_pending(self, step: int) -> bool:
         """Whether the variance's readiness after dense step ``step`` decides something."""
@@ -121,23 +127,55 @@ def _freeze_check(argument: str, freeze_step: int) -> Check:
 
 
 class FreezeSchedule:
-    """Steps ``1 .. freeze_step`` are ``"warmup"`` (dense), the later ones ``"compression"``."""
+    """Steps ``1 .. freeze_step`` are ``"warmup"`` (dense), the later ones ``"compression"``,
+    except the ``"refresh"`` steps of each refresh (``first .. last``; ``last`` is ``None``
+    while the refresh lasts): dense steps the guard after the freeze returned to."""
 
     argument = "freeze_step"
-    kinds: tuple[str, ...] = (WARMUP, COMPRESSION)
-    dense_kinds = frozenset({WARMUP})
+    kinds: tuple[str, ...] = (WARMUP, COMPRESSION, REFRESH)
+    dense_kinds = frozenset({WARMUP, REFRESH})
     #: Whether the error feedback restarts from zero at the freeze (it held other values).
     errors_restart_at_freeze = False
 
     def __init__(self, freeze_step: int | str, max_freeze_step: int | None) -> None:
         self.auto_freeze = freeze_step == AUTO
         self.freeze_step = checked_freeze(self.argument, freeze_step, max_freeze_step)
+        self.refreshes: list[tuple[int, int | None]] = []
 
     def kind(self, step: int) -> str:
-        return WARMUP if step <= self.freeze_step else COMPRESSION
+        if step <= self.freeze_step:
+            return WARMUP
+        for first, last in self.refreshes:
+            if first <= step and (last is None or step <= last):
+                return REFRESH
+        return COMPRESSION
 
     def variance_updates(self, step: int) -> int:
-        return min(step, self.freeze_step)
+        refreshed = sum(
+            max(0, min(step, step if last is None else last) - first + 1)
+            for first, last in self.refreshes
+        )
+        return min(step, self.freeze_step) + refreshed
+
+    @property
+    def refreshing(self) -> bool:
+        """Whether the last refresh lasts (its end not decided yet)."""
+        return bool(self.refreshes) and self.refreshes[-1][1] is None
+
+    def start_refresh(self, step: int) -> None:
+        """Steps from ``step`` on are refresh steps, until :meth:`end_refresh`."""
+        self.refreshes.append((step, None))
+
+    def end_refresh(self, step: int) -> None:
+        """The variance freezes again after ``step``."""
+        first, _ = self.refreshes[-1]
+        self.refreshes[-1] = (first, step)
+
+    def last_freeze(self, step: int) -> int:
+        """The step after which the variance was last frozen, as of ``step``: the warm-up's
+        end, or that of the last refresh before ``step``."""
+        ends = [last for _, last in self.refreshes if last is not None and last < step]
+        return max([self.freeze_step, *ends])
 
     def readiness_checks(self) -> dict[int, Check]:
         return {self.freeze_step: _freeze_check(self.argument, self.freeze_step)}
@@ -157,11 +195,12 @@ class FreezeSchedule:
         return self.freeze_step + 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"freeze_step": self.freeze_step}
+        return {"freeze_step": self.freeze_step, "refreshes": [list(r) for r in self.refreshes]}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self.auto_freeze and saved.get("freeze_step", self.freeze_step) < self.freeze_step:
             self.freeze_step = int(saved["freeze_step"])  # where "auto" froze
+        self.refreshes = [(int(first), last) for first, last in saved.get("refreshes", [])]
 
 
 class ZeroOneSchedule:
@@ -260,6 +299,9 @@ class ZeroOneSchedule:
                 ),
             )
         return checks
+
+    def last_freeze(self, step: int) -> int:
+        return self.freeze_step
 
     def decision_pending(self, step: int) -> bool:
         """With ``var_freeze_step="auto"`` or ``var_warmup_steps="auto"``: whether to freeze

@@ -27,7 +27,8 @@ class OneBitAdam(OneBitOptimizer):
 
     Arguments as DeepSpeed's ``OnebitAdam``; ``freeze_step="auto"`` with ``max_freeze_step``,
     ``process_group``, ``on_nonfinite``, ``verify_every``, ``kernels``, ``node_groups``,
-    ``max_grad_norm``, ``bucket_cap_mb``, ``overlap_backward``, ``delayed_exchange`` and the
+    ``max_grad_norm``, ``bucket_cap_mb``, ``overlap_backward``, ``delayed_exchange``,
+    ``variance_guard`` and the
     ``exp_avg_mask`` group option as in :class:`onebit.OneBitLamb`, and ``compression``, how
     the momentum is exchanged:
 
@@ -63,6 +64,7 @@ class OneBitAdam(OneBitOptimizer):
         overlap_backward: bool = False,
         max_freeze_step: int | None = None,
         delayed_exchange: bool = False,
+        variance_guard: str = "refresh",
     ) -> None:
         checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(
@@ -80,4 +82,5 @@ class OneBitAdam(OneBitOptimizer):
             bucket_cap_mb=bucket_cap_mb,
             overlap_backward=overlap_backward,
             delayed_exchange=delayed_exchange,
+            variance_guard=variance_guard,
         )

@@ -105,11 +105,16 @@ class OneBitLamb(OneBitOptimizer):
             the next step's gradients, and apply its update there, one step late
             (ALGORITHM.md, "Delayed exchange"), so that a slow link's bytes travel while the
             next step computes. Experimental: the stale gradients cost convergence
-            (docs/CONVERGENCE.md, "1-bit LAMB with the delayed exchange"). The weights lack
+            (docs/CONVERGENCE.md, "The delayed exchange"). The weights lack
             the last update until :meth:`finish_exchange` (call it at the end of training);
             checkpoints keep the pending update. Over more than one rank the exchange is
             bucketed (25 MiB unless ``bucket_cap_mb`` is given). Not with
             ``overlap_backward``, ``node_groups`` or FSDP.
+        variance_guard: what a growth of a tensor's momentum against the frozen variance
+            does (ALGORITHM.md, "The guard after the freeze"): ``"refresh"`` (default), dense
+            steps that refresh the variance until it has caught up, then a new freeze, with a
+            warning; ``"warn"``, the warning alone; ``"off"``, nothing (DeepSpeed's).
+            :attr:`refreshes` lists the refreshes; their bytes count under ``"refresh"``.
 
     Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
     ``scaler.step(optimizer)``): the step unscales the
@@ -143,6 +148,7 @@ class OneBitLamb(OneBitOptimizer):
         overlap_backward: bool = False,
         max_freeze_step: int | None = None,
         delayed_exchange: bool = False,
+        variance_guard: str = "refresh",
     ) -> None:
         checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         checks.check_coeff_bounds(min_coeff, max_coeff)
@@ -176,6 +182,7 @@ class OneBitLamb(OneBitOptimizer):
             bucket_cap_mb=bucket_cap_mb,
             overlap_backward=overlap_backward,
             delayed_exchange=delayed_exchange,
+            variance_guard=variance_guard,
         )
 
     def get_lamb_coeffs(self) -> list[float]:
