@@ -163,7 +163,9 @@ class OneBitOptimizer(Optimizer):
         name = type(self).__name__
         checks.check_max_grad_norm(max_grad_norm)
         if check_mode(variance_guard) != MODE_OFF and not isinstance(schedule, FreezeSchedule):
-            raise ValueError(f"variance_guard={variance_guard!r}: {name} has no guard after the freeze")
+            raise ValueError(
+                f"variance_guard={variance_guard!r}: {name} has no guard after the freeze"
+            )
         for option, value in (
             ("overlap_backward", overlap_backward),
             ("delayed_exchange", delayed_exchange),
@@ -352,7 +354,9 @@ class OneBitOptimizer(Optimizer):
                 step, self.schedule, flat, grads, present, logging_rank
             )
         else:
-            self._readiness.after_dense_step(step, self.schedule, flat, grads, present, logging_rank)
+            self._readiness.after_dense_step(
+                step, self.schedule, flat, grads, present, logging_rank
+            )
         return True
 
     def _compressed_step(self, step: int, flat: FlatState, grads: list[Tensor | None]) -> bool:
