@@ -32,6 +32,8 @@ def oracle_run(
     compression="fused",
     node_size=1,
     bucket_elements=None,
+    refreshes=(),
+    grad_scale=None,
 ):
     """Return the parameters after each step, as lists of float64 tensors.
 
@@ -42,7 +44,11 @@ def oracle_run(
     does; node_size > 1 exchanges the fused buffer hierarchically over nodes of that many
     workers; bucket_elements cuts the fused buffer into buckets of that many elements
     (rounded down to a multiple of 8n), each exchanged alone with its own error buffers
-    (ALGORITHM.md, "Bucketed exchange").
+    (ALGORITHM.md, "Bucketed exchange"). refreshes: the (first, last) steps of each refresh
+    of the guard after the freeze (ALGORITHM.md, "The guard after the freeze"): dense steps as
+    in the warm-up, the error feedback zeroed at the first, and at the last a freeze as at the
+    warm-up's end (v_fresh, f_last; s_p from the momentum at the next step). grad_scale(t), if
+    given, multiplies every gradient of step t.
     """
     b1, b2 = hyper["betas"]
     eps = hyper["eps"]
@@ -82,12 +88,14 @@ def oracle_run(
         kept = (v[i] > 0).double()
         return kept if masks is None or masks[i] is None else kept * masks[i].double()
 
-    def exchange():
+    def grad(r, i, t):
+        g = grad_fn(r, i, params[i])
+        return g if grad_scale is None else g * grad_scale(t)
+
+    def exchange(t):
         """Every tensor's exchanged momentum (divided by its s_p), before the mask."""
         nonlocal scaling, we, se
-        local = [
-            [b1 * m[i] + (1 - b1) * grad_fn(r, i, params[i]) for i in range(k)] for r in range(n)
-        ]
+        local = [[b1 * m[i] + (1 - b1) * grad(r, i, t) for i in range(k)] for r in range(n)]
         if compression == "per_tensor":
             exchanged = []
             for i in range(k):
@@ -122,10 +130,15 @@ def oracle_run(
 
     history = []
     for t in range(1, steps + 1):
-        if t <= freeze:
+        if any(first == t for first, _ in refreshes):
+            for error in (we, se, *(e for pair in (*bucket_errors, *tensor_errors) for e in pair)):
+                error.zero_()
+            scaling = None
+        freezes_after = t == freeze or any(last == t for _, last in refreshes)
+        if t <= freeze or any(first <= t <= last for first, last in refreshes):
             for i in range(k):
                 lr, wd = groups[i]
-                g = sum(grad_fn(r, i, params[i]) for r in range(n)) / n
+                g = sum(grad(r, i, t) for r in range(n)) / n
                 m[i] = b1 * m[i] + (1 - b1) * g
                 v[i] = b2 * v[i] + (1 - b2) * g * g
                 u = m[i] / (v[i].sqrt() + eps) + wd * params[i]
@@ -138,10 +151,11 @@ def oracle_run(
                     params[i] = params[i] - lr * c * u
                 else:
                     params[i] = params[i] - lr * u
-                if t == freeze:
+                if freezes_after:
                     v_fresh[i] = v[i].clone()
+                    f_last[i] = 1.0
         else:
-            decoded = exchange()
+            decoded = exchange(t)
             for i in range(k):
                 lr, wd = groups[i]
                 m_prev = m[i]

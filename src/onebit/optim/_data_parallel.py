@@ -177,6 +177,13 @@ class DataParallel:
         exchange's own."""
         return self._process_group if self._delay_group is None else self._delay_group
 
+    def untaken_exchange_traffic(self) -> int:
+        """With ``delayed``: the bytes the exchange sent that :meth:`take_exchange_traffic`
+        has not taken yet (those of the exchange in flight); 0 otherwise."""
+        if self._exchange_traffic is self.traffic:
+            return 0
+        return self._exchange_traffic.total()
+
     def take_exchange_traffic(self) -> None:
         """With ``delayed``: add the bytes the exchange sent since the last call to
         :attr:`traffic` (and so to the stage being counted)."""

@@ -1025,12 +1025,16 @@ class OneBitOptimizer(Optimizer):
         pending = None if self._delay is None else self._delay.state_dict()
         state = super().state_dict()
         data_parallel = self._data_parallel
+        sent = dict(data_parallel.bytes_sent)
+        in_flight = data_parallel.untaken_exchange_traffic()  # counted by the next step
+        if in_flight:
+            sent[COMPRESSION] += in_flight
         state["onebit"] = {
             "format": CHECKPOINT_FORMAT if pending is not None else 2,
             "optimizer": type(self).__name__,
             "step": self._step,
             "skipped_steps": self._guard.skipped_steps,
-            "bytes_sent": dict(data_parallel.bytes_sent),
+            "bytes_sent": sent,
             "compression": data_parallel.compression,
             "readiness": self._readiness.state_dict(),
             "variance_guard": None
