@@ -95,6 +95,14 @@ class TrainConfig:
         "auto, until the variance has caught up with the gradients (at most --steps)",
         default_help=f"{DEFAULT_FREEZE_FRACTION:.0%} of --steps",
     )
+    variance_guard: str = option(
+        "refresh",
+        group=_JOB,
+        choices=("refresh", "warn", "off"),
+        help="onebit-lamb and onebit-adam: what a growth of the momentum against the frozen "
+        "variance does after the freeze: dense steps until it has caught up (refresh), a "
+        "warning, or nothing",
+    )
     lr_warmup_steps: int | None = option(
         None,
         group=_JOB,
