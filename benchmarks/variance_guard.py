@@ -1,0 +1,252 @@
+"""The guard after the freeze on a family of tasks: which runs stall without it, which recover
+with it, where it fires on runs that did not need it, and what each refresh costs.
+
+For every task, seed and freeze point it trains 1-bit Adam and 1-bit LAMB with
+``variance_guard="off"`` and with the default ``"refresh"``, beside their dense counterparts
+(torch's Adam, onebit's LAMB) on the same samples, and writes one JSON line per run. A run
+*stalls* where its loss over the last 25 steps is above 1.15 times its dense counterpart's
+(the target: within 15 %); the guard's *false alarm* is a refresh in a run whose
+``"off"`` twin did not stall. A refresh's cost is its dense steps' allreduce bytes less the
+1-bit bytes those steps would have sent, per worker.
+
+    .venv/bin/python benchmarks/variance_guard.py --workers 2 --out runs.jsonl
+    .venv/bin/python benchmarks/variance_guard.py --workers 16 --simulate --seeds 0
+
+Tasks (:mod:`onebit.plateau`): ``attention`` (the pointer task: a plateau at chance until the
+attention forms), ``lr-warmup`` (the same with the learning rate warming up over 300 steps,
+past the late freeze), ``deep-narrow`` (a deep tanh network with small initial weights).
+``--workers N`` runs N real gloo processes on this machine; with ``--simulate`` the N workers
+are simulated in one process (bit for bit a real run's: ``onebit.simulate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import onebit
+from onebit.collectives import compressed_allreduce_per_tensor_bytes, ring_allreduce_bytes
+from onebit.plateau import DeepNarrowTask, PointerTask, train
+from onebit.simulate import SimulatedDataParallel
+from onebit.testing import spawn_workers
+
+#: A run ends within this factor of its dense counterpart's final loss, or it stalled.
+WITHIN = 1.15
+#: Steps whose mean loss is a run's final loss.
+FINAL_WINDOW = 25
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task of the family: its problem, its steps, its learning-rate warm-up and the two
+    freeze points (before its plateau ends, after)."""
+
+    problem: PointerTask | DeepNarrowTask
+    steps: int
+    lr_warmup_steps: int
+    freezes: tuple[int, int]
+
+
+TASKS = {
+    "attention": Task(PointerTask(), 500, 0, (40, 300)),
+    "lr-warmup": Task(PointerTask(), 500, 300, (100, 350)),
+    "deep-narrow": Task(DeepNarrowTask(), 600, 0, (40, 300)),
+}
+#: Each 1-bit optimizer, its dense counterpart and their learning rate (the 1-bit paper's
+#: ratio between LAMB's and Adam's).
+ARMS = {
+    "onebit-adam": ("adam", 1e-3),
+    "onebit-lamb": ("lamb", 1e-2),
+}
+
+
+def build_optimizer(
+    name: str, lr: float, freeze: int, guard: str, params: Iterable[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """``name``'s optimizer of ``params`` (a 1-bit one frozen after ``freeze``)."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "lamb":
+        return onebit.Lamb(params, lr=lr)
+    cls = onebit.OneBitAdam if name == "onebit-adam" else onebit.OneBitLamb
+    return cls(params, lr=lr, freeze_step=freeze, variance_guard=guard)
+
+
+def _train_simulated(task: Task, build: Callable, workers: int, seed: int, batch: int):
+    """``onebit.plateau.train`` with ``workers`` simulated workers in this process."""
+    torch.manual_seed(seed)
+    model = task.problem.model()
+    optimizer = build(model.parameters())
+    peaks = [group["lr"] for group in optimizer.param_groups]
+    simulation = SimulatedDataParallel(optimizer, workers)
+    share = batch // workers
+    losses = []
+    for step in range(1, task.steps + 1):
+        if task.lr_warmup_steps:
+            for group, peak in zip(optimizer.param_groups, peaks, strict=True):
+                group["lr"] = peak * min(1.0, step / task.lr_warmup_steps)
+        inputs, targets = task.problem.batch(step, batch, seed)
+
+        def backward(rank: int, inputs=inputs, targets=targets) -> float:
+            part = slice(rank * share, (rank + 1) * share)
+            loss = nn.functional.cross_entropy(model(inputs[part]), targets[part])
+            loss.backward()
+            return float(loss)
+
+        losses.append(sum(simulation.step(backward)) / workers)
+    return losses, optimizer
+
+
+def _train_on_rank(rank: int, world_size: int, task: Task, build: Callable, seed: int, batch: int):
+    optimizers = []
+
+    def keep(params):
+        optimizers.append(build(params))
+        return optimizers[0]
+
+    losses = train(task.problem, keep, task.steps, batch, seed, None, task.lr_warmup_steps)
+    return losses, getattr(optimizers[0], "refreshes", [])
+
+
+def run_one(task_name: str, name: str, lr: float, freeze: int, guard: str, seed: int, args):
+    task = TASKS[task_name]
+    build = functools.partial(build_optimizer, name, lr, freeze, guard)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if args.simulate:
+            losses, optimizer = _train_simulated(task, build, args.workers, seed, args.batch)
+            refreshes = getattr(optimizer, "refreshes", [])
+        else:
+            results = spawn_workers(
+                _train_on_rank,
+                args.workers,
+                args=(task, build, seed, args.batch),
+                timeout_s=1200,
+            )
+            losses, refreshes = results[0]
+    model = task.problem.model()
+    numels = [p.numel() for p in model.parameters()]
+    dense = ring_allreduce_bytes(4 * sum(numels), args.workers)
+    onebit_step = compressed_allreduce_per_tensor_bytes(numels, args.workers, torch.float32)
+    refresh_steps = sum(last - first + 1 for first, last in refreshes if last is not None)
+    return {
+        "task": task_name,
+        "optimizer": name,
+        "freeze_step": freeze if name.startswith("onebit") else None,
+        "variance_guard": guard if name.startswith("onebit") else None,
+        "seed": seed,
+        "workers": args.workers,
+        "simulated": args.simulate,
+        "final_loss": sum(losses[-FINAL_WINDOW:]) / FINAL_WINDOW,
+        "refreshes": [list(r) for r in refreshes],
+        "refresh_steps": refresh_steps,
+        "refresh_extra_bytes": refresh_steps * (dense - onebit_step),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    """One line per task, optimizer and freeze: runs, stalls without and with the guard,
+    false alarms, refresh steps and their bytes."""
+    dense = {
+        (r["task"], r["optimizer"], r["seed"]): r["final_loss"]
+        for r in rows
+        if not r["freeze_step"]
+    }
+    lines = [
+        "| task | optimizer | freeze | runs | stalled, off | stalled, refresh "
+        "| runs refreshed | false alarms | refresh steps (mean) "
+        "| extra MB per refresh (mean) | worst final / dense |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = sorted({(r["task"], r["optimizer"], r["freeze_step"]) for r in rows if r["freeze_step"]})
+    for task, name, freeze in keys:
+        pair = {}
+        for r in rows:
+            if (r["task"], r["optimizer"], r["freeze_step"]) == (task, name, freeze):
+                pair.setdefault(r["seed"], {})[r["variance_guard"]] = r
+        counterpart = ARMS[name][0]
+
+        def ratio(r, task=task, counterpart=counterpart):
+            return r["final_loss"] / dense[task, counterpart, r["seed"]]
+
+        seeds = [
+            s
+            for s in pair
+            if {"off", "refresh"} <= set(pair[s]) and (task, counterpart, s) in dense
+        ]
+        off = [pair[s]["off"] for s in seeds]
+        on = [pair[s]["refresh"] for s in seeds]
+        refreshed = [r for r in on if r["refreshes"]]
+        false_alarms = [
+            s for s in seeds if pair[s]["refresh"]["refreshes"] and ratio(pair[s]["off"]) <= WITHIN
+        ]
+        count = sum(len(r["refreshes"]) for r in refreshed)
+        steps = sum(r["refresh_steps"] for r in refreshed)
+        extra = sum(r["refresh_extra_bytes"] for r in refreshed)
+        lines.append(
+            f"| {task} | {name} | {freeze} | {len(seeds)} "
+            f"| {sum(ratio(r) > WITHIN for r in off)} | {sum(ratio(r) > WITHIN for r in on)} "
+            f"| {len(refreshed)} | {len(false_alarms)} "
+            f"| {steps / count if count else 0:.0f} | {extra / count / 1e6 if count else 0:.3f} "
+            f"| {max((ratio(r) for r in on), default=float('nan')):.2f} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--optimizers", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--workers", type=int, default=2, help="data-parallel workers")
+    parser.add_argument("--simulate", action="store_true", help="simulate them in one process")
+    parser.add_argument("--batch", type=int, default=64, help="global batch")
+    parser.add_argument("--steps", type=int, default=None, help="override every task's steps")
+    parser.add_argument("--out", type=Path, default=None, help="append one JSON line per run")
+    args = parser.parse_args(argv)
+    if args.batch % args.workers:
+        parser.error(f"--batch {args.batch} must be a multiple of --workers {args.workers}")
+    if args.steps is not None:
+        for name, task in list(TASKS.items()):
+            TASKS[name] = Task(task.problem, args.steps, task.lr_warmup_steps, task.freezes)
+    torch.set_num_threads(1)
+    rows = []
+    for task_name in args.tasks:
+        for seed in args.seeds:
+            for name in args.optimizers:
+                counterpart, lr = ARMS[name]
+                plan = [(counterpart, None, "off")] + [
+                    (name, freeze, guard)
+                    for freeze in TASKS[task_name].freezes
+                    for guard in ("off", "refresh")
+                ]
+                for optimizer, freeze, guard in plan:
+                    if optimizer == counterpart and any(
+                        (r["task"], r["optimizer"], r["seed"]) == (task_name, counterpart, seed)
+                        for r in rows
+                    ):
+                        continue
+                    row = run_one(task_name, optimizer, lr, freeze or 0, guard, seed, args)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.out is not None:
+                        with args.out.open("a") as out:
+                            out.write(json.dumps(row) + "\n")
+    print("\n".join(summarize(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
