@@ -247,3 +247,37 @@ def test_what_does_not_fit_is_a_named_error():
     assert "process_group" in errors["no process_group"]
     assert "ZeroOneAdam" in errors["zero-one-adam"]
     assert "overlap_backward" in errors["overlap"]
+
+
+def _guarded(rank: int, world: int, steps: int):
+    """OneBitAdam with the guard after the freeze on FSDP slices, and the replicated optimizer
+    on the whole batch, the loss scaled up from step 15 to 35 so that the momentum outgrows
+    the frozen variance: the refreshes of both. (Their weights part in the compression stage:
+    the sharded exchange compresses each slice alone.)"""
+    mesh = init_device_mesh("cpu", (world,))
+    single, _ = dist.new_subgroups(group_size=1)
+    reference = _model()
+    model = _shard(copy.deepcopy(reference), mesh)
+    kwargs = dict(lr=0.01, freeze_step=4, compression="per_tensor")
+    sharded_opt = onebit.OneBitAdam(model.parameters(), **kwargs)
+    reference_opt = onebit.OneBitAdam(
+        reference.parameters(), kernels="torch", process_group=single, **kwargs
+    )
+    for step in range(1, steps + 1):
+        scale = 1.3 ** (min(max(step, 15), 35) - 15)
+        x, y = _batch(step, rank)
+        (scale * _loss(model, x, y)).backward()
+        batches = [_batch(step, r) for r in range(world)]
+        whole = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        (scale * _loss(reference, *whole)).backward()
+        for opt in (sharded_opt, reference_opt):
+            opt.step()
+            opt.zero_grad()
+    return sharded_opt.refreshes, reference_opt.refreshes
+
+
+def test_the_guard_after_the_freeze_decides_alike_on_every_shard():
+    """Each shard observes its slices, the energies summed over the shard group at a check:
+    both ranks take the decision the whole tensors give."""
+    (sharded, replicated), (other, _) = spawn_workers(_guarded, 2, args=(60,), timeout_s=240)
+    assert sharded and sharded == other == replicated, (sharded, other, replicated)
