@@ -1,4 +1,5 @@
-"""Time and memory per step of ``onebit simulate`` at several worker counts (docs/guide/simulation.md).
+"""Time and memory per step of ``onebit simulate`` at several worker counts
+(docs/guide/simulation.md).
 
 Runs ``onebit simulate`` once per ``--workers`` value, each in a fresh process (so its peak
 resident memory is its own), one after another, with the ``onebit simulate`` options given
