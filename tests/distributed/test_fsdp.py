@@ -276,6 +276,7 @@ def _guarded(rank: int, world: int, steps: int):
     return sharded_opt.refreshes, reference_opt.refreshes
 
 
+@pytest.mark.slow
 def test_the_guard_after_the_freeze_decides_alike_on_every_shard():
     """Each shard observes its slices, the energies summed over the shard group at a check:
     both ranks take the decision the whole tensors give."""

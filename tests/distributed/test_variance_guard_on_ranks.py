@@ -126,7 +126,7 @@ def _resumed(rank, world_size, directory, save_at, options):
 @pytest.mark.parametrize(
     "options, finding",
     [
-        ({}, 40),
+        pytest.param({}, 40, marks=pytest.mark.slow),
         # The stage's first step lands no update, so the baseline ends a step later.
         pytest.param({"delayed_exchange": True}, 41, marks=pytest.mark.slow),
     ],
