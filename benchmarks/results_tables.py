@@ -39,6 +39,7 @@ PAGES = (
     "docs/ONEBIT-ADAM.md",
     "docs/ZERO-ONE-ADAM.md",
     "docs/ESTIMATE.md",
+    "docs/VARIANCE-READINESS.md",
 )
 
 #: The dates of the library commits the result files name (``code.commit`` in a cluster
@@ -75,6 +76,7 @@ COMMIT_DATES = {
     "f4d131b": "2026-12-04",
     "95bcdd9": "2026-12-04",
     "963ac7d": "2026-12-04",
+    "af63a40": "2026-12-04",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -112,6 +114,7 @@ RECORDED_IN = {
     "docs/main-job/delayed/lr-0.008": "963ac7d",
     "docs/main-job/delayed/lr-0.008-undelayed": "963ac7d",
     "docs/zero-one-adam": "1354b52",
+    "docs/convergence/variance-guard": "af63a40",
 }
 
 RUN = "python3 run.py onebit"
@@ -1092,6 +1095,60 @@ def table_readme_results() -> Table:
     )
 
 
+def table_variance_guard() -> Table:
+    """The guard after the freeze on the family of tasks, from the summaries
+    benchmarks/variance_guard.py writes (one per worker count)."""
+    paths = sorted(
+        str(path.relative_to(ROOT))
+        for path in (DOCS / "convergence" / "variance-guard").glob("summary-*.json")
+    )
+    summaries = [_read(path) for path in paths]
+    rows = []
+    for summary in summaries:
+        for row in summary["rows"]:
+            workers = f"{row['workers']}" + (" simulated" if row["simulated"] else "")
+            rows.append(
+                [
+                    row["task"],
+                    row["optimizer"],
+                    str(row["freeze_step"]),
+                    workers,
+                    str(row["runs"]),
+                    str(row["missed_off"]),
+                    str(row["missed_refresh"]),
+                    str(row["refreshed"]),
+                    str(row["false_alarms"]),
+                    f"{row['refresh_steps']:.0f}",
+                    f"{row['refresh_extra_mb']:.3f}",
+                    f"{row['worst_ratio']:.2f}",
+                ]
+            )
+    commits, dates = _stamp(paths)
+    return Table(
+        "variance-guard",
+        [
+            "task",
+            "optimizer",
+            "freeze after",
+            "workers",
+            "runs",
+            "above 1.15x dense, guard off",
+            "above 1.15x dense, guard on",
+            "runs refreshed",
+            "false alarms",
+            "refresh steps (mean)",
+            "extra MB per refresh (mean)",
+            "worst final loss / dense, guard on",
+        ],
+        "lllrrrrrrrrr",
+        rows,
+        paths,
+        commits,
+        dates,
+        [summary["command"] for summary in summaries],
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # pages
 
@@ -1115,6 +1172,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "zero-one-adam-main-job": table_zero_one_adam_main_job,
     "estimate-validation": table_estimate_validation,
     "estimate-summary": table_estimate_summary,
+    "variance-guard": table_variance_guard,
 }
 
 MARKER = re.compile(

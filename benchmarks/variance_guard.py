@@ -1,12 +1,12 @@
-"""The guard after the freeze on a family of tasks: which runs stall without it, which recover
-with it, where it fires on runs that did not need it, and what each refresh costs.
+"""The guard after the freeze on a family of tasks: which runs miss their dense counterpart
+without it and with it, where it fires on runs that did not need it, and what each refresh costs.
 
 For every task, seed and freeze point it trains 1-bit Adam and 1-bit LAMB with
 ``variance_guard="off"`` and with the default ``"refresh"``, beside their dense counterparts
 (torch's Adam, onebit's LAMB) on the same samples, and writes one JSON line per run. A run
-*stalls* where its loss over the last 25 steps is above 1.15 times its dense counterpart's
+*misses* where its loss over the last 25 steps is above 1.15 times its dense counterpart's
 (the target: within 15 %); the guard's *false alarm* is a refresh in a run whose
-``"off"`` twin did not stall. A refresh's cost is its dense steps' allreduce bytes less the
+``"off"`` twin did not miss. A refresh's cost is its dense steps' allreduce bytes less the
 1-bit bytes those steps would have sent, per worker.
 
     .venv/bin/python benchmarks/variance_guard.py --workers 2 --out runs.jsonl
@@ -40,7 +40,7 @@ from onebit.plateau import DeepNarrowTask, PointerTask, train
 from onebit.simulate import SimulatedDataParallel
 from onebit.testing import spawn_workers
 
-#: A run ends within this factor of its dense counterpart's final loss, or it stalled.
+#: A run ends within this factor of its dense counterpart's final loss, or it missed.
 WITHIN = 1.15
 #: Steps whose mean loss is a run's final loss.
 FINAL_WINDOW = 25
@@ -156,51 +156,78 @@ def run_one(task_name: str, name: str, lr: float, freeze: int, guard: str, seed:
     }
 
 
-def summarize(rows: list[dict]) -> list[str]:
-    """One line per task, optimizer and freeze: runs, stalls without and with the guard,
-    false alarms, refresh steps and their bytes."""
+def summary_rows(rows: list[dict]) -> list[dict]:
+    """One entry per task, optimizer and freeze point: its runs (seeds with both guard
+    settings and the dense counterpart), the runs that miss without and with the guard, the
+    runs it refreshed, its false alarms, the mean steps and extra bytes of a refresh, and the
+    largest final loss against the dense counterpart's with the guard."""
     dense = {
         (r["task"], r["optimizer"], r["seed"]): r["final_loss"]
         for r in rows
         if not r["freeze_step"]
     }
+    keys = sorted(
+        {(r["task"], r["optimizer"], r["freeze_step"]) for r in rows if r["freeze_step"]},
+        key=lambda key: (list(TASKS).index(key[0]), key[1], key[2]),
+    )
+    entries = []
+    for task, name, freeze in keys:
+        by_seed: dict[int, dict[str, dict]] = {}
+        for r in rows:
+            if (r["task"], r["optimizer"], r["freeze_step"]) == (task, name, freeze):
+                by_seed.setdefault(r["seed"], {})[r["variance_guard"]] = r
+        counterpart = ARMS[name][0]
+        seeds = sorted(
+            s
+            for s, pair in by_seed.items()
+            if {"off", "refresh"} <= set(pair) and (task, counterpart, s) in dense
+        )
+
+        def ratio(r: dict, task: str = task, counterpart: str = counterpart) -> float:
+            return r["final_loss"] / dense[task, counterpart, r["seed"]]
+
+        off = [by_seed[s]["off"] for s in seeds]
+        on = [by_seed[s]["refresh"] for s in seeds]
+        refreshed = [r for r in on if r["refreshes"]]
+        count = sum(len(r["refreshes"]) for r in refreshed)
+        entries.append(
+            {
+                "task": task,
+                "optimizer": name,
+                "freeze_step": freeze,
+                "workers": rows[0]["workers"],
+                "simulated": rows[0]["simulated"],
+                "runs": len(seeds),
+                "missed_off": sum(ratio(r) > WITHIN for r in off),
+                "missed_refresh": sum(ratio(r) > WITHIN for r in on),
+                "refreshed": len(refreshed),
+                "false_alarms": sum(
+                    bool(by_seed[s]["refresh"]["refreshes"]) and ratio(by_seed[s]["off"]) <= WITHIN
+                    for s in seeds
+                ),
+                "refresh_steps": sum(r["refresh_steps"] for r in refreshed) / count if count else 0,
+                "refresh_extra_mb": sum(r["refresh_extra_bytes"] for r in refreshed) / count / 1e6
+                if count
+                else 0.0,
+                "worst_ratio": max((ratio(r) for r in on), default=float("nan")),
+            }
+        )
+    return entries
+
+
+def markdown(entries: list[dict]) -> list[str]:
     lines = [
-        "| task | optimizer | freeze | runs | stalled, off | stalled, refresh "
+        "| task | optimizer | freeze | runs | above 1.15x dense, off | above 1.15x dense, refresh "
         "| runs refreshed | false alarms | refresh steps (mean) "
         "| extra MB per refresh (mean) | worst final / dense |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    keys = sorted({(r["task"], r["optimizer"], r["freeze_step"]) for r in rows if r["freeze_step"]})
-    for task, name, freeze in keys:
-        pair = {}
-        for r in rows:
-            if (r["task"], r["optimizer"], r["freeze_step"]) == (task, name, freeze):
-                pair.setdefault(r["seed"], {})[r["variance_guard"]] = r
-        counterpart = ARMS[name][0]
-
-        def ratio(r, task=task, counterpart=counterpart):
-            return r["final_loss"] / dense[task, counterpart, r["seed"]]
-
-        seeds = [
-            s
-            for s in pair
-            if {"off", "refresh"} <= set(pair[s]) and (task, counterpart, s) in dense
-        ]
-        off = [pair[s]["off"] for s in seeds]
-        on = [pair[s]["refresh"] for s in seeds]
-        refreshed = [r for r in on if r["refreshes"]]
-        false_alarms = [
-            s for s in seeds if pair[s]["refresh"]["refreshes"] and ratio(pair[s]["off"]) <= WITHIN
-        ]
-        count = sum(len(r["refreshes"]) for r in refreshed)
-        steps = sum(r["refresh_steps"] for r in refreshed)
-        extra = sum(r["refresh_extra_bytes"] for r in refreshed)
+    for e in entries:
         lines.append(
-            f"| {task} | {name} | {freeze} | {len(seeds)} "
-            f"| {sum(ratio(r) > WITHIN for r in off)} | {sum(ratio(r) > WITHIN for r in on)} "
-            f"| {len(refreshed)} | {len(false_alarms)} "
-            f"| {steps / count if count else 0:.0f} | {extra / count / 1e6 if count else 0:.3f} "
-            f"| {max((ratio(r) for r in on), default=float('nan')):.2f} |"
+            f"| {e['task']} | {e['optimizer']} | {e['freeze_step']} | {e['runs']} "
+            f"| {e['missed_off']} | {e['missed_refresh']} | {e['refreshed']} "
+            f"| {e['false_alarms']} | {e['refresh_steps']:.0f} | {e['refresh_extra_mb']:.3f} "
+            f"| {e['worst_ratio']:.2f} |"
         )
     return lines
 
@@ -215,14 +242,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--steps", type=int, default=None, help="override every task's steps")
     parser.add_argument("--out", type=Path, default=None, help="append one JSON line per run")
+    parser.add_argument(
+        "--summary", type=Path, default=None, help="write the summary table's rows as JSON"
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="run nothing: summarize these JSON-lines files of earlier runs",
+    )
     args = parser.parse_args(argv)
     if args.batch % args.workers:
         parser.error(f"--batch {args.batch} must be a multiple of --workers {args.workers}")
+    if args.report:
+        rows = [json.loads(line) for path in args.report for line in path.read_text().splitlines()]
+    else:
+        rows = measure(args)
+    entries = summary_rows(rows)
+    print("\n".join(markdown(entries)))
+    if args.summary is not None:
+        summary = {"command": measuring_command(rows), "rows": entries}
+        args.summary.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+def measuring_command(rows: list[dict]) -> str:
+    """The command that measures ``rows`` again."""
+    seeds = sorted({r["seed"] for r in rows})
+    tasks = [name for name in TASKS if any(r["task"] == name for r in rows)]
+    return " ".join(
+        [
+            "python benchmarks/variance_guard.py",
+            f"--workers {rows[0]['workers']}",
+            *(["--simulate"] if rows[0]["simulated"] else []),
+            "--tasks",
+            *tasks,
+            "--seeds",
+            *map(str, seeds),
+        ]
+    )
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    """Every run the arguments ask for, printed and appended to ``--out`` as it ends."""
     if args.steps is not None:
         for name, task in list(TASKS.items()):
             TASKS[name] = Task(task.problem, args.steps, task.lr_warmup_steps, task.freezes)
     torch.set_num_threads(1)
-    rows = []
+    rows: list[dict] = []
     for task_name in args.tasks:
         for seed in args.seeds:
             for name in args.optimizers:
@@ -244,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.out is not None:
                         with args.out.open("a") as out:
                             out.write(json.dumps(row) + "\n")
-    print("\n".join(summarize(rows)))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -207,3 +207,32 @@ def test_the_anatomy_names_the_path_from_step_to_the_first_collective(
     assert path[0][1] == "step" and path[-1][0] == "exchange/transport.py"
     assert counts["step"]["functions"] > len(path)
     assert "frames in" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ variance_guard
+
+
+def test_the_guard_study_runs_each_arm_and_summarizes_them(tmp_path):
+    """A tiny study on simulated workers: the dense counterpart and the 1-bit optimizer at both
+    freeze points with the guard off and on, one JSON line each, and the summary of them;
+    --report summarizes the lines again without running anything."""
+    runs, summary = tmp_path / "runs.jsonl", tmp_path / "summary.json"
+    common = ["--tasks", "attention", "--optimizers", "onebit-adam", "--seeds", "0"]
+    _run(
+        "variance_guard", *common, "--workers", "2", "--simulate", "--steps", "30",
+        "--out", str(runs), "--summary", str(summary),
+    )  # fmt: skip
+    rows = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert [(r["optimizer"], r["freeze_step"], r["variance_guard"]) for r in rows] == [
+        ("adam", None, None),
+        ("onebit-adam", 40, "off"),
+        ("onebit-adam", 40, "refresh"),
+        ("onebit-adam", 300, "off"),
+        ("onebit-adam", 300, "refresh"),
+    ]
+    written = json.loads(summary.read_text())
+    assert written["command"].startswith("python benchmarks/variance_guard.py --workers 2")
+    assert [(e["freeze_step"], e["runs"]) for e in written["rows"]] == [(40, 1), (300, 1)]
+    again = tmp_path / "again.json"
+    _run("variance_guard", "--report", str(runs), "--summary", str(again))
+    assert json.loads(again.read_text()) == written
