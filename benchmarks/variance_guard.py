@@ -273,7 +273,7 @@ def measuring_command(rows: list[dict]) -> str:
     tasks = [name for name in TASKS if any(r["task"] == name for r in rows)]
     return " ".join(
         [
-            "python benchmarks/variance_guard.py",
+            ".venv/bin/python benchmarks/variance_guard.py",
             f"--workers {rows[0]['workers']}",
             *(["--simulate"] if rows[0]["simulated"] else []),
             "--tasks",

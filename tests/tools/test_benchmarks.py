@@ -231,7 +231,9 @@ def test_the_guard_study_runs_each_arm_and_summarizes_them(tmp_path):
         ("onebit-adam", 300, "refresh"),
     ]
     written = json.loads(summary.read_text())
-    assert written["command"].startswith("python benchmarks/variance_guard.py --workers 2")
+    assert written["command"].startswith(
+        ".venv/bin/python benchmarks/variance_guard.py --workers 2"
+    )
     assert [(e["freeze_step"], e["runs"]) for e in written["rows"]] == [(40, 1), (300, 1)]
     again = tmp_path / "again.json"
     _run("variance_guard", "--report", str(runs), "--summary", str(again))
