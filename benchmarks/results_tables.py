@@ -77,6 +77,8 @@ COMMIT_DATES = {
     "95bcdd9": "2026-12-04",
     "963ac7d": "2026-12-04",
     "af63a40": "2026-12-04",
+    "e95d5d0": "2026-12-04",
+    "5aee263": "2026-12-04",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -115,6 +117,9 @@ RECORDED_IN = {
     "docs/main-job/delayed/lr-0.008-undelayed": "963ac7d",
     "docs/zero-one-adam": "1354b52",
     "docs/convergence/variance-guard": "af63a40",
+    "docs/main-job/guard/default": "e95d5d0",
+    "docs/main-job/guard/freeze-50": "5aee263",
+    "docs/main-job/guard/lamb": "5aee263",
 }
 
 RUN = "python3 run.py onebit"
@@ -1149,6 +1154,62 @@ def table_variance_guard() -> Table:
     )
 
 
+#: The main job with the guard after the freeze: (run folder, label, command).
+MAIN_JOB_GUARD = [
+    ("docs/main-job/guard/lamb", "LAMB", f"{RUN} train --optimizer lamb"),
+    (
+        "docs/main-job/guard/default",
+        "1-bit LAMB, frozen after step 100 (the default)",
+        "python3 run.py train",
+    ),
+    (
+        "docs/main-job/guard/freeze-50",
+        "1-bit LAMB, frozen after step 50",
+        "python3 run.py train --freeze-step 50",
+    ),
+]
+
+
+def table_main_job_guard() -> Table:
+    """The main job frozen at its default and earlier, with the guard, beside LAMB."""
+    paths = [f"{run}/summary.json" for run, _, _ in MAIN_JOB_GUARD]
+    summaries = [_read(path) for path in paths]
+    lamb = summaries[0]["final_validation_loss"]
+    rows = []
+    for (_, label, _), s in zip(MAIN_JOB_GUARD, summaries, strict=True):
+        stages = s["bytes_sent"]["by_stage"]
+        refresh = stages.get("refresh", {}).get("steps", 0)
+        loss = s["final_validation_loss"]
+        rows.append(
+            [
+                label,
+                f"{loss:.4f}",
+                "" if s is summaries[0] else _pct(loss / lamb - 1),
+                "" if s is summaries[0] else str(refresh),
+                _mib(s["bytes_sent"]["total"]),
+                _x(s["reduction_vs_lamb"]),
+            ]
+        )
+    commits, dates = _stamp(paths)
+    return Table(
+        "main-job-guard",
+        [
+            "run",
+            "final validation loss",
+            "vs LAMB",
+            "refresh steps",
+            "bytes per worker",
+            "fewer than LAMB",
+        ],
+        "lrrrrr",
+        rows,
+        paths,
+        commits,
+        dates,
+        [c for _, _, c in MAIN_JOB_GUARD],
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # pages
 
@@ -1173,6 +1234,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "estimate-validation": table_estimate_validation,
     "estimate-summary": table_estimate_summary,
     "variance-guard": table_variance_guard,
+    "main-job-guard": table_main_job_guard,
 }
 
 MARKER = re.compile(
