@@ -1104,8 +1104,11 @@ def table_variance_guard() -> Table:
     """The guard after the freeze on the family of tasks, from the summaries
     benchmarks/variance_guard.py writes (one per worker count)."""
     paths = sorted(
-        str(path.relative_to(ROOT))
-        for path in (DOCS / "convergence" / "variance-guard").glob("summary-*.json")
+        (
+            str(path.relative_to(ROOT))
+            for path in (DOCS / "convergence" / "variance-guard").glob("summary-*.json")
+        ),
+        key=lambda path: int(re.findall(r"\d+", path.rsplit("-", 1)[1])[0]),  # by workers
     )
     summaries = [_read(path) for path in paths]
     rows = []
