@@ -157,11 +157,6 @@ class FreezeSchedule:
         )
         return min(step, self.freeze_step) + refreshed
 
-    @property
-    def refreshing(self) -> bool:
-        """Whether the last refresh lasts (its end not decided yet)."""
-        return bool(self.refreshes) and self.refreshes[-1][1] is None
-
     def start_refresh(self, step: int) -> None:
         """Steps from ``step`` on are refresh steps, until :meth:`end_refresh`."""
         self.refreshes.append((step, None))
