@@ -36,7 +36,7 @@ from torch import nn
 
 import onebit
 from onebit.collectives import compressed_allreduce_per_tensor_bytes, ring_allreduce_bytes
-from onebit.plateau import DeepNarrowTask, PointerTask, train
+from onebit.plateau import DeepNarrowTask, PointerTask, train, warm_up_learning_rate
 from onebit.simulate import SimulatedDataParallel
 from onebit.testing import spawn_workers
 
@@ -93,8 +93,7 @@ def _train_simulated(task: Task, build: Callable, workers: int, seed: int, batch
     losses = []
     for step in range(1, task.steps + 1):
         if task.lr_warmup_steps:
-            for group, peak in zip(optimizer.param_groups, peaks, strict=True):
-                group["lr"] = peak * min(1.0, step / task.lr_warmup_steps)
+            warm_up_learning_rate(optimizer, peaks, step, task.lr_warmup_steps)
         inputs, targets = task.problem.batch(step, batch, seed)
 
         def backward(rank: int, inputs=inputs, targets=targets) -> float:

@@ -97,6 +97,14 @@ class _PointerModel(nn.Module):
         return self.out(self.layer(hidden)[:, 0])
 
 
+def warm_up_learning_rate(
+    optimizer: torch.optim.Optimizer, peaks: list[float], step: int, warmup_steps: int
+) -> None:
+    """Each group's rate at ``step``: its peak times ``min(1, step / warmup_steps)``."""
+    for param_group, peak in zip(optimizer.param_groups, peaks, strict=True):
+        param_group["lr"] = peak * min(1.0, step / warmup_steps)
+
+
 def train(
     task: PointerTask | DeepNarrowTask,
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
@@ -122,8 +130,7 @@ def train(
     losses = []
     for step in range(1, steps + 1):
         if lr_warmup_steps:
-            for param_group, peak in zip(optimizer.param_groups, peaks, strict=True):
-                param_group["lr"] = peak * min(1.0, step / lr_warmup_steps)
+            warm_up_learning_rate(optimizer, peaks, step, lr_warmup_steps)
         inputs, targets = task.batch(step, batch_size, seed)
         inputs, targets = (x[rank * share : (rank + 1) * share] for x in (inputs, targets))
         loss = nn.functional.cross_entropy(model(inputs), targets)

@@ -59,7 +59,7 @@ from onebit.optim._schedule import (
     FreezeSchedule,
     Schedule,
 )
-from onebit.optim._variance_guard import MODE_OFF, MODE_REFRESH, VarianceGuard, check_mode
+from onebit.optim._variance_guard import MODE_OFF, VarianceGuard, check_mode
 from onebit.optim.functional import _active_indices
 
 __all__ = [
@@ -278,7 +278,7 @@ class OneBitOptimizer(Optimizer):
         kind = self.schedule.kind(step)
         if kind != COMPRESSION:
             self.finish_exchange()
-        if kind == REFRESH and self._refresh_starts(step):
+        if kind == REFRESH and cast(FreezeSchedule, self.schedule).refresh_of(step) == step:
             self._return_to_dense()
         with self._data_parallel.counting(kind):
             try:
@@ -310,7 +310,7 @@ class OneBitOptimizer(Optimizer):
 
     def _log_refresh_end(self, step: int) -> None:
         if self._data_parallel.is_logging_rank():
-            first, _ = cast(FreezeSchedule, self.schedule).refreshes[-1]
+            first = cast(FreezeSchedule, self.schedule).refresh_of(step)
             logger.info(
                 "%s: dense refresh steps %d-%d refreshed the variance, frozen again from step "
                 "%d; refresh steps have sent %d bytes in all",
@@ -648,30 +648,10 @@ class OneBitOptimizer(Optimizer):
         """After compression step ``step``: the guard's observation; where its check finds
         the frozen variance fallen behind, a refresh from the next step on (or a warning)."""
         guard = self._variance_guard
-        if guard is None:
-            return
-        growth = guard.observe(flat)
-        if growth is None:
-            return
-        logging_rank = self._data_parallel.is_logging_rank()
-        if guard.mode != MODE_REFRESH:
-            guard.warned = True
-            if logging_rank:
-                guard.warn(step, growth, flat, "Nothing changes (variance_guard='warn').")
-            return
-        cast(FreezeSchedule, self.schedule).start_refresh(step + 1)
-        if logging_rank:
-            guard.warn(
-                step,
-                growth,
-                flat,
-                f"Steps from {step + 1} on are dense, refreshing the variance, until it has "
-                "caught up; then it freezes again (variance_guard='warn' only warns).",
-            )
-
-    def _refresh_starts(self, step: int) -> bool:
-        schedule = cast(FreezeSchedule, self.schedule)
-        return schedule.refreshes[-1][0] == step
+        if guard is not None and guard.after_compression_step(
+            step, flat, self._data_parallel.is_logging_rank()
+        ):
+            cast(FreezeSchedule, self.schedule).start_refresh(step + 1)
 
     def _return_to_dense(self) -> None:
         """At a refresh's first step (the exchange in flight has landed): the error feedback

@@ -198,7 +198,7 @@ class ReadinessMonitor:
         if not any(present):
             return
         self.statistic.observe(flat, grads, present)
-        first, _ = schedule.refreshes[-1]
+        first = schedule.refresh_of(step)
         if (step - first + 1) % READINESS_WINDOW:
             return
         ratios = self.statistic.ratios(flat, schedule.variance_updates(step))

@@ -145,10 +145,14 @@ class FreezeSchedule:
     def kind(self, step: int) -> str:
         if step <= self.freeze_step:
             return WARMUP
+        return COMPRESSION if self.refresh_of(step) is None else REFRESH
+
+    def refresh_of(self, step: int) -> int | None:
+        """The first step of the refresh ``step`` belongs to, or ``None``."""
         for first, last in self.refreshes:
             if first <= step and (last is None or step <= last):
-                return REFRESH
-        return COMPRESSION
+                return first
+        return None
 
     def variance_updates(self, step: int) -> int:
         refreshed = sum(

@@ -107,9 +107,27 @@ class VarianceGuard:
             return None
         return growth
 
-    def warn(self, step: int, growth: Tensor, flat: FlatState, then: str) -> None:
-        """The finding after ``step``, warned about; ``then`` says what follows."""
+    def after_compression_step(self, step: int, flat: FlatState, warn: bool) -> bool:
+        """:meth:`observe` after compression step ``step``; where the check finds the variance
+        fallen behind, warn (where ``warn``: on the logging rank) and return whether a refresh
+        starts at the next step (``"refresh"``; ``"warn"`` stops watching)."""
+        growth = self.observe(flat)
+        if growth is None:
+            return False
         self.warned = True
+        refresh = self.mode == MODE_REFRESH
+        if warn:
+            then = (
+                f"Steps from {step + 1} on are dense, refreshing the variance, until it has "
+                "caught up; then it freezes again (variance_guard='warn' only warns)."
+                if refresh
+                else "Nothing changes (variance_guard='warn')."
+            )
+            self._warn(step, growth, flat, then)
+        return refresh
+
+    def _warn(self, step: int, growth: Tensor, flat: FlatState, then: str) -> None:
+        """The finding after ``step``, warned about; ``then`` says what follows."""
         index = int(growth.argmax())
         value = float(growth[index])
         warnings.warn(
@@ -120,7 +138,7 @@ class VarianceGuard:
             f"variance that no longer follows (the limit is {GROWTH_LIMIT:g}x). "
             f"{then} (ALGORITHM.md, 'The guard after the freeze')",
             RuntimeWarning,
-            stacklevel=7,  # the caller of optimizer.step(), through torch's two wrappers
+            stacklevel=8,  # the caller of optimizer.step(), through torch's two wrappers
         )
 
     def state_dict(self) -> dict[str, Any]:
