@@ -75,7 +75,9 @@ _DEEPSPEED_CHOICES: dict[type, tuple[dict[str, Any], str]] = {
         DEEPSPEED_SCHEDULE,
         "ZeroOneAdam's defaults (var_freeze_step='auto', var_warmup_steps='auto', "
         "pre_freeze_exchange='momentum', which keep learning where DeepSpeed's schedule "
-        "stalled and freeze once the variance has caught up: docs/ZERO-ONE-ADAM.md)",
+        "stalled and freeze once the variance has caught up: docs/ZERO-ONE-ADAM.md; "
+        "variance_guard='refresh', which refreshes a variance that falls behind after the "
+        "freeze: docs/VARIANCE-READINESS.md)",
     ),
     OneBitLamb: (
         {"compression": "fused"},

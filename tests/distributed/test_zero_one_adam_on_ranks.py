@@ -68,11 +68,13 @@ def _expected_bytes(n, elem):
     numel, k = sum(math.prod(s) for s in SHAPES), len(SHAPES)
     signs = 2 * (n - 1) * sum(padded(math.prod(s), n) for s in SHAPES) // n // 8
     one_bit = signs + (2 * k + 1) * elem * (n - 1) + 2 * (n - 1) * k // n
+    dense = 2 * (n - 1) * (numel + k) * elem // n
     return {
-        "variance_update": 2 * (n - 1) * (numel + k) * elem // n,
+        "variance_update": dense,
         "gradient_1bit": one_bit,
         "local": 0,
         "sync": one_bit,
+        "refresh": dense,  # the guard after the freeze's dense steps (none here)
     }
 
 

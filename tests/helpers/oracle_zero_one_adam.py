@@ -51,15 +51,20 @@ def _exchange(rows, worker_errors, server_errors):
     return result[:numel].reshape(rows[0].shape), worker_errors, server_errors
 
 
-def oracle_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
+def oracle_zero_one_adam(
+    init, grad_fn, lr_fn, n, steps, hyper, masks=None, refreshes=(), grad_scale=None
+):
     """Each worker's parameters after every step: ``history[t][r][i]`` (float64).
 
     ``hyper``: betas, eps, weight_decay (per tensor, a list), var_freeze_step,
     var_update_scaler, local_step_scaler, local_step_clipper and optionally
     pre_freeze_exchange ("gradient", the default, or "momentum"). ``lr_fn(t, i)``: the learning
     rate of tensor i at step t; ``grad_fn(r, i, p)``: worker r's gradient of tensor i at its
-    weights p; ``masks[i]``: tensor i's exp_avg_mask or None (the elements whose variance is 0
-    are masked too).
+    weights p, times ``grad_scale(t)`` where given; ``masks[i]``: tensor i's exp_avg_mask or
+    None (the elements whose variance is 0 are masked too). ``refreshes``: the ``(first,
+    last)`` steps of each refresh of the guard after the freeze, taken as given (ALGORITHM.md,
+    "The guard after the freeze", 0/1 Adam): dense steps, both error buffers zeroed at the
+    first, and after the last, r, the steps run as after the freeze with T = r.
     """
     b1, b2 = hyper["betas"]
     eps, decay = hyper["eps"], hyper["weight_decay"]
@@ -82,13 +87,24 @@ def oracle_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
         kept = x * (v[i] > 0).double()
         return kept if masks[i] is None else kept * masks[i].double()
 
+    def refreshing(t):
+        return any(first <= t <= last for first, last in refreshes)
+
+    def last_freeze(t):
+        """T, or the last step of the last refresh before t."""
+        return max([freeze, *(last for _, last in refreshes if last < t)])
+
     history = []
     for t in range(1, steps + 1):
+        scale = 1.0 if grad_scale is None else grad_scale(t)
+        if any(first == t for first, _ in refreshes):
+            we = [torch.zeros_like(e) for e in we]
+            se = [torch.zeros_like(e) for e in se]
         for i in range(k):
             lr, wd = lr_fn(t, i), decay[i]
-            grads = [grad_fn(r, i, p[r][i]) for r in range(n)]
+            grads = [grad_fn(r, i, p[r][i]) * scale for r in range(n)]
             d = v[i].sqrt() + eps
-            if t <= freeze and t in updates:
+            if (t <= freeze and t in updates) or refreshing(t):
                 g = sum(grads) / n
                 v[i] = b2 * v[i] + (1 - b2) * g * g
                 d = v[i].sqrt() + eps
@@ -102,7 +118,8 @@ def oracle_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
                     m[r][i] = b1 * m[r][i] + (1 - b1) * g
                     p[r][i] = p[r][i] - lr * (m[r][i] / d + wd * p[r][i])
             else:
-                if t <= freeze + 1 and i == 0:  # an interval starts at step t - 1's weights
+                frozen_after = last_freeze(t)
+                if t <= frozen_after + 1 and i == 0:  # an interval starts at t - 1's weights
                     synced = [x.clone() for x in p[0]]
                     lr_sum = [0.0] * k
                 if t == freeze + 1 and i == 0 and not exchange_momentum:
@@ -112,7 +129,7 @@ def oracle_zero_one_adam(init, grad_fn, lr_fn, n, steps, hyper, masks=None):
                     m[r][i] = b1 * m[r][i] + (1 - b1) * grads[r]
                     p[r][i] = p[r][i] - lr * (m[r][i] / d + wd * p[r][i])
                 lr_sum[i] += lr
-                if t <= freeze or is_sync_step(t, freeze, scaler, clipper):
+                if t <= freeze or is_sync_step(t, frozen_after, scaler, clipper):
                     deltas = [(p[r][i] - synced[i]) * d for r in range(n)]
                     delta, we[i], se[i] = _exchange(deltas, we[i], se[i])
                     delta = masked(delta, i)

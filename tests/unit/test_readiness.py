@@ -257,8 +257,10 @@ def test_from_deepspeed_config_builds_deepspeeds_schedule(caplog):
         optimizer = onebit.from_deepspeed_config(config, [torch.nn.Parameter(torch.zeros(2))])
     assert not optimizer.warmup_auto and optimizer.first_interval is None
     assert optimizer.pre_freeze_exchange == "gradient"
-    assert "DeepSpeed's choice (var_warmup_steps=None, pre_freeze_exchange='gradient')" in (
-        caplog.text
+    assert optimizer.variance_guard == "off"
+    assert (
+        "DeepSpeed's choice (var_warmup_steps=None, pre_freeze_exchange='gradient', "
+        "variance_guard='off')" in caplog.text
     )
     caplog.clear()
     config["optimizer"]["params"].pop("var_freeze_step")  # DeepSpeed's default T, not "auto"

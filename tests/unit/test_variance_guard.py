@@ -36,13 +36,23 @@ def gradient(step: int, index: int) -> torch.Tensor:
 
 
 def build(optimizer=onebit.OneBitAdam, **options):
+    """The optimizer with its variance frozen after step FREEZE, every step before dense (0/1
+    Adam: a synchronisation every step after it, its default local_step_scaler)."""
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
-    options = {"lr": LR, "freeze_step": FREEZE, "betas": (0.9, BETA2), **options}
+    if optimizer is onebit.ZeroOneAdam:
+        freeze = {"var_freeze_step": FREEZE, "var_warmup_steps": FREEZE}
+    else:
+        freeze = {"freeze_step": FREEZE}
+    options = {"lr": LR, "betas": (0.9, BETA2), **freeze, **options}
     return params, optimizer(params, **options)
 
 
+#: The kinds of step whose momentum the guard observes: the exchanged one, or 0/1 Adam's rebuilt.
+OBSERVED = ("compression", "sync")
+
+
 def run(optimizer, params, steps, first=1, rate=None):
-    """Steps ``first ..``; each applied compression step's momenta (float64) and the rate."""
+    """Steps ``first ..``; the momenta (float64) after each applied step the guard observes."""
     momenta = {}
     for step in range(first, first + steps):
         if rate is not None:
@@ -52,7 +62,7 @@ def run(optimizer, params, steps, first=1, rate=None):
             p.grad = gradient(step, index).float()
         kind = optimizer.stage
         optimizer.step()
-        if kind == "compression":
+        if kind in OBSERVED:
             momenta[step] = [optimizer.state[p]["exp_avg"].double().clone() for p in params]
     return momenta
 
@@ -102,7 +112,7 @@ def expected_refresh(momenta, rate=lambda step: LR):
     return first, None
 
 
-@pytest.mark.parametrize("optimizer", [onebit.OneBitAdam, onebit.OneBitLamb])
+@pytest.mark.parametrize("optimizer", [onebit.OneBitAdam, onebit.OneBitLamb, onebit.ZeroOneAdam])
 def test_the_refresh_starts_and_ends_where_the_model_says(optimizer):
     params, opt = build(optimizer)
     with warnings.catch_warnings(record=True) as caught:
@@ -113,12 +123,20 @@ def test_the_refresh_starts_and_ends_where_the_model_says(optimizer):
     assert expected is not None and expected[1] is not None  # the run covers both decisions
     assert opt.refreshes == [expected]
     first, last = expected
+    dense, observed = (
+        ("variance_update", "sync")
+        if optimizer is onebit.ZeroOneAdam
+        else (
+            "warmup",
+            "compression",
+        )
+    )
     kinds = [opt.kind_of_step(t) for t in range(1, STEPS + 1)]
     assert kinds == (
-        ["warmup"] * FREEZE
-        + ["compression"] * (first - 1 - FREEZE)
+        [dense] * FREEZE
+        + [observed] * (first - 1 - FREEZE)
         + ["refresh"] * (last - first + 1)
-        + ["compression"] * (STEPS - last)
+        + [observed] * (STEPS - last)
     )
     assert opt.variance_updates(STEPS) == FREEZE + last - first + 1
     assert opt.freeze_step == FREEZE  # the first freeze
@@ -214,16 +232,20 @@ def test_warn_only_warns_once_and_changes_nothing():
 
 
 # In the baseline's window, in the window of the check that fires, at it, in the refresh.
-@pytest.mark.parametrize("save_at", [15, 35, 40, 45])
-def test_a_resumed_run_takes_the_same_decisions(save_at):
-    params, opt = build(onebit.OneBitLamb)
+@pytest.mark.parametrize(
+    "optimizer, save_at",
+    [(onebit.OneBitLamb, step) for step in (15, 35, 40, 45)]
+    + [(onebit.ZeroOneAdam, step) for step in (35, 45)],
+)
+def test_a_resumed_run_takes_the_same_decisions(optimizer, save_at):
+    params, opt = build(optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run(opt, params, save_at)
         saved = copy.deepcopy(opt.state_dict())  # the state holds views the run updates
         weights = [p.detach().clone() for p in params]
         run(opt, params, STEPS - save_at, first=save_at + 1)
-        resumed_params, resumed = build(onebit.OneBitLamb)
+        resumed_params, resumed = build(optimizer)
         with torch.no_grad():
             for p, w in zip(resumed_params, weights, strict=True):
                 p.copy_(w)
@@ -252,7 +274,40 @@ def test_an_unknown_mode_is_named_before_anything_changes(value):
         build(variance_guard=value)
 
 
-def test_zero_one_adam_has_no_guard_after_the_freeze():
-    params = [torch.nn.Parameter(torch.zeros(3))]
-    optimizer = onebit.ZeroOneAdam(params)
-    assert optimizer.variance_guard == "off" and optimizer.refreshes == []
+def test_zero_one_adam_starts_its_local_intervals_again_after_a_refresh():
+    """After the refresh's last step r the steps run as after T with T = r: a synchronisation
+    when t mod H_t = 0, H_t = min(H, 2^floor((t - r - 1) / S)); the mask from the refreshed v;
+    the refresh's steps dense, so the guard's refresh bytes are counted under "refresh"."""
+    scaler, clipper = 4, 4
+    params, opt = build(onebit.ZeroOneAdam, local_step_scaler=scaler, local_step_clipper=clipper)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(opt, params, 140)
+    assert opt.refreshes and opt.refreshes[0][1] is not None
+    first, last = opt.refreshes[0]
+
+    def expected(t, freeze):
+        interval = min(clipper, 2 ** ((t - freeze - 1) // scaler))
+        return "sync" if t % interval == 0 else "local"
+
+    assert [opt.kind_of_step(t) for t in range(FREEZE + 1, first)] == [
+        expected(t, FREEZE) for t in range(FREEZE + 1, first)
+    ]
+    assert all(opt.kind_of_step(t) == "refresh" for t in range(first, last + 1))
+    after = range(last + 1, 141)
+    assert [opt.kind_of_step(t) for t in after] == [expected(t, last) for t in after]
+    assert opt.kind_of_step(last + 1) == "sync"  # the interval starts at 1 again
+    assert opt.var_freeze_step == FREEZE and opt.variance_updates(140) == FREEZE + last - first + 1
+    assert set(opt.bytes_sent) == {"variance_update", "gradient_1bit", "local", "sync", "refresh"}
+
+
+def test_zero_one_adam_watches_only_after_its_freeze():
+    """Before T the variance is still updated on T_v: growing gradients among 1-bit steps
+    there (DeepSpeed's spaced variance updates) start no refresh."""
+    params, opt = build(
+        onebit.ZeroOneAdam, var_freeze_step=STEPS, var_warmup_steps=4, var_update_scaler=2
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(opt, params, STEPS)
+    assert opt.refreshes == [] and opt.kind_of_step(STEPS - 1) in ("sync", "variance_update")

@@ -56,7 +56,6 @@ from onebit.optim._schedule import (
     REFRESH,
     SYNC,
     WARMUP,
-    FreezeSchedule,
     Schedule,
 )
 from onebit.optim._variance_guard import MODE_OFF, VarianceGuard, check_mode
@@ -162,10 +161,7 @@ class OneBitOptimizer(Optimizer):
     ) -> None:
         name = type(self).__name__
         checks.check_max_grad_norm(max_grad_norm)
-        if check_mode(variance_guard) != MODE_OFF and not isinstance(schedule, FreezeSchedule):
-            raise ValueError(
-                f"variance_guard={variance_guard!r}: {name} has no guard after the freeze"
-            )
+        check_mode(variance_guard)
         for option, value in (
             ("overlap_backward", overlap_backward),
             ("delayed_exchange", delayed_exchange),
@@ -278,7 +274,7 @@ class OneBitOptimizer(Optimizer):
         kind = self.schedule.kind(step)
         if kind != COMPRESSION:
             self.finish_exchange()
-        if kind == REFRESH and cast(FreezeSchedule, self.schedule).refresh_of(step) == step:
+        if kind == REFRESH and self.schedule.refreshes.of(step) == step:
             self._return_to_dense()
         with self._data_parallel.counting(kind):
             try:
@@ -310,7 +306,7 @@ class OneBitOptimizer(Optimizer):
 
     def _log_refresh_end(self, step: int) -> None:
         if self._data_parallel.is_logging_rank():
-            first = cast(FreezeSchedule, self.schedule).refresh_of(step)
+            first = self.schedule.refreshes.of(step)
             logger.info(
                 "%s: dense refresh steps %d-%d refreshed the variance, frozen again from step "
                 "%d; refresh steps have sent %d bytes in all",
@@ -482,7 +478,8 @@ class OneBitOptimizer(Optimizer):
         since the last one."""
         rule = cast(ZeroOneAdamRule, self.rule)
         buffer = self._accumulator(step, flat)
-        if step - 1 <= self.schedule.freeze_step:
+        last_freeze = self.schedule.last_freeze(step)
+        if step - 1 <= last_freeze:
             self._start_interval(step, flat)
         active = self._taking_part(flat)
         own = [
@@ -509,6 +506,8 @@ class OneBitOptimizer(Optimizer):
             rule.synchronised_update(
                 self.updates, flat, buffer, [a and b for a, b in zip(active, applied, strict=True)]
             )
+            if step > last_freeze:  # the variance frozen: the guard after the freeze watches
+                self._watch_variance(step, flat)
         return True
 
     # ----------------------------------------------------------------- step helpers
@@ -651,15 +650,16 @@ class OneBitOptimizer(Optimizer):
         if guard is not None and guard.after_compression_step(
             step, flat, self._data_parallel.is_logging_rank()
         ):
-            cast(FreezeSchedule, self.schedule).start_refresh(step + 1)
+            self.schedule.refreshes.start(step + 1)
 
     def _return_to_dense(self) -> None:
-        """At a refresh's first step (the exchange in flight has landed): the error feedback
-        restarts from zero, the stage is set up again at the next freeze, and the readiness
-        statistic starts a new window."""
+        """At a refresh's first step (the exchange in flight has landed; 0/1 Adam's weights
+        synchronised): the error feedback restarts from zero, the stage (its masks) is set up
+        again at the next freeze, and the readiness statistic starts a new window."""
         self.exchange.reset_errors()
         self._stage.reset()
         self._readiness.restart()
+        self._gradients_since_sync = None
 
     def _scaled_local_momentum(
         self,
@@ -723,10 +723,11 @@ class OneBitOptimizer(Optimizer):
             buffer.mul_(self._stage.mask)
 
     def _start_interval(self, step: int, flat: FlatState) -> None:
-        """Before a synchronised step ``t <= T + 1``: ``p_synced = p`` (a variance update may
-        have moved the weights since the last synchronisation) and ``lr_sum = 0``. At the
-        freeze after 1-bit gradient steps the error buffers, which held the gradients' error,
-        restart from zero for the accumulated updates."""
+        """Before a synchronised step ``t <= T + 1``, or the first after a refresh:
+        ``p_synced = p`` (a variance update may have moved the weights since the last
+        synchronisation) and ``lr_sum = 0``. At the freeze after 1-bit gradient steps the
+        error buffers, which held the gradients' error, restart from zero for the accumulated
+        updates. At every freeze the guard after the freeze measures its baseline anew."""
         new = flat.synced_param is None
         synced = flat.enable_synced_param()
         if new:
@@ -736,6 +737,8 @@ class OneBitOptimizer(Optimizer):
         schedule = self.schedule
         if step - 1 == schedule.freeze_step and schedule.errors_restart_at_freeze:
             self.exchange.reset_errors()
+        if step - 1 == schedule.last_freeze(step) and self._variance_guard is not None:
+            self._variance_guard.restart()
 
     # ----------------------------------------------------------------- what users see
     @property
@@ -792,8 +795,7 @@ class OneBitOptimizer(Optimizer):
     def refreshes(self) -> list[tuple[int, int | None]]:
         """The first and last step of each refresh the guard after the freeze returned to
         (the last ``None`` while it lasts)."""
-        schedule = self.schedule
-        return list(schedule.refreshes) if isinstance(schedule, FreezeSchedule) else []
+        return list(self.schedule.refreshes.spans)
 
     @property
     def skipped_steps(self) -> int:

@@ -192,19 +192,18 @@ class ReadinessMonitor:
         present: Sequence[bool],
         log: bool,
     ) -> None:
-        """After refresh step ``step`` of a :class:`~onebit.optim._schedule.FreezeSchedule`:
-        observe; every :data:`READINESS_WINDOW` steps of the refresh, end it once the variance
-        has caught up (logged where ``log``)."""
+        """After refresh step ``step``: observe; every :data:`READINESS_WINDOW` steps of the
+        refresh, end it once the variance has caught up (logged where ``log``)."""
         if not any(present):
             return
         self.statistic.observe(flat, grads, present)
-        first = schedule.refresh_of(step)
+        first = schedule.refreshes.of(step)
         if (step - first + 1) % READINESS_WINDOW:
             return
         ratios = self.statistic.ratios(flat, schedule.variance_updates(step))
         if not self.statistic.settled(float(ratios.max())):
             return
-        schedule.end_refresh(step)
+        schedule.refreshes.end(step)
         if log:
             logger.info(
                 "%s: the variance has caught up after refresh step %d: it freezes again "

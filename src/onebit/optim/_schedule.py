@@ -33,6 +33,7 @@ __all__ = [
     "REFRESH",
     "WARMUP",
     "FreezeSchedule",
+    "Refreshes",
     "Schedule",
     "ZeroOneSchedule",
     "GRADIENT_1BIT",
@@ -62,6 +63,8 @@ class Schedule(Protocol):
     dense_kinds: frozenset[str]
     freeze_step: int
     auto_freeze: bool
+    #: The refreshes the guard after the freeze returned to.
+    refreshes: Refreshes
     #: Whether the error feedback restarts from zero at the freeze (it held other values
     #: before it, as 0/1 Adam's 1-bit gradient steps leave the gradients' errors).
     errors_restart_at_freeze: bool
@@ -126,6 +129,50 @@ def _freeze_check(argument: str, freeze_step: int) -> Check:
     )
 
 
+class Refreshes:
+    """The refreshes the guard after the freeze returned to (ALGORITHM.md, "The guard after
+    the freeze"): each a run of dense ``"refresh"`` steps ``first .. last`` (``last`` is
+    ``None`` while it lasts), after which the variance is frozen again."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int | None]] = []
+
+    def of(self, step: int) -> int | None:
+        """The first step of the refresh ``step`` belongs to, or ``None``."""
+        for first, last in self.spans:
+            if first <= step and (last is None or step <= last):
+                return first
+        return None
+
+    def steps_until(self, step: int) -> int:
+        """How many of the steps ``1 .. step`` were refresh steps."""
+        return sum(
+            max(0, min(step, step if last is None else last) - first + 1)
+            for first, last in self.spans
+        )
+
+    def last_end_before(self, step: int) -> int | None:
+        """The last step of the latest refresh that ended before ``step``, or ``None``."""
+        return max(
+            (last for _, last in self.spans if last is not None and last < step), default=None
+        )
+
+    def start(self, step: int) -> None:
+        """Steps from ``step`` on are refresh steps, until :meth:`end`."""
+        self.spans.append((step, None))
+
+    def end(self, step: int) -> None:
+        """The variance freezes again after ``step``."""
+        first, _ = self.spans[-1]
+        self.spans[-1] = (first, step)
+
+    def state_dict(self) -> list[list[int | None]]:
+        return [list(span) for span in self.spans]
+
+    def load_state_dict(self, saved: list[list[int | None]]) -> None:
+        self.spans = [(int(first), last) for first, last in saved]
+
+
 class FreezeSchedule:
     """Steps ``1 .. freeze_step`` are ``"warmup"`` (dense), the later ones ``"compression"``,
     except the ``"refresh"`` steps of each refresh (``first .. last``; ``last`` is ``None``
@@ -140,41 +187,21 @@ class FreezeSchedule:
     def __init__(self, freeze_step: int | str, max_freeze_step: int | None) -> None:
         self.auto_freeze = freeze_step == AUTO
         self.freeze_step = checked_freeze(self.argument, freeze_step, max_freeze_step)
-        self.refreshes: list[tuple[int, int | None]] = []
+        self.refreshes = Refreshes()
 
     def kind(self, step: int) -> str:
         if step <= self.freeze_step:
             return WARMUP
-        return COMPRESSION if self.refresh_of(step) is None else REFRESH
-
-    def refresh_of(self, step: int) -> int | None:
-        """The first step of the refresh ``step`` belongs to, or ``None``."""
-        for first, last in self.refreshes:
-            if first <= step and (last is None or step <= last):
-                return first
-        return None
+        return COMPRESSION if self.refreshes.of(step) is None else REFRESH
 
     def variance_updates(self, step: int) -> int:
-        refreshed = sum(
-            max(0, min(step, step if last is None else last) - first + 1)
-            for first, last in self.refreshes
-        )
-        return min(step, self.freeze_step) + refreshed
-
-    def start_refresh(self, step: int) -> None:
-        """Steps from ``step`` on are refresh steps, until :meth:`end_refresh`."""
-        self.refreshes.append((step, None))
-
-    def end_refresh(self, step: int) -> None:
-        """The variance freezes again after ``step``."""
-        first, _ = self.refreshes[-1]
-        self.refreshes[-1] = (first, step)
+        return min(step, self.freeze_step) + self.refreshes.steps_until(step)
 
     def last_freeze(self, step: int) -> int:
         """The step after which the variance was last frozen, as of ``step``: the warm-up's
         end, or that of the last refresh before ``step``."""
-        ends = [last for _, last in self.refreshes if last is not None and last < step]
-        return max([self.freeze_step, *ends])
+        end = self.refreshes.last_end_before(step)
+        return self.freeze_step if end is None else end
 
     def readiness_checks(self) -> dict[int, Check]:
         return {self.freeze_step: _freeze_check(self.argument, self.freeze_step)}
@@ -194,22 +221,24 @@ class FreezeSchedule:
         return self.freeze_step + 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"freeze_step": self.freeze_step, "refreshes": [list(r) for r in self.refreshes]}
+        return {"freeze_step": self.freeze_step, "refreshes": self.refreshes.state_dict()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self.auto_freeze and saved.get("freeze_step", self.freeze_step) < self.freeze_step:
             self.freeze_step = int(saved["freeze_step"])  # where "auto" froze
-        self.refreshes = [(int(first), last) for first, last in saved.get("refreshes", [])]
+        self.refreshes.load_state_dict(saved.get("refreshes", []))
 
 
 class ZeroOneSchedule:
     """0/1 Adam's: up to ``freeze_step`` (T) variance updates on exponentially spaced steps
     (the first ``first_interval`` steps all dense), 1-bit steps between them; after T local
-    steps with a synchronisation every ``H_t`` steps (ALGORITHM.md, "0/1 Adam")."""
+    steps with a synchronisation every ``H_t`` steps (ALGORITHM.md, "0/1 Adam"), except the
+    ``"refresh"`` steps of each refresh, after which the local intervals start again as
+    after T ("The guard after the freeze", 0/1 Adam)."""
 
     argument = "var_freeze_step"
-    kinds: tuple[str, ...] = STEP_KINDS
-    dense_kinds = frozenset({VARIANCE_UPDATE})
+    kinds: tuple[str, ...] = (*STEP_KINDS, REFRESH)
+    dense_kinds = frozenset({VARIANCE_UPDATE, REFRESH})
 
     def __init__(
         self,
@@ -250,11 +279,14 @@ class ZeroOneSchedule:
         #: kappa where it is None; with ``"auto"`` the freeze's bound until the variance has
         #: caught up, then the step it did.
         self.first_interval = self.freeze_step if self.warmup_auto else var_warmup_steps
+        self.refreshes = Refreshes()
 
     def kind(self, step: int) -> str:
+        if step > self.freeze_step and self.refreshes.of(step) is not None:
+            return REFRESH
         return step_kind(
             step,
-            self.freeze_step,
+            self.last_freeze(step),
             self.var_update_scaler,
             self.local_step_scaler,
             self.local_step_clipper,
@@ -263,9 +295,10 @@ class ZeroOneSchedule:
         )
 
     def variance_updates(self, step: int) -> int:
-        return variance_updates_until(
+        updates = variance_updates_until(
             min(step, self.freeze_step), self.var_update_scaler, self.first_interval
         )
+        return updates + self.refreshes.steps_until(step)
 
     @property
     def first_local_exchange(self) -> int:
@@ -300,7 +333,9 @@ class ZeroOneSchedule:
         return checks
 
     def last_freeze(self, step: int) -> int:
-        return self.freeze_step
+        """T, or the last step of the last refresh before ``step``."""
+        end = self.refreshes.last_end_before(step)
+        return self.freeze_step if end is None else end
 
     def decision_pending(self, step: int) -> bool:
         """With ``var_freeze_step="auto"`` or ``var_warmup_steps="auto"``: whether to freeze
@@ -319,10 +354,14 @@ class ZeroOneSchedule:
 
     def replicas_agree(self, last_step: int) -> bool:
         """Up to the freeze and right after a synchronisation; not inside a local interval."""
-        return last_step <= self.freeze_step or self.kind(last_step) == SYNC
+        return last_step <= self.freeze_step or self.kind(last_step) in (SYNC, REFRESH)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"freeze_step": self.freeze_step, "first_interval": self.first_interval}
+        return {
+            "freeze_step": self.freeze_step,
+            "first_interval": self.first_interval,
+            "refreshes": self.refreshes.state_dict(),
+        }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self.auto_freeze and saved.get("freeze_step", self.freeze_step) < self.freeze_step:
@@ -330,3 +369,4 @@ class ZeroOneSchedule:
         interval = saved.get("first_interval")
         if self.warmup_auto and interval is not None and interval < self.first_interval:
             self.first_interval = int(interval)  # where "auto" ended the first interval
+        self.refreshes.load_state_dict(saved.get("refreshes", []))

@@ -14,11 +14,13 @@ STEP_KINDS = (VARIANCE_UPDATE, GRADIENT_1BIT, LOCAL, SYNC)
 
 #: The arguments that differ from DeepSpeed's ``ZeroOneAdam`` by default, at DeepSpeed's values:
 #: the variance frozen after step 100000, its first 16 steps dense, then 1-bit gradients between
-#: the variance updates. (Merge an explicit ``var_freeze_step`` in: ``DEEPSPEED_SCHEDULE | {...}``.)
+#: the variance updates, and no guard after the freeze. (Merge an explicit ``var_freeze_step``
+#: in: ``DEEPSPEED_SCHEDULE | {...}``.)
 DEEPSPEED_SCHEDULE = {
     "var_freeze_step": DEFAULT_MAX_FREEZE_STEP,
     "var_warmup_steps": None,
     "pre_freeze_exchange": "gradient",
+    "variance_guard": "off",
 }
 
 #: What the 1-bit steps before the variance freeze exchange: ``"gradient"`` (DeepSpeed's

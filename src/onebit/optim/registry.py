@@ -124,7 +124,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "local_step_scaler",
                 "local_step_clipper",
             ),
-            ("pre_freeze_exchange", "var_warmup_steps", "max_var_freeze_step", *_CLIPPING),
+            (
+                "pre_freeze_exchange",
+                "var_warmup_steps",
+                "max_var_freeze_step",
+                "variance_guard",
+                *_CLIPPING,
+            ),
             deepspeed_type="zerooneadam",
         ),
     )

@@ -13,6 +13,7 @@ from onebit.optim._onebit import OneBitOptimizer
 from onebit.optim._readiness import AUTO
 from onebit.optim._rules import ZeroOneAdamRule
 from onebit.optim._schedule import ZeroOneSchedule
+from onebit.optim._variance_guard import MODE_REFRESH
 from onebit.optim._zero_one_schedule import (
     DEEPSPEED_SCHEDULE,
     GRADIENT_1BIT,
@@ -69,7 +70,8 @@ class ZeroOneAdam(OneBitOptimizer):
     ``p_synced + exchanged / (sqrt(v) + eps)`` on every rank alike.
 
     ``bytes_sent`` counts each kind of step apart: ``"variance_update"`` (dense),
-    ``"gradient_1bit"``, ``"local"`` (nothing) and ``"sync"``; :attr:`stage` is the kind of
+    ``"gradient_1bit"``, ``"local"`` (nothing), ``"sync"`` and ``"refresh"`` (dense, the
+    guard after the freeze); :attr:`stage` is the kind of
     the next step. Replicas are bit-identical up to T and right after every synchronisation;
     ``verify_every`` checks them at the first such point at or after each due step. A
     checkpoint taken inside a local interval also holds this rank's own weights, which
@@ -95,6 +97,11 @@ class ZeroOneAdam(OneBitOptimizer):
             ..., each dense): ``"auto"`` (default) until the variance has caught up
             (ALGORITHM.md, "Variance readiness"), checked every 10 steps; a number of steps; or
             ``None`` for ``var_update_scaler``, DeepSpeed's schedule.
+        variance_guard: after T, the rebuilt momentum of each synchronisation watched against
+            the frozen variance (ALGORITHM.md, "The guard after the freeze", 0/1 Adam):
+            ``"refresh"`` (default) returns to dense ``"refresh"`` steps when the variance has
+            fallen behind and freezes it again once it has caught up, the local intervals
+            starting again at 1; ``"warn"`` warns once; ``"off"`` is DeepSpeed's.
         pre_freeze_exchange: what the 1-bit steps before the freeze exchange: ``"momentum"``
             (default, the paper's; counted as ``"sync"`` steps) or ``"gradient"``
             (DeepSpeed's). In short runs whose variance schedule reaches past the
@@ -107,7 +114,8 @@ class ZeroOneAdam(OneBitOptimizer):
             rank alone (with a warning, or an error with ``on_nonfinite="raise"``).
 
     Argument names follow DeepSpeed's ``ZeroOneAdam``, and so do the defaults except three
-    (``var_freeze_step``, ``pre_freeze_exchange`` and ``var_warmup_steps`` are onebit's): with
+    (``var_freeze_step``, ``pre_freeze_exchange`` and ``var_warmup_steps`` are onebit's;
+    ``variance_guard`` is onebit's own): with
     DeepSpeed's schedule the first 1-bit steps come after 16 dense steps, before the variance
     has caught up, and training stalled on the convergence study's model and on a task with a
     plateau; with its T = 100000 never reached, a short run sent more bytes than 1-bit Adam
@@ -133,6 +141,7 @@ class ZeroOneAdam(OneBitOptimizer):
         max_grad_norm: float = 0.0,
         max_var_freeze_step: int | None = None,
         var_warmup_steps: int | str | None = AUTO,
+        variance_guard: str = MODE_REFRESH,
     ) -> None:
         checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         schedule = ZeroOneSchedule(
@@ -155,6 +164,7 @@ class ZeroOneAdam(OneBitOptimizer):
             kernels=kernels,
             max_grad_norm=max_grad_norm,
             simulatable=False,
+            variance_guard=variance_guard,
         )
         self._schedule = schedule  # the schedule, typed as 0/1 Adam's
         if self.shards is not None:

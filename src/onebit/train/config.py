@@ -99,9 +99,9 @@ class TrainConfig:
         "refresh",
         group=_JOB,
         choices=("refresh", "warn", "off"),
-        help="onebit-lamb and onebit-adam: what a growth of the momentum against the frozen "
-        "variance does after the freeze: dense steps until it has caught up (refresh), a "
-        "warning, or nothing",
+        help="onebit-lamb, onebit-adam and zero-one-adam: what a growth of the momentum "
+        "against the frozen variance does after the freeze: dense steps until it has caught "
+        "up (refresh), a warning, or nothing",
     )
     lr_warmup_steps: int | None = option(
         None,
