@@ -1,21 +1,23 @@
 """The readiness statistic R check by check, and where ``freeze_step="auto"`` freezes.
 
-    .venv/bin/python benchmarks/readiness_trajectory.py main [--optimizer onebit-lamb]
-    .venv/bin/python benchmarks/readiness_trajectory.py plateau
+    .venv/bin/python benchmarks/readiness_trajectory.py main [--optimizer NAME] [--record FILE]
+    .venv/bin/python benchmarks/readiness_trajectory.py plateau [--record FILE]
 
 ``main``: the main job's default run (its model, data, masks, learning-rate schedule and
 clipping) in one process on the whole global batch, with ``--freeze-step auto``. ``plateau``:
 :class:`onebit.plateau.PointerTask` with ``OneBitAdam(lr=1e-3, freeze_step="auto")`` on a
 batch of 64. Every 10 steps of the warm-up it prints the largest R_j over the parameters
 (ALGORITHM.md, "Variance readiness") and the parameter it belongs to; then the step the
-variance froze after.
+variance froze after. ``--record`` writes them as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -77,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--optimizer", default="onebit-lamb", choices=["onebit-lamb", "onebit-adam"]
     )
+    parser.add_argument("--record", type=Path, default=None, help="write the checks as JSON")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore", UserWarning)
     torch.set_num_threads(2)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     steps = main_job(args.optimizer) if args.task == "main" else plateau()
     named, optimizer = next(steps)
+    checks = []
     for step, _ in enumerate(steps, start=1):
         if optimizer.stage != "warmup" and step > optimizer.freeze_step:
             print(f"froze after step {optimizer.freeze_step}")
@@ -90,10 +94,23 @@ def main(argv: list[str] | None = None) -> int:
         if step % READINESS_WINDOW == 0:
             ratios = optimizer.variance_readiness()
             index = int(ratios.argmax())
-            print(
-                f"step {step}: largest R {float(ratios[index]):.2f} ({named[index][0]})", flush=True
-            )
+            largest, parameter = float(ratios[index]), named[index][0]
+            checks.append({"step": step, "largest_ratio": largest, "parameter": parameter})
+            print(f"step {step}: largest R {largest:.2f} ({parameter})", flush=True)
     dist.destroy_process_group()
+    if args.record is not None:
+        command = f".venv/bin/python benchmarks/readiness_trajectory.py {args.task}"
+        if args.task == "main" and args.optimizer != "onebit-lamb":
+            command += f" --optimizer {args.optimizer}"
+        optimizer_name = args.optimizer if args.task == "main" else "onebit-adam"
+        record = {
+            "command": command,
+            "task": args.task,
+            "optimizer": optimizer_name,
+            "checks": checks,
+            "froze_after": optimizer.freeze_step,
+        }
+        args.record.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

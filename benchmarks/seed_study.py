@@ -1,7 +1,8 @@
 """Ten seeds of the shortened main job for each optimizer with its defaults: does any diverge?
 
     .venv/bin/python benchmarks/seed_study.py [--seeds 0 1 ... 9] [--arms lamb onebit-lamb ...]
-    .venv/bin/python benchmarks/seed_study.py --report-only
+        [-- ONEBIT_TRAIN_OPTIONS...]
+    .venv/bin/python benchmarks/seed_study.py --report-only [--record FILE]
 
 Runs ``onebit train`` (4 workers under DDP, the settings of docs/ONEBIT-ADAM.md: 150 steps,
 the variance frozen after 30, global batch 256 of 32-token sequences, a 2-layer BERT with a
@@ -12,7 +13,8 @@ interrupted study resumes where it stopped. Then prints, per arm, each seed's fi
 validation loss beside its dense baseline's (LAMB for 1-bit LAMB, AdamW for 1-bit Adam and 0/1
 Adam), the mean and standard deviation over the seeds, and the seeds that **diverged**: a
 non-finite loss, or a training loss after the freeze above ``--blow-up`` times the training
-loss of the step before the freeze.
+loss of the step before the freeze; and the refresh steps the guard after the freeze took.
+``--record`` writes each run's outcome as JSON.
 """
 
 from __future__ import annotations
@@ -55,13 +57,15 @@ def run_dir(root: Path, arm: str, seed: int) -> Path:
     return root / f"{arm}-seed{seed}"
 
 
-def run(root: Path, arm: str, seed: int) -> None:
-    """``onebit train`` for one arm and seed, unless its run already finished."""
+def run(root: Path, arm: str, seed: int, extra: list[str]) -> None:
+    """``onebit train`` for one arm and seed (``extra`` options after the study's), unless its
+    run already finished."""
     out = run_dir(root, arm, seed)
     if (out / "summary.json").exists():
         return
     optimizer, options, _ = ARMS[arm]
     command = [sys.executable, "-m", "onebit", "train", "--optimizer", optimizer, *JOB, *options]
+    command += extra
     command += ["--seed", str(seed), "--out", str(out)]
     print(" ".join(command[1:]), flush=True)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -82,16 +86,19 @@ def outcome(out: Path, blow_up: float) -> dict[str, float | bool]:
     finite = all(math.isfinite(loss) for loss in train.values()) and math.isfinite(final)
     highest = max(after, default=float("nan"))  # nan: the run never froze
     limit = blow_up * train[min(freeze, max(train))]
+    refresh = summary["bytes_sent"]["by_stage"].get("refresh", {}).get("steps", 0)
     return {
         "final": final,
         "freeze": freeze,
         "highest_after_freeze": highest,
         "diverged": not finite or highest > limit,
         "steps_above": sum(loss > limit for loss in after),
+        "refresh_steps": refresh,
     }
 
 
-def report(root: Path, seeds: list[int], blow_up: float) -> None:
+def report(root: Path, seeds: list[int], blow_up: float) -> dict[str, dict[int, dict]]:
+    """Print the table of the finished runs; returns each arm's outcome by seed."""
     results = {}
     for arm in ARMS:
         done = [s for s in seeds if (run_dir(root, arm, s) / "summary.json").exists()]
@@ -128,6 +135,7 @@ def report(root: Path, seeds: list[int], blow_up: float) -> None:
     for arm, by_seed in results.items():
         row = " ".join(f"{s}:{r['final']:.4f}" for s, r in by_seed.items())
         print(f"  {arm}: {row}")
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,12 +145,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/seed-study"))
     parser.add_argument("--blow-up", type=float, default=1.5)
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--record", type=Path, default=None, help="write the outcomes as JSON")
+    parser.add_argument(
+        "job", nargs="*", help="after --: options of onebit train that replace the study's"
+    )
     args = parser.parse_args(argv)
     if not args.report_only:
         for seed in args.seeds:
             for arm in args.arms:
-                run(args.out, arm, seed)
-    report(args.out, args.seeds, args.blow_up)
+                run(args.out, arm, seed, args.job)
+    results = report(args.out, args.seeds, args.blow_up)
+    if args.record is not None:
+        arms = {arm: by_seed for arm, by_seed in results.items() if by_seed}
+        seeds = sorted({s for by_seed in arms.values() for s in by_seed})
+        job = f" -- {' '.join(args.job)}" if args.job else ""
+        record = {
+            "command": f".venv/bin/python benchmarks/seed_study.py --arms {' '.join(arms)} "
+            f"--seeds {' '.join(map(str, seeds))}{job}",
+            "blow_up": args.blow_up,
+            "baselines": {arm: ARMS[arm][2] for arm in arms},
+            "arms": arms,
+        }
+        args.record.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The guard after the freeze on a family of tasks: which runs miss their dense counterpart
 without it and with it, where it fires on runs that did not need it, and what each refresh costs.
 
-For every task, seed and freeze point it trains 1-bit Adam and 1-bit LAMB with
+For every task, seed and freeze point it trains 1-bit Adam, 1-bit LAMB and 0/1 Adam (every
+step dense up to the freeze, a synchronisation every step after it) with
 ``variance_guard="off"`` and with the default ``"refresh"``, beside their dense counterparts
 (torch's Adam, onebit's LAMB) on the same samples, and writes one JSON line per run. A run
 *misses* where its loss over the last 25 steps is above 1.15 times its dense counterpart's
@@ -16,7 +17,8 @@ Tasks (:mod:`onebit.plateau`): ``attention`` (the pointer task: a plateau at cha
 attention forms), ``lr-warmup`` (the same with the learning rate warming up over 300 steps,
 past the late freeze), ``deep-narrow`` (a deep tanh network with small initial weights).
 ``--workers N`` runs N real gloo processes on this machine; with ``--simulate`` the N workers
-are simulated in one process (bit for bit a real run's: ``onebit.simulate``).
+are simulated in one process (bit for bit a real run's: ``onebit.simulate``; not 0/1 Adam,
+whose local steps the simulation does not model).
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ TASKS = {
 ARMS = {
     "onebit-adam": ("adam", 1e-3),
     "onebit-lamb": ("lamb", 1e-2),
+    "zero-one-adam": ("adam", 1e-3),
 }
+#: The optimizers ``--simulate`` can run.
+SIMULATABLE = ("onebit-adam", "onebit-lamb")
 
 
 def build_optimizer(
@@ -78,6 +83,10 @@ def build_optimizer(
         return torch.optim.Adam(params, lr=lr)
     if name == "lamb":
         return onebit.Lamb(params, lr=lr)
+    if name == "zero-one-adam":
+        return onebit.ZeroOneAdam(
+            params, lr=lr, var_freeze_step=freeze, var_warmup_steps=freeze, variance_guard=guard
+        )
     cls = onebit.OneBitAdam if name == "onebit-adam" else onebit.OneBitLamb
     return cls(params, lr=lr, freeze_step=freeze, variance_guard=guard)
 
@@ -142,8 +151,8 @@ def run_one(task_name: str, name: str, lr: float, freeze: int, guard: str, seed:
     return {
         "task": task_name,
         "optimizer": name,
-        "freeze_step": freeze if name.startswith("onebit") else None,
-        "variance_guard": guard if name.startswith("onebit") else None,
+        "freeze_step": freeze if name in ARMS else None,
+        "variance_guard": guard if name in ARMS else None,
         "seed": seed,
         "workers": args.workers,
         "simulated": args.simulate,
@@ -234,7 +243,13 @@ def markdown(entries: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--optimizers", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=None,
+        choices=list(ARMS),
+        help="default: all of them (with --simulate: those it can run)",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--workers", type=int, default=2, help="data-parallel workers")
     parser.add_argument("--simulate", action="store_true", help="simulate them in one process")
@@ -254,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch % args.workers:
         parser.error(f"--batch {args.batch} must be a multiple of --workers {args.workers}")
+    if args.optimizers is None:
+        args.optimizers = list(SIMULATABLE if args.simulate else ARMS)
+    unsimulatable = sorted(set(args.optimizers) - set(SIMULATABLE))
+    if args.simulate and unsimulatable:
+        parser.error(f"--simulate runs {', '.join(SIMULATABLE)} only, not {unsimulatable}")
     if args.report:
         rows = [json.loads(line) for path in args.report for line in path.read_text().splitlines()]
     else:
@@ -270,6 +290,7 @@ def measuring_command(rows: list[dict]) -> str:
     """The command that measures ``rows`` again."""
     seeds = sorted({r["seed"] for r in rows})
     tasks = [name for name in TASKS if any(r["task"] == name for r in rows)]
+    optimizers = [name for name in ARMS if any(r["optimizer"] == name for r in rows)]
     return " ".join(
         [
             ".venv/bin/python benchmarks/variance_guard.py",
@@ -277,6 +298,7 @@ def measuring_command(rows: list[dict]) -> str:
             *(["--simulate"] if rows[0]["simulated"] else []),
             "--tasks",
             *tasks,
+            *(["--optimizers", *optimizers] if optimizers != list(ARMS) else []),
             "--seeds",
             *map(str, seeds),
         ]

@@ -1,21 +1,23 @@
 """A fixed early freeze against ``freeze_step="auto"`` on the plateau task, on 2 gloo ranks.
 
-    .venv/bin/python benchmarks/variance_readiness.py [--steps 500] [--early 70]
+    .venv/bin/python benchmarks/variance_readiness.py [--steps 500] [--early 70] [--record FILE]
 
 Trains :class:`onebit.plateau.PointerTask` (its loss sits at chance, ln 8 = 2.08, until the
 attention learns to point) with Adam (torch's, its gradients averaged densely) and with 1-bit
 Adam, 1-bit LAMB and 0/1 Adam frozen at ``--early`` steps, at the end of the run (never
 compressing) and with ``"auto"``; prints for each the mean loss of the last 25 steps against
 Adam's, the step it froze at and whether the optimizer warned that the variance had not
-settled (ALGORITHM.md, "Variance readiness"). The guard after the freeze is off: this measures
-the warm-up's check alone.
+settled (ALGORITHM.md, "Variance readiness"); ``--record`` writes them as JSON. The guard after
+the freeze is off: this measures the warm-up's check alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -36,8 +38,8 @@ def arms(early: int, steps: int) -> dict[str, tuple[str, dict]]:
         ("zero-one-adam", "ZeroOneAdam", "var_freeze_step"),
     ):
         # the warm-up's check alone: the guard after the freeze (benchmarks/variance_guard.py)
-        # is off for 1-bit Adam and 1-bit LAMB
-        guard = {} if optimizer == "ZeroOneAdam" else {"variance_guard": "off"}
+        # is off
+        guard = {"variance_guard": "off"}
         for label, value in (("early", early), ("never", steps), ("auto", "auto")):
             table[f"{name} {label}"] = (optimizer, {argument: value, **guard})
     table["zero-one-adam deepspeed-never"] = (
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--early", type=int, default=70)
+    parser.add_argument("--record", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     table = arms(args.early, args.steps)
     results = spawn_workers(worker, 2, args=(table, args.steps), timeout_s=3600)[0]
@@ -96,6 +99,16 @@ def main(argv: list[str] | None = None) -> int:
             f"| {optimizer} | {label or 'dense'} | {froze} | {first or ''} | "
             f"{'yes' if warned else 'no'} | {loss:.4f} | {loss / adam:.2f}x |"
         )
+    if args.record is not None:
+        command = ".venv/bin/python benchmarks/variance_readiness.py"
+        if (args.steps, args.early) != (500, 70):
+            command += f" --steps {args.steps} --early {args.early}"
+        runs = {
+            name: {"loss": loss, "froze_after": frozen, "warned": warned, "first_interval": first}
+            for name, (loss, frozen, warned, first) in results.items()
+        }
+        record = {"command": command, "steps": args.steps, "early": args.early, "runs": runs}
+        args.record.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from helpers.jobs import write_corpus
+from helpers.jobs import TINY, write_corpus
 from helpers.paths import BENCHMARKS, ROOT
 
 #: The tools benchmarks/README.md lists, one table row each.
@@ -238,3 +238,70 @@ def test_the_guard_study_runs_each_arm_and_summarizes_them(tmp_path):
     again = tmp_path / "again.json"
     _run("variance_guard", "--report", str(runs), "--summary", str(again))
     assert json.loads(again.read_text()) == written
+
+
+def test_the_guard_study_runs_zero_one_adam_on_real_ranks_only(tmp_path):
+    """0/1 Adam, whose local steps the simulation does not model, on 2 gloo ranks; with
+    --simulate it is refused by name."""
+    runs = tmp_path / "runs.jsonl"
+    common = ["--tasks", "deep-narrow", "--optimizers", "zero-one-adam", "--seeds", "0"]
+    _run("variance_guard", *common, "--workers", "2", "--steps", "30", "--out", str(runs))
+    rows = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert [(r["optimizer"], r["freeze_step"], r["variance_guard"]) for r in rows] == [
+        ("adam", None, None),
+        ("zero-one-adam", 40, "off"),
+        ("zero-one-adam", 40, "refresh"),
+        ("zero-one-adam", 300, "off"),
+        ("zero-one-adam", 300, "refresh"),
+    ]
+    command = [sys.executable, str(BENCHMARKS / "variance_guard.py"), *common, "--simulate"]
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "not ['zero-one-adam']" in refused.stderr
+
+
+# ------------------------------------------------------------ the readiness tools
+
+
+@pytest.mark.slow  # jobs on spawned ranks: the end-to-end group
+def test_the_seed_study_runs_each_arm_and_records_its_outcome(tmp_path):
+    """Two arms, one seed, on the tiny job (its options after --, which replace the study's):
+    the dense baseline and 1-bit LAMB, the paired comparison and the outcome of each run."""
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    record = tmp_path / "seeds.json"
+    env = {**os.environ, "ONEBIT_CACHE": str(tmp_path / "cache")}
+    printed = _run(
+        "seed_study", "--arms", "lamb", "onebit-lamb", "--seeds", "0", "--out",
+        str(tmp_path / "runs"), "--record", str(record), "--", *TINY, "--corpus", str(corpus),
+        env=env,
+    )  # fmt: skip
+    written = json.loads(record.read_text())
+    assert written["command"].startswith(
+        ".venv/bin/python benchmarks/seed_study.py --arms lamb onebit-lamb --seeds 0 -- "
+    )
+    assert written["baselines"] == {"lamb": None, "onebit-lamb": "lamb"}
+    outcome = written["arms"]["onebit-lamb"]["0"]
+    assert outcome["freeze"] == 4 and outcome["refresh_steps"] == 0
+    assert not outcome["diverged"] and outcome["final"] > 0
+    assert "| onebit-lamb | 1 |" in printed
+
+
+@pytest.mark.slow  # jobs on spawned ranks: the end-to-end group
+def test_variance_readiness_records_every_arm(tmp_path):
+    record = tmp_path / "plateau.json"
+    _run("variance_readiness", "--steps", "30", "--early", "10", "--record", str(record))
+    written = json.loads(record.read_text())
+    assert written["command"].endswith("variance_readiness.py --steps 30 --early 10")
+    runs = written["runs"]
+    assert len(runs) == 11 and runs["adam"]["froze_after"] is None
+    assert runs["onebit-lamb early"]["froze_after"] == 10
+    assert runs["zero-one-adam never"]["froze_after"] == 30
+
+
+def test_the_readiness_trajectory_records_each_check_until_the_freeze(tmp_path):
+    record = tmp_path / "trajectory.json"
+    printed = _run("readiness_trajectory", "plateau", "--record", str(record))
+    written = json.loads(record.read_text())
+    checks = written["checks"]
+    assert [c["step"] for c in checks] == list(range(10, 10 * len(checks) + 1, 10))
+    assert written["froze_after"] == checks[-1]["step"]  # "auto" freezes after a check
+    assert f"froze after step {written['froze_after']}" in printed
