@@ -240,6 +240,7 @@ def test_the_guard_study_runs_each_arm_and_summarizes_them(tmp_path):
     assert json.loads(again.read_text()) == written
 
 
+@pytest.mark.slow  # five runs on spawned ranks: the end-to-end group
 def test_the_guard_study_runs_zero_one_adam_on_real_ranks_only(tmp_path):
     """0/1 Adam, whose local steps the simulation does not model, on 2 gloo ranks; with
     --simulate it is refused by name."""
