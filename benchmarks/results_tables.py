@@ -79,6 +79,7 @@ COMMIT_DATES = {
     "af63a40": "2026-12-04",
     "e95d5d0": "2026-12-04",
     "5aee263": "2026-12-04",
+    "294793a": "2026-12-04",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -110,16 +111,11 @@ RECORDED_IN = {
     "docs/convergence/zero-one-adam-n4-auto": "8ac4669",
     "docs/convergence/delayed/onebit-lamb-n4-delayed": "95bcdd9",
     "docs/convergence/per-tensor/onebit-lamb-n4-per-tensor": "ae35092",
-    "docs/main-job": "c073904",
-    "docs/main-job/lamb-summary.json": "5f2dabd",
-    "docs/main-job/delayed": "95bcdd9",
+    "docs/main-job": "294793a",
     "docs/main-job/delayed/lr-0.008": "963ac7d",
     "docs/main-job/delayed/lr-0.008-undelayed": "963ac7d",
     "docs/zero-one-adam": "1354b52",
     "docs/convergence/variance-guard": "af63a40",
-    "docs/main-job/guard/default": "e95d5d0",
-    "docs/main-job/guard/freeze-50": "5aee263",
-    "docs/main-job/guard/lamb": "5aee263",
 }
 
 RUN = "python3 run.py onebit"
@@ -681,60 +677,69 @@ def table_convergence_defaults() -> Table:
     )
 
 
-MAIN_JOB = [
-    ("docs/main-job/lamb-summary.json", "LAMB", "python3 run.py train --optimizer lamb"),
-    ("docs/main-job/summary.json", "1-bit LAMB", "python3 run.py train"),
-    (
-        "docs/main-job/delayed/summary.json",
-        "1-bit LAMB, delayed exchange",
-        "python3 run.py train --delayed-exchange",
-    ),
-]
+#: The main job's runs, one installation and library commit for all (the tables of
+#: CONVERGENCE.md and VARIANCE-READINESS.md read the same files): folder -> (label, command).
+MAIN_JOB_RUNS = {
+    "lamb": ("LAMB", "python3 run.py train --optimizer lamb"),
+    "default": ("1-bit LAMB, frozen after step 100 (the default)", "python3 run.py train"),
+    "delayed": ("1-bit LAMB, delayed exchange", "python3 run.py train --delayed-exchange"),
+    "freeze-50": ("1-bit LAMB, frozen after step 50", "python3 run.py train --freeze-step 50"),
+}
 
 
-def table_main_job() -> Table:
-    lamb = _read(MAIN_JOB[0][0])
-    rows = []
-    for path, label, _ in MAIN_JOB:
-        s = _read(path)
-        loss = s["final_validation_loss"]
-        rows.append(
-            [
-                label,
-                f"{loss:.4f}",
-                "" if path == MAIN_JOB[0][0] else _pct(loss / lamb["final_validation_loss"] - 1),
-                f"{(1 - loss / s['unigram_entropy']) * 100:.1f} %"
-                if "unigram_entropy" in s
-                else "not recorded",
-                _mib(s["bytes_sent"]["total"]),
-                _x(s["reduction_vs_lamb"]),
-                f"{s['train_time_s']:.0f} s",
-            ]
-        )
-    commits, dates = _stamp([p for p, _, _ in MAIN_JOB])
+def _main_job_table(name: str, runs: Sequence[str], header: Sequence[str], cells) -> Table:
+    """A table of the main job's ``runs`` (folders under docs/main-job), LAMB's first:
+    the label, then ``cells(summary, lamb_summary)``."""
+    paths = [f"docs/main-job/{run}/summary.json" for run in runs]
+    summaries = [_read(path) for path in paths]
+    rows = [
+        [MAIN_JOB_RUNS[run][0], *cells(s, summaries[0])]
+        for run, s in zip(runs, summaries, strict=True)
+    ]
+    commits, dates = _stamp(paths)
     return Table(
-        "main-job",
-        [
-            "optimizer",
-            "final validation loss",
-            "vs LAMB",
-            "below the unigram level",
-            "bytes per worker",
-            "fewer than LAMB",
-            "training time",
-        ],
-        "lrrrrrr",
+        name,
+        ["run", *header],
+        "l" + "r" * len(header),
         rows,
-        [p for p, _, _ in MAIN_JOB],
+        paths,
         commits,
         dates,
-        [c for _, _, c in MAIN_JOB],
-        measured=False,
+        [MAIN_JOB_RUNS[run][1] for run in runs],
     )
 
 
+def _refresh_steps(summary: dict[str, Any]) -> int:
+    return int(summary["bytes_sent"]["by_stage"].get("refresh", {}).get("steps", 0))
+
+
+def table_main_job() -> Table:
+    def cells(s: dict[str, Any], lamb: dict[str, Any]) -> list[str]:
+        loss, first = s["final_validation_loss"], s is lamb
+        return [
+            f"{loss:.4f}",
+            "" if first else _pct(loss / lamb["final_validation_loss"] - 1),
+            f"{(1 - loss / s['unigram_entropy']) * 100:.1f} %",
+            "" if first else str(_refresh_steps(s)),
+            _mib(s["bytes_sent"]["total"]),
+            _x(s["reduction_vs_lamb"]),
+            f"{s['train_time_s']:.0f} s",
+        ]
+
+    header = [
+        "final validation loss",
+        "vs LAMB",
+        "below the unigram level",
+        "refresh steps",
+        "bytes per worker",
+        "fewer than LAMB",
+        "training time",
+    ]
+    return _main_job_table("main-job", ["lamb", "default", "delayed"], header, cells)
+
+
 DELAYED_RUNS = [
-    ("docs/main-job", "main job, lr 0.016", "1-bit LAMB"),
+    ("docs/main-job/default", "main job, lr 0.016", "1-bit LAMB"),
     ("docs/main-job/delayed", "main job, lr 0.016", "delayed"),
     ("docs/main-job/delayed/lr-0.008-undelayed", "main job, lr 0.008", "1-bit LAMB"),
     ("docs/main-job/delayed/lr-0.008", "main job, lr 0.008", "delayed"),
@@ -1157,60 +1162,22 @@ def table_variance_guard() -> Table:
     )
 
 
-#: The main job with the guard after the freeze: (run folder, label, command).
-MAIN_JOB_GUARD = [
-    ("docs/main-job/guard/lamb", "LAMB", f"{RUN} train --optimizer lamb"),
-    (
-        "docs/main-job/guard/default",
-        "1-bit LAMB, frozen after step 100 (the default)",
-        "python3 run.py train",
-    ),
-    (
-        "docs/main-job/guard/freeze-50",
-        "1-bit LAMB, frozen after step 50",
-        "python3 run.py train --freeze-step 50",
-    ),
-]
-
-
 def table_main_job_guard() -> Table:
     """The main job frozen at its default and earlier, with the guard, beside LAMB."""
-    paths = [f"{run}/summary.json" for run, _, _ in MAIN_JOB_GUARD]
-    summaries = [_read(path) for path in paths]
-    lamb = summaries[0]["final_validation_loss"]
-    rows = []
-    for (_, label, _), s in zip(MAIN_JOB_GUARD, summaries, strict=True):
-        stages = s["bytes_sent"]["by_stage"]
-        refresh = stages.get("refresh", {}).get("steps", 0)
-        loss = s["final_validation_loss"]
-        rows.append(
-            [
-                label,
-                f"{loss:.4f}",
-                "" if s is summaries[0] else _pct(loss / lamb - 1),
-                "" if s is summaries[0] else str(refresh),
-                _mib(s["bytes_sent"]["total"]),
-                _x(s["reduction_vs_lamb"]),
-            ]
-        )
-    commits, dates = _stamp(paths)
-    return Table(
-        "main-job-guard",
-        [
-            "run",
-            "final validation loss",
-            "vs LAMB",
-            "refresh steps",
-            "bytes per worker",
-            "fewer than LAMB",
-        ],
-        "lrrrrr",
-        rows,
-        paths,
-        commits,
-        dates,
-        [c for _, _, c in MAIN_JOB_GUARD],
-    )
+
+    def cells(s: dict[str, Any], lamb: dict[str, Any]) -> list[str]:
+        loss, first = s["final_validation_loss"], s is lamb
+        return [
+            f"{loss:.4f}",
+            "" if first else _pct(loss / lamb["final_validation_loss"] - 1),
+            "" if first else str(_refresh_steps(s)),
+            _mib(s["bytes_sent"]["total"]),
+            _x(s["reduction_vs_lamb"]),
+        ]
+
+    header = ["final validation loss", "vs LAMB", "refresh steps", "bytes per worker"]
+    header.append("fewer than LAMB")
+    return _main_job_table("main-job-guard", ["lamb", "default", "freeze-50"], header, cells)
 
 
 # ---------------------------------------------------------------------------------------------
