@@ -17,7 +17,8 @@ Nesterov SGD by default) applies the average to the round's start weights::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -149,6 +150,22 @@ class DiLoCo:
         self.rounds += 1
 
     # ----------------------------------------------------------------- what users see
+    @contextlib.contextmanager
+    def round_start_weights(self) -> Iterator[None]:
+        """Inside the block the parameters hold the current round's start weights (the outer
+        step's result, the same on every rank: what to evaluate or export in the middle of a
+        round); this rank's own weights are put back after it."""
+        own = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for param, start in zip(self.params, self._round_start, strict=True):
+                param.copy_(start)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, mine in zip(self.params, own, strict=True):
+                    param.copy_(mine)
+
     @property
     def bytes_sent(self) -> int:
         """Bytes this rank has sent in the outer exchanges so far."""

@@ -252,6 +252,39 @@ def test_zero_one_adam_job_resumes_inside_a_local_interval(workspace: Path, exch
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("exchange", ["1bit", "dense"])
+def test_diloco_job_sends_at_round_ends_only_and_resumes_inside_a_round(
+    workspace: Path, exchange: str
+) -> None:
+    """``--optimizer adam --sync-every 5``: rounds end after steps 5, 10 and 12 (the run's
+    end closes the last), nothing is sent in between, the dense exchange sends DDP's bytes
+    and the 1-bit one more than 8x fewer; killed after step 8 and restarted from the
+    checkpoint of step 6 (inside a round, where the ranks' weights differ, and the
+    validation at step 8 reads the round's start weights): the same trajectory bit for bit."""
+    out = workspace / f"diloco-{exchange}"
+    options = ("--optimizer", "adam", "--sync-every", "5", "--outer-exchange", exchange)
+    options += ("--checkpoint-every", "3", "--keep-checkpoints", "4")
+    assert train(*tiny(workspace, out, *options)) == 0
+    rows = report.read_metrics(out).train
+    inner = ["inner"] * 4
+    assert [r["stage"] for r in rows] == [*inner, "outer", *inner, "outer", "inner", "outer"]
+    assert all(r["bytes"] == 0 for r in rows if r["stage"] == "inner")
+    sent = {r["bytes"] for r in rows if r["stage"] == "outer"}
+    summary = json.loads((out / "summary.json").read_text())
+    dense_step = summary["lamb_bytes"] // STEPS
+    (per_round,) = sent
+    if exchange == "dense":
+        assert per_round == dense_step
+    else:
+        assert 0 < 8 * per_round < dense_step
+    assert summary["bytes_sent"]["total"] == 3 * per_round
+    killed = workspace / f"diloco-{exchange}-killed"
+    extra = ("--no-ddp", "--max-restarts", "1", "--kill-at-step", "8")
+    assert train(*tiny(workspace, killed, *options, *extra)) == 0
+    assert_same_trajectory(killed, out)
+
+
+@pytest.mark.slow
 def test_hierarchical_exchange_on_two_nodes_of_two(
     workspace: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -30,3 +30,23 @@ def test_a_non_finite_pseudo_gradient_raises_before_any_weight_changes(exchange,
     for a, b in zip(after, expected, strict=True):  # the inner step, nothing of the outer one
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
     assert diloco.rounds == 0 and diloco.state_dict()["rounds"] == state["rounds"]
+
+
+def test_inside_round_start_weights_the_parameters_hold_the_rounds_start():
+    """What the job evaluates in the middle of a round: the weights the round started from
+    (the last outer step's result); this worker's own weights come back after the block, also
+    when it raises."""
+    model = torch.nn.Linear(4, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = onebit.DiLoCo(model.parameters(), inner, sync_every=3, exchange="dense")
+    start = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(2, 4)).sum().backward()
+    inner.step()  # inside the round: the weights moved
+    own = [p.detach().clone() for p in model.parameters()]
+    assert not any(torch.equal(a, b) for a, b in zip(own, start, strict=True))
+    with pytest.raises(RuntimeError, match="in the block"):
+        with diloco.round_start_weights():
+            assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start, strict=True))
+            raise RuntimeError("in the block")
+    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), own, strict=True))
+    assert diloco.local_step == 1

@@ -72,6 +72,21 @@ from onebit.train.run_dir import prepare_run_dir
             ["--steps", "50", "--lr-warmup-steps", "50"],
             "--lr-warmup-steps must be in [0, --steps=50)",
         ),
+        (["--sync-every", "10"], "--optimizer lamb or adam, not onebit-lamb"),
+        (["--optimizer", "adam", "--sync-every", "0"], "--sync-every must be a positive integer"),
+        (
+            ["--optimizer", "lamb", "--sync-every", "10", "--powersgd-rank", "2"],
+            "--sync-every (DiLoCo) is not offered with --powersgd-rank",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "10", "--workers", "4", "--node-size", "2"],
+            "--sync-every (DiLoCo) is not offered with --node-size > 1",
+        ),
+        (["--optimizer", "adam", "--sync-every", "5", "--outer-lr", "0"], "--outer-lr must be > 0"),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--outer-momentum", "1"],
+            "--outer-momentum must be in [0, 1)",
+        ),
     ],
 )
 def test_bad_options_are_named(

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from onebit.cli import check_choice, check_positive_int_option, int_or_auto, option
+from onebit.diloco import DILOCO_OUTER
+from onebit.diloco import EXCHANGES as DILOCO_EXCHANGES
 from onebit.optim import AUTO, COMPRESSIONS, registry
 from onebit.optim.checks import (
     check_betas,
@@ -33,7 +35,17 @@ BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 
 #: Options that choose how worker processes communicate (``onebit simulate`` has none).
-REAL_WORKER_OPTIONS = ("ddp", "backend", "timeout", "powersgd_rank", "fsdp")
+REAL_WORKER_OPTIONS = (
+    "ddp",
+    "backend",
+    "timeout",
+    "powersgd_rank",
+    "fsdp",
+    "sync_every",
+    "outer_exchange",
+    "outer_lr",
+    "outer_momentum",
+)
 
 #: Peak learning rates when ``lr`` is not given (each optimizer's ``default_lr``).
 DEFAULT_LAMB_LR = registry.OPTIMIZERS["lamb"].default_lr
@@ -254,6 +266,30 @@ class TrainConfig:
         "of this rank (error feedback, warm start, dense for the first 2 steps; one bucket) "
         "instead of the dense allreduce; 0 = off",
     )
+    sync_every: int | None = option(
+        None,
+        group=_SYSTEM,
+        help="DiLoCo (onebit.DiLoCo) over --optimizer lamb or adam as the inner optimizer: "
+        "each worker takes this many steps on its own gradients (no DDP, nothing sent), then "
+        "the workers average how far they moved (the pseudo-gradient) through "
+        "--outer-exchange and DiLoCo's outer Nesterov SGD steps from the round's start; "
+        "validation reads the last round's weights; default: off",
+    )
+    outer_exchange: str = option(
+        "1bit",
+        group=_SYSTEM,
+        choices=DILOCO_EXCHANGES,
+        help="with --sync-every: the pseudo-gradients' exchange, 1-bit per tensor with error "
+        "feedback kept from round to round, or a dense mean allreduce",
+    )
+    outer_lr: float = option(
+        DILOCO_OUTER["lr"], group=_SYSTEM, help="with --sync-every: the outer SGD's learning rate"
+    )
+    outer_momentum: float = option(
+        DILOCO_OUTER["momentum"],
+        group=_SYSTEM,
+        help="with --sync-every: the outer SGD's Nesterov momentum",
+    )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
     eval_every: int | None = option(
@@ -313,6 +349,7 @@ class TrainConfig:
         if self.compression is not None:
             check_choice("compression", self.compression, COMPRESSIONS)
         check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
+        check_choice("outer_exchange", self.outer_exchange, DILOCO_EXCHANGES)
         for name in ("freeze_step", "var_freeze_step", "var_warmup_steps"):
             if getattr(self, name) not in (None, AUTO):
                 check_positive_int_option(name, getattr(self, name))
@@ -391,6 +428,11 @@ class TrainConfig:
     @property
     def uses_onebit(self) -> bool:
         return self.optimizer in ONEBIT_OPTIMIZERS
+
+    @property
+    def diloco(self) -> bool:
+        """Whether DiLoCo's rounds train (``--sync-every``)."""
+        return self.sync_every is not None
 
     @property
     def hierarchical(self) -> bool:

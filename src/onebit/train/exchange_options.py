@@ -21,6 +21,7 @@ def check_exchange_options(config: TrainConfig) -> None:
     _check_buckets(config)
     _check_delay(config)
     _check_powersgd(config)
+    _check_diloco(config)
 
 
 #: The optimizers of the job that take FSDP2-sharded parameters.
@@ -93,3 +94,31 @@ def _check_powersgd(config: TrainConfig) -> None:
             f"under DDP (it is a DDP comm hook), not of {config.optimizer}"
             + ("" if config.ddp else " with --no-ddp")
         )
+
+
+#: The inner optimizers of DiLoCo in the job: those that take local steps without exchanging.
+DILOCO_INNER = ("lamb", "adam")
+
+
+def _check_diloco(config: TrainConfig) -> None:
+    """``--sync-every``: DiLoCo over a dense inner optimizer, one flat group of workers."""
+    if config.sync_every is None:
+        return
+    check_positive_int_option("sync_every", config.sync_every)
+    if config.optimizer not in DILOCO_INNER:
+        raise ValueError(
+            f"--sync-every runs DiLoCo over an inner optimizer that steps on each worker's own "
+            f"gradients: --optimizer {' or '.join(DILOCO_INNER)}, not {config.optimizer} "
+            "(it exchanges every step itself)"
+        )
+    for flag, value in (
+        ("--powersgd-rank", config.powersgd_rank > 0),
+        ("--fsdp", config.fsdp),
+        ("--node-size > 1", config.node_size > 1),
+    ):
+        if value:
+            raise ValueError(f"--sync-every (DiLoCo) is not offered with {flag}")
+    if config.outer_lr <= 0:
+        raise ValueError(f"--outer-lr must be > 0, got {config.outer_lr}")
+    if not 0 <= config.outer_momentum < 1:
+        raise ValueError(f"--outer-momentum must be in [0, 1), got {config.outer_momentum}")

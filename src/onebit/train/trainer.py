@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 EVAL_BATCH = 128
 #: Stage label of the steps of the uncompressed optimizers.
 DENSE = "dense"
+#: DiLoCo's kinds of step: an inner step (nothing sent), the step that ends a round.
+INNER, OUTER = "inner", "outer"
 
 
 @contextlib.contextmanager
@@ -67,6 +69,8 @@ class Trainer:
 
     #: The PowerSGD hook whose state the checkpoints keep (``--powersgd-rank``), if any.
     powersgd: CountedPowerSGD | None = None
+    #: DiLoCo's rounds over the inner optimizer (``--sync-every``), if any.
+    diloco: onebit.DiLoCo | None = None
 
     def __init__(
         self, config: TrainConfig, run_dir: Path, rank: Rank, kill_at_step: int | None
@@ -141,8 +145,16 @@ class Trainer:
             logger.info("Resuming at step %d from %s", resumed.step, resumed.path)
 
     def _restore_state(self, resumed: checkpoint.Checkpoint) -> None:
-        """The optimizer's state from ``resumed`` (the weights came with rank 0's model)."""
+        """The optimizer's state from ``resumed`` (the weights came with rank 0's model;
+        inside a DiLoCo round each rank's own weights come with its state)."""
         self.optimizer.load_state_dict(resumed.rank_state["optimizer"])
+        if self.diloco is not None:
+            self.diloco.load_state_dict(resumed.rank_state["diloco"])
+            own = resumed.rank_state.get("own_weights")
+            if own is not None:
+                with torch.no_grad():
+                    for param, saved in zip(self.params, own, strict=True):
+                        param.copy_(saved)
 
     def _parallelize(self) -> None:
         """The optimizer, how gradients are averaged (``self.dense_traffic`` counts the dense
@@ -152,7 +164,18 @@ class Trainer:
         self.optimizer = build_optimizer(config, self.params, groups, config.grad_clip)
         self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
         self.forward: nn.Module = self.model
-        if config.ddp:
+        if config.diloco:  # each worker steps on its own gradients: no DDP
+            outer = torch.optim.SGD(
+                self.params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True
+            )
+            self.diloco = onebit.DiLoCo(
+                self.params,
+                self.optimizer,
+                sync_every=config.sync_every,
+                exchange=config.outer_exchange,
+                outer_optimizer=outer,
+            )
+        elif config.ddp:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.rank.local_rank] if self.rank.device.type == "cuda" else None
@@ -173,14 +196,22 @@ class Trainer:
         sent = self.optimizer.traffic_by_kind
         return {kind: sent.get(kind, 0) for kind in report.LINKS}
 
-    def _stage(self) -> str:
+    def _stage(self, step: int) -> str:
+        """The kind of step ``step``: the 1-bit optimizer's stage; DiLoCo's ``"outer"`` at
+        the end of a round (and at the last step, which ends the round it is in), else
+        ``"inner"``; else dense."""
+        if self.diloco is not None:
+            ends = self.diloco.local_step + 1 == self.diloco.sync_every or step == self.config.steps
+            return OUTER if ends else INNER
         return self.optimizer.stage if self.config.uses_onebit else DENSE
 
     def _bytes_sent(self) -> int:
-        """Bytes this rank has sent for gradients and momenta so far."""
+        """Bytes this rank has sent for gradients, momenta and pseudo-gradients so far."""
         sent = self.dense_traffic.total()  # gradients averaged by the job or DDP's default hook
         if self.config.uses_onebit:
             sent += sum(self.optimizer.bytes_sent.values())
+        if self.diloco is not None:
+            sent += self.diloco.bytes_sent
         return sent
 
     # ----------------------------------------------------------------- the loop
@@ -264,13 +295,15 @@ class Trainer:
         config = self.config
         started = time.perf_counter()
         inputs, labels = masked_batch(config, mlm, step, indices)
-        stage = self._stage()
+        stage = self._stage(step)
         lr = self.optimizer.param_groups[0]["lr"]
         sent_before = self._bytes_sent()
         links_before = self._link_bytes() if config.hierarchical else None
         loss_sum, masked = self._gradient_step(step, inputs, labels)
         if step == config.steps and isinstance(self.optimizer, onebit.OneBitOptimizer):
             self.optimizer.finish_exchange()  # a delayed exchange's last update lands
+        if step == config.steps and self.diloco is not None and self.diloco.local_step:
+            self.diloco.sync()  # the last round ends with the run
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         sent = self._bytes_sent() - sent_before
@@ -302,8 +335,10 @@ class Trainer:
         return self.forward(inputs, labels), int((labels != data.IGNORE_INDEX).sum())
 
     def _averages_gradients(self) -> bool:
-        """Whether the job averages the gradients itself (a plain loop's dense baselines)."""
-        return not self.config.ddp and not self.config.uses_onebit
+        """Whether the job averages the gradients itself (a plain loop's dense baselines;
+        DiLoCo's inner steps take each worker's own)."""
+        config = self.config
+        return not config.ddp and not config.uses_onebit and not config.diloco
 
     def _gradient_step(
         self, step: int, inputs: torch.Tensor, labels: torch.Tensor
@@ -326,7 +361,14 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-        """MLM loss over the whole (fixed-masked) validation set, split across ranks."""
+        """MLM loss over the whole (fixed-masked) validation set, split across ranks; with
+        DiLoCo, of the current round's start weights (the same on every rank)."""
+        if self.diloco is None:
+            return self._validation_loss(inputs, labels)
+        with self.diloco.round_start_weights():
+            return self._validation_loss(inputs, labels)
+
+    def _validation_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
         self.model.eval()
         mine = torch.arange(self.rank.rank, inputs.shape[0], self.rank.world)
         totals = torch.zeros(2, dtype=torch.float64)
@@ -362,6 +404,10 @@ class Trainer:
         }
         if self.powersgd is not None:
             rank_state["powersgd"] = self.powersgd.state_dict()
+        if self.diloco is not None:
+            rank_state["diloco"] = self.diloco.state_dict()
+            if self.diloco.local_step:  # inside a round the ranks' weights differ
+                rank_state["own_weights"] = [p.detach().clone() for p in self.params]
         checkpoint.save(
             self.checkpoints,
             step,
