@@ -644,8 +644,9 @@ class OneBitOptimizer(Optimizer):
             )
 
     def _watch_variance(self, step: int, flat: FlatState) -> None:
-        """After compression step ``step``: the guard's observation; where its check finds
-        the frozen variance fallen behind, a refresh from the next step on (or a warning)."""
+        """After compression step ``step`` (0/1 Adam: a synchronisation after the freeze):
+        the guard's observation; where its check finds the frozen variance fallen behind, a
+        refresh from the next step on (or a warning)."""
         guard = self._variance_guard
         if guard is not None and guard.after_compression_step(
             step, flat, self._data_parallel.is_logging_rank()

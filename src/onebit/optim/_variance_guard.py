@@ -1,7 +1,8 @@
 """The guard after the freeze (ALGORITHM.md, "The guard after the freeze").
 
-For each tensor j in the compression stage, after every applied compression step, with
-``m_j`` the exchanged momentum (identical on every rank) and ``lr_j`` its group's rate::
+For each tensor j in the compression stage, after every applied compression step (0/1 Adam:
+every synchronisation after the freeze), with ``m_j`` the exchanged momentum (0/1 Adam's
+rebuilt one; identical on every rank) and ``lr_j`` its group's rate::
 
     E_j = ||m_j||²,   S_j = lr_j² E_j
     G_j = min(mean E_j / baseline E_j,  mean S_j / baseline S_j)
