@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,8 @@ COMMIT_DATES = {
     "e95d5d0": "2026-12-04",
     "5aee263": "2026-12-04",
     "294793a": "2026-12-04",
+    "94bcbc4": "2026-12-04",
+    "894403e": "2026-12-04",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -116,6 +119,9 @@ RECORDED_IN = {
     "docs/main-job/delayed/lr-0.008-undelayed": "963ac7d",
     "docs/zero-one-adam": "1354b52",
     "docs/convergence/variance-guard": "af63a40",
+    "docs/convergence/readiness": "94bcbc4",
+    "docs/convergence/readiness/seed-study.json": "894403e",
+    "docs/convergence/variance-guard/zero-one-adam": "94bcbc4",
 }
 
 RUN = "python3 run.py onebit"
@@ -1108,12 +1114,10 @@ def table_readme_results() -> Table:
 def table_variance_guard() -> Table:
     """The guard after the freeze on the family of tasks, from the summaries
     benchmarks/variance_guard.py writes (one per worker count)."""
+    folder = DOCS / "convergence" / "variance-guard"
     paths = sorted(
-        (
-            str(path.relative_to(ROOT))
-            for path in (DOCS / "convergence" / "variance-guard").glob("summary-*.json")
-        ),
-        key=lambda path: int(re.findall(r"\d+", path.rsplit("-", 1)[1])[0]),  # by workers
+        (str(path.relative_to(ROOT)) for path in folder.glob("**/summary-*.json")),
+        key=lambda path: (int(Path(path).stem.split("-")[1]), path),  # by workers, then folder
     )
     summaries = [_read(path) for path in paths]
     rows = []
@@ -1181,6 +1185,176 @@ def table_main_job_guard() -> Table:
 
 
 # ---------------------------------------------------------------------------------------------
+# the variance's readiness: docs/convergence/readiness
+
+READINESS = "docs/convergence/readiness"
+#: The readiness trajectories: file -> the run they follow.
+TRAJECTORIES = {
+    "trajectory-main.json": "main job, 1-bit LAMB's warm-up (1 process)",
+    "trajectory-plateau.json": "plateau task, 1-bit Adam's warm-up (1 process)",
+}
+
+
+def table_readiness_trajectory() -> Table:
+    """The largest R at each check of the warm-up until ``"auto"`` froze, the peak in bold."""
+    paths = [f"{READINESS}/{name}" for name in TRAJECTORIES]
+    records = [_read(path) for path in paths]
+    steps = sorted({c["step"] for r in records for c in r["checks"]})
+    rows = []
+    for record, label in zip(records, TRAJECTORIES.values(), strict=True):
+        ratios = {c["step"]: c["largest_ratio"] for c in record["checks"]}
+        peak = max(ratios, key=ratios.__getitem__)
+        cells = [
+            "" if s not in ratios else f"**{ratios[s]:.2f}**" if s == peak else f"{ratios[s]:.2f}"
+            for s in steps
+        ]
+        rows.append([label, *cells, str(record["froze_after"])])
+    commits, dates = _stamp(paths)
+    return Table(
+        "readiness-trajectory",
+        ["run", *(f"step {s}" if s == steps[0] else str(s) for s in steps), "froze after"],
+        "l" + "r" * (len(steps) + 1),
+        rows,
+        paths,
+        commits,
+        dates,
+        [r["command"] for r in records],
+    )
+
+
+#: The plateau run's arms: name -> (optimizer, freeze).
+PLATEAU_ARMS = {
+    "adam": ("Adam (torch's, dense)", ""),
+    "onebit-adam early": ("1-bit Adam", "step {early}"),
+    "onebit-adam never": ("1-bit Adam", "never (step {steps})"),
+    "onebit-adam auto": ("1-bit Adam", '`"auto"`'),
+    "onebit-lamb early": ("1-bit LAMB", "step {early}"),
+    "onebit-lamb never": ("1-bit LAMB", "never (step {steps})"),
+    "onebit-lamb auto": ("1-bit LAMB", '`"auto"`'),
+    "zero-one-adam early": ("0/1 Adam, its other defaults", "`var_freeze_step={early}`"),
+    "zero-one-adam never": ("0/1 Adam, its other defaults", "never ({steps})"),
+    "zero-one-adam auto": ("0/1 Adam, its defaults", '`var_freeze_step="auto"`'),
+    "zero-one-adam deepspeed-never": (
+        "0/1 Adam, DeepSpeed's schedule (`**DEEPSPEED_SCHEDULE`)",
+        "never ({steps})",
+    ),
+}
+
+
+def first_interval(arm: str, updates: int | None) -> str:
+    """0/1 Adam's first interval: its updates, or DeepSpeed's kappa where it set none."""
+    if not arm.startswith("zero-one-adam"):
+        return ""
+    return "16 (κ)" if updates is None else str(updates)
+
+
+def table_plateau_readiness() -> Table:
+    path = f"{READINESS}/plateau.json"
+    record = _read(path)
+    runs = record["runs"]
+    adam = runs["adam"]["loss"]
+    rows = []
+    for name, (optimizer, freeze) in PLATEAU_ARMS.items():
+        run = runs[name]
+        rows.append(
+            [
+                optimizer,
+                freeze.format(early=record["early"], steps=record["steps"]),
+                "" if run["froze_after"] is None else str(run["froze_after"]),
+                first_interval(name, run["first_interval"]),
+                "yes" if run["warned"] else "no",
+                f"{run['loss']:.4f}",
+                _x(run["loss"] / adam),
+            ]
+        )
+    commits, dates = _stamp([path])
+    return Table(
+        "plateau-readiness",
+        [
+            "optimizer",
+            "freeze",
+            "froze after step",
+            "0/1 Adam: first interval",
+            "warned",
+            "loss, last 25 steps",
+            "vs Adam",
+        ],
+        "lllrlrr",
+        rows,
+        [path],
+        commits,
+        dates,
+        [record["command"]],
+    )
+
+
+#: The seed study's arms, as the table names them.
+SEED_ARMS = {
+    "lamb": "LAMB",
+    "onebit-lamb": "1-bit LAMB (each tensor compressed alone, the default)",
+    "onebit-lamb-fused": "1-bit LAMB, `--compression fused` (DeepSpeed's exchange)",
+    "adam": "AdamW",
+    "onebit-adam": "1-bit Adam (per tensor)",
+    "zero-one-adam": "0/1 Adam (its defaults)",
+}
+
+
+def table_seed_study() -> Table:
+    """Each arm over the seeds: the final validation loss, against the dense baseline paired
+    by seed, the seeds whose training loss left the limit after the freeze, the refreshes."""
+    path = f"{READINESS}/seed-study.json"
+    record = _read(path)
+    arms = record["arms"]
+    rows = []
+    for arm, label in SEED_ARMS.items():
+        by_seed = arms[arm]
+        finals = [r["final"] for r in by_seed.values()]
+        baseline = record["baselines"][arm]
+        versus = ""
+        if baseline is not None:
+            paired = [
+                100 * (r["final"] / arms[baseline][s]["final"] - 1) for s, r in by_seed.items()
+            ]
+            versus = f"{statistics.mean(paired):+.2f} % ± {statistics.stdev(paired):.2f}"
+        flagged = {s: r["steps_above"] for s, r in by_seed.items() if r["diverged"]}
+        refreshed = [
+            f"{s} ({r['refresh_steps']})" for s, r in by_seed.items() if r["refresh_steps"]
+        ]
+        rows.append(
+            [
+                label,
+                str(len(finals)),
+                f"{statistics.mean(finals):.4f}",
+                f"{statistics.stdev(finals):.4f}",
+                versus,
+                ", ".join(f"{s} ({n})" for s, n in flagged.items()) or "none",
+                f"{max(r['highest_after_freeze'] for r in by_seed.values()):.2f}",
+                "" if baseline is None else ", ".join(refreshed) or "none",
+            ]
+        )
+    commits, dates = _stamp([path])
+    return Table(
+        "seed-study",
+        [
+            "arm",
+            "seeds",
+            "mean final validation loss",
+            "std",
+            "against its dense baseline (paired, mean ± std)",
+            "flagged seeds (steps above the limit)",
+            "highest training loss after the freeze",
+            "seeds the guard refreshed (refresh steps)",
+        ],
+        "lrrrrlrl",
+        rows,
+        [path],
+        commits,
+        dates,
+        [record["command"]],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # pages
 
 TABLES: dict[str, Callable[[], Table]] = {
@@ -1205,6 +1379,9 @@ TABLES: dict[str, Callable[[], Table]] = {
     "estimate-summary": table_estimate_summary,
     "variance-guard": table_variance_guard,
     "main-job-guard": table_main_job_guard,
+    "readiness-trajectory": table_readiness_trajectory,
+    "plateau-readiness": table_plateau_readiness,
+    "seed-study": table_seed_study,
 }
 
 MARKER = re.compile(
