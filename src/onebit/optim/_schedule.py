@@ -151,11 +151,11 @@ class Refreshes:
             for first, last in self.spans
         )
 
-    def last_end_before(self, step: int) -> int | None:
-        """The last step of the latest refresh that ended before ``step``, or ``None``."""
-        return max(
-            (last for _, last in self.spans if last is not None and last < step), default=None
-        )
+    def last_freeze(self, first_freeze: int, step: int) -> int:
+        """The step after which the variance was last frozen, as of ``step``: the last step
+        of the latest refresh that ended before ``step``, else ``first_freeze``."""
+        ends = [last for _, last in self.spans if last is not None and last < step]
+        return max([first_freeze, *ends])
 
     def start(self, step: int) -> None:
         """Steps from ``step`` on are refresh steps, until :meth:`end`."""
@@ -200,8 +200,7 @@ class FreezeSchedule:
     def last_freeze(self, step: int) -> int:
         """The step after which the variance was last frozen, as of ``step``: the warm-up's
         end, or that of the last refresh before ``step``."""
-        end = self.refreshes.last_end_before(step)
-        return self.freeze_step if end is None else end
+        return self.refreshes.last_freeze(self.freeze_step, step)
 
     def readiness_checks(self) -> dict[int, Check]:
         return {self.freeze_step: _freeze_check(self.argument, self.freeze_step)}
@@ -334,8 +333,7 @@ class ZeroOneSchedule:
 
     def last_freeze(self, step: int) -> int:
         """T, or the last step of the last refresh before ``step``."""
-        end = self.refreshes.last_end_before(step)
-        return self.freeze_step if end is None else end
+        return self.refreshes.last_freeze(self.freeze_step, step)
 
     def decision_pending(self, step: int) -> bool:
         """With ``var_freeze_step="auto"`` or ``var_warmup_steps="auto"``: whether to freeze
@@ -353,7 +351,8 @@ class ZeroOneSchedule:
         return "the 1-bit steps start"
 
     def replicas_agree(self, last_step: int) -> bool:
-        """Up to the freeze and right after a synchronisation; not inside a local interval."""
+        """Up to the freeze, and right after a synchronisation or a refresh step; not inside
+        a local interval."""
         return last_step <= self.freeze_step or self.kind(last_step) in (SYNC, REFRESH)
 
     def state_dict(self) -> dict[str, Any]:
