@@ -83,6 +83,7 @@ COMMIT_DATES = {
     "294793a": "2026-12-04",
     "94bcbc4": "2026-12-04",
     "894403e": "2026-12-04",
+    "dc88f59": "2026-12-04",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -122,6 +123,7 @@ RECORDED_IN = {
     "docs/convergence/readiness": "94bcbc4",
     "docs/convergence/readiness/seed-study.json": "894403e",
     "docs/convergence/variance-guard/zero-one-adam": "94bcbc4",
+    "docs/main-job/diloco": "dc88f59",
 }
 
 RUN = "python3 run.py onebit"
@@ -742,6 +744,63 @@ def table_main_job() -> Table:
         "training time",
     ]
     return _main_job_table("main-job", ["lamb", "default", "delayed"], header, cells)
+
+
+#: DiLoCo on the main job: folder under docs/main-job/diloco -> (label, command).
+DILOCO_RUNS = {
+    "adam": ("AdamW, every step (DDP)", "python3 run.py train --optimizer adam"),
+    **{
+        f"h{h}-{x}": (
+            f"DiLoCo, H = {h}, {'1-bit' if x == '1bit' else x} outer exchange",
+            f"python3 run.py train --optimizer adam --sync-every {h} --outer-exchange {x}",
+        )
+        for h in (10, 25)
+        for x in ("dense", "1bit")
+    },
+}
+
+
+def table_diloco_main_job() -> Table:
+    """DiLoCo over AdamW on the main job, dense and 1-bit, beside AdamW every step."""
+    paths = [f"docs/main-job/diloco/{run}/summary.json" for run in DILOCO_RUNS]
+    summaries = [_read(path) for path in paths]
+    adam = summaries[0]
+    rows = []
+    for (label, _), s in zip(DILOCO_RUNS.values(), summaries, strict=True):
+        stages = s["bytes_sent"]["by_stage"]
+        rounds = stages.get("outer", {}).get("steps", 0)
+        loss, first = s["final_validation_loss"], s is adam
+        total = s["bytes_sent"]["total"]
+        rows.append(
+            [
+                label,
+                "" if first else str(rounds),
+                f"{loss:.4f}",
+                "" if first else _pct(loss / adam["final_validation_loss"] - 1),
+                _mib(total),
+                "" if first else _x(adam["bytes_sent"]["total"] / total),
+                "" if first else _mb(total / rounds),
+            ]
+        )
+    commits, dates = _stamp(paths)
+    return Table(
+        "diloco-main-job",
+        [
+            "run",
+            "rounds",
+            "final validation loss",
+            "vs AdamW",
+            "bytes per worker",
+            "fewer than AdamW",
+            "bytes per round",
+        ],
+        "lrrrrrr",
+        rows,
+        paths,
+        commits,
+        dates,
+        [command for _, command in DILOCO_RUNS.values()],
+    )
 
 
 DELAYED_RUNS = [
@@ -1382,6 +1441,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "readiness-trajectory": table_readiness_trajectory,
     "plateau-readiness": table_plateau_readiness,
     "seed-study": table_seed_study,
+    "diloco-main-job": table_diloco_main_job,
 }
 
 MARKER = re.compile(
