@@ -36,13 +36,22 @@ from onebit.exchange import (
     world_size,
 )
 
-__all__ = ["DILOCO_OUTER", "DiLoCo", "EXCHANGES"]
+__all__ = ["DILOCO_OUTER", "DiLoCo", "EXCHANGES", "outer_sgd"]
 
 #: The outer exchanges: a mean allreduce, or the 1-bit exchange with error feedback.
 EXCHANGES = ("dense", "1bit")
 #: DiLoCo's outer optimizer: SGD with Nesterov momentum (Douillard et al.).
 DILOCO_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 _COMPRESSIONS = ("per_tensor", "fused")
+
+
+def outer_sgd(
+    params: Iterable[Tensor],
+    lr: float = DILOCO_OUTER["lr"],
+    momentum: float = DILOCO_OUTER["momentum"],
+) -> torch.optim.SGD:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD at ``momentum=0``)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
 class DiLoCo:
@@ -85,7 +94,7 @@ class DiLoCo:
             )
         _check_covers("inner_optimizer", inner_optimizer, self.params)
         if outer_optimizer is None:
-            outer_optimizer = torch.optim.SGD(self.params, **DILOCO_OUTER)
+            outer_optimizer = outer_sgd(self.params)
         _check_covers("outer_optimizer", outer_optimizer, self.params)
         devices = {p.device for p in self.params}
         if len(devices) > 1:

@@ -50,3 +50,17 @@ def test_inside_round_start_weights_the_parameters_hold_the_rounds_start():
             raise RuntimeError("in the block")
     assert all(torch.equal(p, o) for p, o in zip(model.parameters(), own, strict=True))
     assert diloco.local_step == 1
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_outer_sgd_steps_by_nesterovs_rule_and_plainly_without_momentum(momentum):
+    """Two outer steps against the rule written out: b = μ b + Δ, θ -= lr (Δ + μ b)."""
+    param = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+    outer = onebit.diloco.outer_sgd([param], lr=0.7, momentum=momentum)
+    theta, buf = param.detach().clone(), torch.zeros(2, dtype=torch.float64)
+    for delta in (torch.tensor([0.5, 0.25]), torch.tensor([-0.125, 1.0])):
+        param.grad = delta.to(torch.float64)
+        outer.step()
+        buf = momentum * buf + param.grad
+        theta -= 0.7 * (param.grad + momentum * buf)
+        torch.testing.assert_close(param.detach(), theta, rtol=0, atol=1e-15)

@@ -82,10 +82,13 @@ from onebit.train.run_dir import prepare_run_dir
             ["--optimizer", "adam", "--sync-every", "10", "--workers", "4", "--node-size", "2"],
             "--sync-every (DiLoCo) is not offered with --node-size > 1",
         ),
-        (["--optimizer", "adam", "--sync-every", "5", "--outer-lr", "0"], "--outer-lr must be > 0"),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--outer-lr", "0"],
+            "Invalid --outer-lr=0.0: it must be > 0",
+        ),
         (
             ["--optimizer", "adam", "--sync-every", "5", "--outer-momentum", "1"],
-            "--outer-momentum must be in [0, 1)",
+            "Invalid --outer-momentum=1.0: it must be in [0, 1)",
         ),
     ],
 )

@@ -288,7 +288,7 @@ class TrainConfig:
     outer_momentum: float = option(
         DILOCO_OUTER["momentum"],
         group=_SYSTEM,
-        help="with --sync-every: the outer SGD's Nesterov momentum",
+        help="with --sync-every: the outer SGD's Nesterov momentum (0: plain SGD)",
     )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")

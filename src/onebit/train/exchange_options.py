@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from onebit.cli import check_positive_int_option
-from onebit.optim.checks import check_bucket_cap_mb
+from onebit.optim.checks import check_bucket_cap_mb, check_positive, check_unit_interval
 
 #: A :class:`onebit.train.config.TrainConfig` (which calls these checks).
 TrainConfig = Any
@@ -118,7 +118,5 @@ def _check_diloco(config: TrainConfig) -> None:
     ):
         if value:
             raise ValueError(f"--sync-every (DiLoCo) is not offered with {flag}")
-    if config.outer_lr <= 0:
-        raise ValueError(f"--outer-lr must be > 0, got {config.outer_lr}")
-    if not 0 <= config.outer_momentum < 1:
-        raise ValueError(f"--outer-momentum must be in [0, 1), got {config.outer_momentum}")
+    check_positive("--outer-lr", config.outer_lr)
+    check_unit_interval("--outer-momentum", config.outer_momentum)

@@ -165,9 +165,7 @@ class Trainer:
         self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
         self.forward: nn.Module = self.model
         if config.diloco:  # each worker steps on its own gradients: no DDP
-            outer = torch.optim.SGD(
-                self.params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True
-            )
+            outer = onebit.diloco.outer_sgd(self.params, config.outer_lr, config.outer_momentum)
             self.diloco = onebit.DiLoCo(
                 self.params,
                 self.optimizer,
