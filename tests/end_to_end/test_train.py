@@ -285,6 +285,35 @@ def test_diloco_job_sends_at_round_ends_only_and_resumes_inside_a_round(
 
 
 @pytest.mark.slow
+def test_diloco_between_nodes_averages_inside_them_and_sends_between_them_at_round_ends(
+    workspace: Path,
+) -> None:
+    """``--workers 4 --node-size 2 --sync-every 5``: DDP inside each node at every step (an
+    fp32 allreduce of the gradients over its 2 ranks), the 1-bit outer exchange between the
+    nodes at the round ends only. The job's own allreduce in the node (``--no-ddp``),
+    killed after step 8 and restarted from the checkpoint of step 6, follows the DDP run
+    bit for bit (the mean of two values is the same either way)."""
+    options = ("--optimizer", "adam", "--sync-every", "5", "--workers", "4", "--node-size", "2")
+    options += ("--checkpoint-every", "3", "--keep-checkpoints", "4")
+    out = workspace / "diloco-nodes"
+    assert train(*tiny(workspace, out, *options)) == 0
+    rows = report.read_metrics(out).train
+    summary = json.loads((out / "summary.json").read_text())
+    node_allreduce = 4 * summary["parameters"]  # 2 (L - 1) / L · 4N bytes at L = 2
+    for row in rows:
+        assert row["bytes_intra_node"] == pytest.approx(node_allreduce, rel=1e-3), row
+        assert (row["bytes_inter_node"] > 0) == (row["stage"] == "outer"), row
+        assert row["bytes"] == row["bytes_intra_node"] + row["bytes_inter_node"]
+    assert [r["step"] for r in rows if r["stage"] == "outer"] == [5, 10, STEPS]
+    assert summary["node_size"] == 2
+    assert 0 < 8 * summary["bytes_sent"]["by_link"]["inter_node"] < 3 * node_allreduce
+    killed = workspace / "diloco-nodes-killed"
+    extra = ("--no-ddp", "--max-restarts", "1", "--kill-at-step", "8")
+    assert train(*tiny(workspace, killed, *options, *extra)) == 0
+    assert_same_trajectory(killed, out)
+
+
+@pytest.mark.slow
 def test_hierarchical_exchange_on_two_nodes_of_two(
     workspace: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

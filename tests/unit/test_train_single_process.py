@@ -79,10 +79,6 @@ from onebit.train.run_dir import prepare_run_dir
             "--sync-every (DiLoCo) is not offered with --powersgd-rank",
         ),
         (
-            ["--optimizer", "adam", "--sync-every", "10", "--workers", "4", "--node-size", "2"],
-            "--sync-every (DiLoCo) is not offered with --node-size > 1",
-        ),
-        (
             ["--optimizer", "adam", "--sync-every", "5", "--outer-lr", "0"],
             "Invalid --outer-lr=0.0: it must be > 0",
         ),

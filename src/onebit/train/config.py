@@ -220,15 +220,16 @@ class TrainConfig:
         True,
         group=_SYSTEM,
         help="wrap the model in DistributedDataParallel (the 1-bit optimizers register onebit's "
-        "comm hook); --no-ddp: the job averages the gradients of uncompressed steps itself, "
-        "with one dense allreduce",
+        "comm hook; with --sync-every, DDP inside each node of --node-size workers); "
+        "--no-ddp: the job averages the gradients of dense steps itself, in one allreduce",
     )
     node_size: int = option(
         1,
         group=_SYSTEM,
         help="workers per node (consecutive ranks) for the hierarchical 1-bit exchange: "
-        "dense averaging inside a node, 1-bit only between nodes; must divide the number of "
-        "workers; 1 = the flat exchange (the dense optimizers ignore it)",
+        "dense averaging inside a node, 1-bit only between nodes; with --sync-every, DiLoCo's "
+        "workers are the nodes; must divide the number of workers; 1 = the flat exchange "
+        "(the dense optimizers ignore it)",
     )
     fsdp: bool = option(
         False,
@@ -270,10 +271,11 @@ class TrainConfig:
         None,
         group=_SYSTEM,
         help="DiLoCo (onebit.DiLoCo) over --optimizer lamb or adam as the inner optimizer: "
-        "each worker takes this many steps on its own gradients (no DDP, nothing sent), then "
-        "the workers average how far they moved (the pseudo-gradient) through "
-        "--outer-exchange and DiLoCo's outer Nesterov SGD steps from the round's start; "
-        "validation reads the last round's weights; default: off",
+        "each worker (with --node-size L > 1: each node of L workers, DDP inside it) takes "
+        "this many steps on its own gradients (nothing sent between nodes), then the workers "
+        "(nodes) average how far they moved (the pseudo-gradient) through --outer-exchange "
+        "and DiLoCo's outer Nesterov SGD steps from the round's start; validation reads the "
+        "last round's weights; default: off",
     )
     outer_exchange: str = option(
         "1bit",
@@ -433,6 +435,18 @@ class TrainConfig:
     def diloco(self) -> bool:
         """Whether DiLoCo's rounds train (``--sync-every``)."""
         return self.sync_every is not None
+
+    @property
+    def diloco_nodes(self) -> bool:
+        """Whether DiLoCo's workers are nodes of ``node_size`` workers, which average their
+        gradients at every inner step (DDP inside the node)."""
+        return self.diloco and self.node_size > 1
+
+    @property
+    def counts_links(self) -> bool:
+        """Whether each step's bytes are also counted by link, inside a node and between
+        nodes (the hierarchical exchange, DiLoCo over nodes)."""
+        return self.hierarchical or self.diloco_nodes
 
     @property
     def hierarchical(self) -> bool:

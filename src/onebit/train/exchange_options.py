@@ -101,7 +101,7 @@ DILOCO_INNER = ("lamb", "adam")
 
 
 def _check_diloco(config: TrainConfig) -> None:
-    """``--sync-every``: DiLoCo over a dense inner optimizer, one flat group of workers."""
+    """``--sync-every``: DiLoCo over a dense inner optimizer, between workers or nodes."""
     if config.sync_every is None:
         return
     check_positive_int_option("sync_every", config.sync_every)
@@ -114,7 +114,6 @@ def _check_diloco(config: TrainConfig) -> None:
     for flag, value in (
         ("--powersgd-rank", config.powersgd_rank > 0),
         ("--fsdp", config.fsdp),
-        ("--node-size > 1", config.node_size > 1),
     ):
         if value:
             raise ValueError(f"--sync-every (DiLoCo) is not offered with {flag}")

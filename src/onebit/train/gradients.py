@@ -49,18 +49,34 @@ def clips_in_step(optimizer: torch.optim.Optimizer) -> bool:
     return hasattr(optimizer, "max_grad_norm")
 
 
+@dataclasses.dataclass
+class CountedAllreduce:
+    """The state of :func:`counted_allreduce_hook`: where its bytes are counted, and the
+    group DDP averages over (``None``: the world)."""
+
+    traffic: TrafficCounter
+    group: dist.ProcessGroup | None = None
+
+
 # No annotations: DistributedDataParallel inspects them and rejects postponed (string) ones.
-def counted_allreduce_hook(traffic, bucket):
-    """DDP's default mean allreduce, with its bytes counted in ``traffic``."""
+def counted_allreduce_hook(state, bucket):
+    """DDP's default mean allreduce over ``state.group``, its bytes counted in
+    ``state.traffic`` (a :class:`CountedAllreduce`)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    traffic.record("allreduce", allreduce_bytes(bucket.buffer(), dist.get_world_size()))
-    return allreduce_hook(None, bucket)
+    ranks = dist.get_world_size(state.group)
+    state.traffic.record("allreduce", allreduce_bytes(bucket.buffer(), ranks))
+    return allreduce_hook(state.group, bucket)
 
 
-def average_gradients(params: list[nn.Parameter], traffic: TrafficCounter) -> None:
-    """Mean of every gradient over ranks in one dense allreduce (what DDP does, without it),
-    for the dense baselines of a plain loop (onebit's optimizers average in ``step()``).
+def average_gradients(
+    params: list[nn.Parameter],
+    traffic: TrafficCounter,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Mean of every gradient over the ranks of ``group`` (``None``: the world) in one dense
+    allreduce (what DDP does, without it), for the dense baselines of a plain loop and
+    inside DiLoCo's nodes (onebit's optimizers average in ``step()``).
 
     Every parameter has its place whatever gradients this rank has, with one flag each that
     says whether it had one (so ranks that differ in which gradients exist still send the
@@ -73,7 +89,7 @@ def average_gradients(params: list[nn.Parameter], traffic: TrafficCounter) -> No
         if param.grad is not None:
             value.copy_(param.grad.reshape(-1))
             flags[index] = 1
-    onebit.allreduce_mean_(flat, traffic=traffic)
+    onebit.allreduce_mean_(flat, group, traffic=traffic)
     for param, value, flag in zip(params, values, flags.tolist(), strict=True):
         if flag > 0:
             param.grad = value.view_as(param).clone()

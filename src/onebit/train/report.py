@@ -3,8 +3,8 @@
 ``metrics.jsonl`` has one ``{"kind": "train", ...}`` row per step (step, stage, global MLM loss,
 lr, samples seen, bytes this worker sent in the step and so far, step time; with
 ``--node-size`` above 1 also ``bytes_intra_node`` and ``bytes_inter_node``, what the 1-bit
-exchange sent inside the node and between nodes) and a ``{"kind": "validation", ...}`` row
-(step, samples, loss) at every evaluation.
+exchange, or DiLoCo's nodes, sent inside the node and between nodes) and a
+``{"kind": "validation", ...}`` row (step, samples, loss) at every evaluation.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from onebit.optim import AUTO, VARIANCE_UPDATE, WARMUP
 from onebit.train.config import ZERO_ONE_ADAM, TrainConfig
 from onebit.train.run_dir import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE
 
-#: The per-step byte counts of the hierarchical exchange, by link (see the module docstring).
+#: The per-step byte counts by link, over nodes (see the module docstring).
 LINKS = ("intra_node", "inter_node")
 #: Fraction of the last train steps whose mean loss is reported as the final train loss.
 FINAL_TRAIN_WINDOW = 0.05
@@ -110,7 +110,7 @@ def summarize(run_dir: Path, config: TrainConfig, *, world_size: int, numel: int
         "run_dir": str(run_dir),
         "optimizer": config.optimizer,
         "workers": world_size,
-        "node_size": config.node_size if config.hierarchical else 1,
+        "node_size": config.node_size if config.counts_links else 1,
         "steps": len(train),
         "freeze_step": frozen_after(config, train) if config.uses_onebit else None,
         "global_batch": config.batch_size,
@@ -242,7 +242,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     links = summary["bytes_sent"].get("by_link")
     if links:
         lines.append(
-            f"    of which the 1-bit exchange on nodes of {summary['node_size']} workers: "
+            f"    of which, on nodes of {summary['node_size']} workers: "
             f"intra-node {human_bytes(links['intra_node'])}, "
             f"inter-node {human_bytes(links['inter_node'])}"
         )

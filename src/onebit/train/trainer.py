@@ -25,6 +25,7 @@ from onebit.collectives import TrafficCounter
 from onebit.train import checkpoint, data, report
 from onebit.train.config import TrainConfig
 from onebit.train.gradients import (
+    CountedAllreduce,
     average_gradients,
     build_optimizer,
     clips_in_step,
@@ -71,6 +72,8 @@ class Trainer:
     powersgd: CountedPowerSGD | None = None
     #: DiLoCo's rounds over the inner optimizer (``--sync-every``), if any.
     diloco: onebit.DiLoCo | None = None
+    #: The ranks the dense gradients are averaged over (``None``: the world; DiLoCo's node).
+    dense_group: dist.ProcessGroup | None = None
 
     def __init__(
         self, config: TrainConfig, run_dir: Path, rank: Rank, kill_at_step: int | None
@@ -158,13 +161,17 @@ class Trainer:
 
     def _parallelize(self) -> None:
         """The optimizer, how gradients are averaged (``self.dense_traffic`` counts the dense
-        averaging's bytes) and the module the forward pass runs through."""
+        averaging's bytes, over ``self.dense_group``) and the module the forward pass runs
+        through."""
         config = self.config
-        groups = onebit.node_groups(config.node_size) if config.hierarchical else None
-        self.optimizer = build_optimizer(config, self.params, groups, config.grad_clip)
+        groups = onebit.node_groups(config.node_size) if config.counts_links else None
+        hierarchical = groups if config.hierarchical else None
+        self.optimizer = build_optimizer(config, self.params, hierarchical, config.grad_clip)
         self.dense_traffic = TrafficCounter()  # the dense baselines' gradient averaging
         self.forward: nn.Module = self.model
-        if config.diloco:  # each worker steps on its own gradients: no DDP
+        if config.diloco:  # each worker, or each node of DDP inside it, is a DiLoCo worker
+            intra, inter = groups if config.diloco_nodes else (None, None)
+            self.dense_group = intra
             outer = onebit.diloco.outer_sgd(self.params, config.outer_lr, config.outer_momentum)
             self.diloco = onebit.DiLoCo(
                 self.params,
@@ -172,13 +179,16 @@ class Trainer:
                 sync_every=config.sync_every,
                 exchange=config.outer_exchange,
                 outer_optimizer=outer,
+                process_group=inter,
             )
-        elif config.ddp:
+        if config.ddp and (config.diloco_nodes or not config.diloco):
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.rank.local_rank] if self.rank.device.type == "cuda" else None
             buckets = one_bucket(self.params) if config.powersgd_rank else {}
-            self.forward = DistributedDataParallel(self.model, device_ids=device_ids, **buckets)
+            self.forward = DistributedDataParallel(
+                self.model, device_ids=device_ids, process_group=self.dense_group, **buckets
+            )
             if config.uses_onebit:
                 onebit.ddp.register_comm_hook(self.forward, self.optimizer)
             elif config.powersgd_rank:
@@ -187,10 +197,14 @@ class Trainer:
                 )
                 self.powersgd.register(self.forward)
             else:
-                self.forward.register_comm_hook(self.dense_traffic, counted_allreduce_hook)
+                hook_state = CountedAllreduce(self.dense_traffic, self.dense_group)
+                self.forward.register_comm_hook(hook_state, counted_allreduce_hook)
 
     def _link_bytes(self) -> dict[str, int]:
-        """Bytes this rank has sent in the hierarchical exchange so far, per link kind."""
+        """Bytes this rank has sent inside its node and between nodes so far: the
+        hierarchical exchange's, or DiLoCo's nodes' (their gradients, their outer exchange)."""
+        if self.diloco is not None:
+            return {"intra_node": self.dense_traffic.total(), "inter_node": self.diloco.bytes_sent}
         sent = self.optimizer.traffic_by_kind
         return {kind: sent.get(kind, 0) for kind in report.LINKS}
 
@@ -296,7 +310,7 @@ class Trainer:
         stage = self._stage(step)
         lr = self.optimizer.param_groups[0]["lr"]
         sent_before = self._bytes_sent()
-        links_before = self._link_bytes() if config.hierarchical else None
+        links_before = self._link_bytes() if config.counts_links else None
         loss_sum, masked = self._gradient_step(step, inputs, labels)
         if step == config.steps and isinstance(self.optimizer, onebit.OneBitOptimizer):
             self.optimizer.finish_exchange()  # a delayed exchange's last update lands
@@ -333,10 +347,12 @@ class Trainer:
         return self.forward(inputs, labels), int((labels != data.IGNORE_INDEX).sum())
 
     def _averages_gradients(self) -> bool:
-        """Whether the job averages the gradients itself (a plain loop's dense baselines;
-        DiLoCo's inner steps take each worker's own)."""
+        """Whether the job averages the gradients itself (a plain loop's dense baselines, and
+        DiLoCo's nodes; DiLoCo's single workers step on their own)."""
         config = self.config
-        return not config.ddp and not config.uses_onebit and not config.diloco
+        if config.ddp or config.uses_onebit:
+            return False
+        return config.diloco_nodes or not config.diloco
 
     def _gradient_step(
         self, step: int, inputs: torch.Tensor, labels: torch.Tensor
@@ -349,7 +365,7 @@ class Trainer:
         loss, masked = self._worker_loss(step, self.rank.rank, inputs, labels)
         loss.backward()
         if self._averages_gradients():
-            average_gradients(self.params, self.dense_traffic)
+            average_gradients(self.params, self.dense_traffic, self.dense_group)
         if config.grad_clip > 0 and not clips_in_step(self.optimizer):
             torch.nn.utils.clip_grad_norm_(self.params, config.grad_clip)
         self.optimizer.step()
