@@ -189,6 +189,34 @@ def test_step_times_speedup_and_traffic_by_hand():
     assert local_compression_seconds(cluster, shared) == local
 
 
+def test_diloco_rounds_by_hand():
+    # W = 4 nodes of one rank, N = 1024, H = 8: seven inner steps of t_c = 2 s, the eighth
+    # adds the outer exchange of fp32 pseudo-gradients (dense: 6144 bytes a rank; 1-bit:
+    # 228, after the local work).
+    rows = {row.method: row for row in estimate(job(4, 1, sync_every=(8,)), MACHINE)}
+    dense_outer = 6 * 0.01 + 6144 / 1000 + 6144 / 1e4
+    onebit_outer = 4 * 1024 / 2e4 + 12 * 0.01 + 228 / 500 + 228 / 1e4
+    lamb_step = 2.0 + dense_outer
+    for name, outer, sent in (("dense", dense_outer, 6144), ("1bit", onebit_outer, 228)):
+        row = rows[f"diloco-{name}-h8"]
+        assert (row.warmup_step, row.compression_step) == pytest.approx((2.0, 2.0 + outer))
+        assert row.mean_step == pytest.approx(2.0 + outer / 8)
+        assert row.speedup == pytest.approx(lamb_step / (2.0 + outer / 8))
+        assert row.rank_bytes == row.node_link_bytes == pytest.approx(sent / 8)
+        assert row.traffic_reduction == pytest.approx(8 * 6144 / sent)
+    # mixed precision halves LAMB's allreduce, not the fp32 pseudo-gradients'
+    half = {
+        r.method: r for r in estimate(job(4, 1, sync_every=(8,), mixed_precision=True), MACHINE)
+    }
+    assert half["diloco-dense-h8"].traffic_reduction == pytest.approx(4)
+    assert [r.method for r in estimate(job(4, 1, sync_every=(2, 8)), MACHINE)][-4:] == [
+        "diloco-dense-h2",
+        "diloco-1bit-h2",
+        "diloco-dense-h8",
+        "diloco-1bit-h8",
+    ]
+
+
 def test_free_local_work_and_latency_give_the_32x_byte_ratio():
     # With nothing but the links costing time, the compression stage is 32x faster than a
     # dense fp32 step (less the scalars), the whole run 1 / (w + (1-w)/32) on traffic.
@@ -225,6 +253,7 @@ def test_one_node_sends_nothing_over_links_and_mixed_precision_drops_the_fp16_ro
         ({"backward_share": -0.1}, r"backward_share must be in \[0, 1\]"),
         ({"tail_share": 1.5}, r"tail_share must be in \[0, 1\]"),
         ({"bucket_cap_mb": 0.0}, "bucket_cap_mb must be a positive number"),
+        ({"sync_every": (10, 0)}, "sync_every must hold integers >= 1, got 0"),
     ],
 )
 def test_cluster_rejects_bad_input(kwargs, message):
@@ -275,6 +304,13 @@ def test_command_prints_a_table_and_json(capsys):
         "onebit",
         "onebit-overlap",
         "onebit-delayed",
+    ]
+    assert main([*argv, "--sync-every", "50"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["cluster"]["sync_every"] == [50]
+    assert [row["method"] for row in document["methods"]][-2:] == [
+        "diloco-dense-h50",
+        "diloco-1bit-h50",
     ]
 
 

@@ -104,6 +104,13 @@ class EstimateSettings:
         "embeddings), sent after backward by an overlapped exchange",
         default_help="the named model's embeddings (bert-base 0.22), else 0",
     )
+    sync_every: list[int] = option(
+        [],
+        group="job",
+        help="add DiLoCo over the ranks, dense and 1-bit outer exchange, with rounds of each "
+        "of these numbers of inner steps (onebit train --sync-every)",
+        default_help="none",
+    )
     mixed_precision: bool = option(
         False,
         group="job",
@@ -181,6 +188,7 @@ class EstimateSettings:
             backward_share=self.backward_share,
             bucket_cap_mb=self.bucket_cap_mb,
             tail_share=model_tail_share(self.model) if self.tail_share is None else self.tail_share,
+            sync_every=tuple(self.sync_every),
         )
 
     def machine(

@@ -25,6 +25,7 @@ __all__ = [
     "COMPRESSION_THROUGHPUT",
     "HOST_THROUGHPUT",
     "TCP_PAYLOAD_SHARE",
+    "DILOCO_LABELS",
     "Cluster",
     "Exchange",
     "Machine",
@@ -129,12 +130,17 @@ class Cluster:
     """u: share of the parameters whose gradients backward completes last, those forward
     uses first (a BERT's embeddings: 0.22 of BERT-base, 0.55 of ``small``); an overlapped
     exchange sends their bytes after backward."""
+    sync_every: tuple[int, ...] = ()
+    """H of each DiLoCo to predict, inner steps a round (none: no DiLoCo rows)."""
 
     def __post_init__(self) -> None:
         for name in ("parameters", "nodes", "ranks_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for value in self.sync_every:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"sync_every must hold integers >= 1, got {value!r}")
         _check_positive("compute_seconds", self.compute_seconds)
         _check_positive("bandwidth", self.bandwidth)
         _check_positive("intra_bandwidth", self.intra_bandwidth, allow_inf=True)
@@ -320,11 +326,13 @@ class MethodEstimate:
     method: str
     label: str
     warmup_step: float
-    """Seconds of a step of the warm-up stage (LAMB's step for the 1-bit methods)."""
+    """Seconds of a step of the warm-up stage (LAMB's step for the 1-bit methods; DiLoCo's
+    inner step)."""
     compression_step: float
-    """Seconds of a compression-stage step (steady-state step for methods without stages)."""
+    """Seconds of a compression-stage step (steady-state step for methods without stages;
+    DiLoCo's last step of a round, with the outer exchange)."""
     mean_step: float
-    """``w t_warm + (1-w) t_comp``: the run's mean step."""
+    """``w t_warm + (1-w) t_comp``: the run's mean step (DiLoCo's ``t_c + T_outer / H``)."""
     speedup: float
     """LAMB's mean step over this one."""
     compression_speedup: float
@@ -349,12 +357,15 @@ METHODS = {
     "onebit-delayed": "1-bit LAMB / 1-bit Adam, flat, exchange delayed by one step",
     "onebit-hier": "1-bit LAMB / 1-bit Adam, hierarchical",
 }
+#: DiLoCo's outer exchanges in :func:`estimate`'s rows: ``diloco-{exchange}-h{H}``.
+DILOCO_LABELS = {"dense": "DiLoCo, dense outer exchange", "1bit": "DiLoCo, 1-bit outer exchange"}
 
 
 def estimate(cluster: Cluster, machine: Machine) -> list[MethodEstimate]:
     """Every method's step times, speedup and traffic against LAMB. ``fp16`` is left out under
     mixed precision (LAMB's allreduce is then fp16 already), ``onebit-hier`` on nodes of one
-    rank (where it is the flat exchange)."""
+    rank (where it is the flat exchange); DiLoCo over the W ranks, dense and 1-bit, for each
+    H of ``cluster.sync_every``."""
     compute, w = cluster.compute_seconds, cluster.warmup_fraction
     dense = dense_allreduce(cluster, machine, cluster.gradient_bytes)
     local = local_compression_seconds(cluster, machine)
@@ -391,4 +402,38 @@ def estimate(cluster: Cluster, machine: Machine) -> list[MethodEstimate]:
                 traffic_reduction=dense.node_link_bytes / node_bytes if node_bytes else None,
             )
         )
+    return rows + _diloco_rows(cluster, machine, lamb_step, dense.node_link_bytes)
+
+
+def _diloco_rows(
+    cluster: Cluster, machine: Machine, lamb_step: float, lamb_node_bytes: float
+) -> list[MethodEstimate]:
+    """DiLoCo over the W ranks for each H of ``cluster.sync_every``: inner steps of ``t_c``,
+    the round's last adds the outer exchange of the fp32 pseudo-gradients, ``T_dense(4)`` or
+    ``t_local + T_flat``; the mean step ``t_c + T_outer / H``."""
+    compute = cluster.compute_seconds
+    outers = {
+        "dense": (dense_allreduce(cluster, machine, FP32_BYTES), 0.0),
+        "1bit": (flat_exchange(cluster, machine), local_compression_seconds(cluster, machine)),
+    }
+    rows = []
+    for rounds in cluster.sync_every:
+        for name, (exchange, local) in outers.items():
+            outer = local + exchange.seconds
+            mean_step = compute + outer / rounds
+            node_bytes = exchange.node_link_bytes / rounds
+            rows.append(
+                MethodEstimate(
+                    method=f"diloco-{name}-h{rounds}",
+                    label=f"{DILOCO_LABELS[name]}, H = {rounds}",
+                    warmup_step=compute,
+                    compression_step=compute + outer,
+                    mean_step=mean_step,
+                    speedup=lamb_step / mean_step,
+                    compression_speedup=lamb_step / (compute + outer),
+                    rank_bytes=exchange.rank_bytes / rounds,
+                    node_link_bytes=node_bytes,
+                    traffic_reduction=lamb_node_bytes / node_bytes if node_bytes else None,
+                )
+            )
     return rows
