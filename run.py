@@ -9,7 +9,8 @@
                                      # into site/
 
 The first call creates a virtual environment in `.venv` next to this file and installs
-onebit into it with its training and test extras; torch is pinned to a CPU build here.
+onebit into it with its training and test extras; torch is pinned to a CPU build here, the
+packages the results are measured with to constraints.txt.
 Later calls reuse it (it is rebuilt when pyproject.toml changes).
 """
 
@@ -26,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 TORCH_PIN = "torch==2.13.0"
+#: The versions of the packages the results under docs/ are measured with.
+CONSTRAINTS = ROOT / "constraints.txt"
 STAMP = VENV / ".onebit-installed"
 
 
@@ -35,6 +38,7 @@ def _venv_python() -> Path:
 
 def _wanted_stamp() -> str:
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
+    digest.update(CONSTRAINTS.read_bytes())
     digest.update(TORCH_PIN.encode())
     return digest.hexdigest()
 
@@ -49,7 +53,7 @@ def ensure_environment() -> Path:
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     print(f"[run.py] installing {TORCH_PIN} and onebit[train,dev]", flush=True)
     subprocess.run([*pip, TORCH_PIN], check=True)
-    subprocess.run([*pip, "-e", f"{ROOT}[train,dev]"], check=True)
+    subprocess.run([*pip, "-c", str(CONSTRAINTS), "-e", f"{ROOT}[train,dev]"], check=True)
     STAMP.write_text(_wanted_stamp())
     return python
 

@@ -7,6 +7,7 @@ unit/test_train_single_process.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterator
@@ -68,6 +69,10 @@ def test_run_folder_loss_and_traffic(
     assert (reference_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     versions = json.loads((reference_run / "config.json").read_text())["environment"]
     assert versions["torch"] == torch.__version__ and versions["numpy"] == np.__version__
+    inputs = json.loads((reference_run / "summary.json").read_text())["inputs"]
+    tokenizer = (reference_run / "tokenizer.json").read_bytes()
+    assert inputs["tokenizer"] == hashlib.sha256(tokenizer).hexdigest()[:16]
+    assert {len(inputs["sequences"]), len(inputs["initial_weights"])} == {16}
     metrics = report.read_metrics(reference_run)
     assert [r["stage"] for r in metrics.train] == ["warmup"] * FREEZE + ["compression"] * (
         STEPS - FREEZE
@@ -286,7 +291,7 @@ def test_diloco_job_sends_at_round_ends_only_and_resumes_inside_a_round(
 
 @pytest.mark.slow
 def test_diloco_between_nodes_averages_inside_them_and_sends_between_them_at_round_ends(
-    workspace: Path,
+    workspace: Path, reference_run: Path
 ) -> None:
     """``--workers 4 --node-size 2 --sync-every 5``: DDP inside each node at every step (an
     fp32 allreduce of the gradients over its 2 ranks), the 1-bit outer exchange between the
@@ -307,6 +312,8 @@ def test_diloco_between_nodes_averages_inside_them_and_sends_between_them_at_rou
     assert [r["step"] for r in rows if r["stage"] == "outer"] == [5, 10, STEPS]
     assert summary["node_size"] == 2
     assert 0 < 8 * summary["bytes_sent"]["by_link"]["inter_node"] < 3 * node_allreduce
+    # Other optimizer, other workers: the same samples from the same initial weights.
+    assert summary["inputs"] == json.loads((reference_run / "summary.json").read_text())["inputs"]
     killed = workspace / "diloco-nodes-killed"
     extra = ("--no-ddp", "--max-restarts", "1", "--kill-at-step", "8")
     assert train(*tiny(workspace, killed, *options, *extra)) == 0

@@ -5,6 +5,7 @@ run folder's options."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from onebit.cli import build_parser, given_options
 from onebit.cli import main as onebit_main
 from onebit.train import checkpoint
 from onebit.train.config import TrainConfig
-from onebit.train.job_data import lr_factor, step_seed
+from onebit.train.job_data import lr_factor, step_seed, tensors_digest
 from onebit.train.run_dir import prepare_run_dir
 
 
@@ -220,3 +221,14 @@ def test_legacy_compression_option_of_a_run_folder_reads_as_what_it_ran(tmp_path
         del train["compression"]
         write_json_atomic(tmp_path / "config.json", {"train": train, "launch": {}})
         assert read_config(tmp_path).compression == now
+
+
+def test_tensors_digest_is_sha256_of_the_values_in_order() -> None:
+    a = torch.tensor([1.0, -2.5], dtype=torch.float32)
+    b = torch.arange(6, dtype=torch.int64).reshape(2, 3).t()  # not contiguous
+    expected = hashlib.sha256(a.numpy().tobytes() + b.contiguous().numpy().tobytes())
+    assert tensors_digest([a, b]) == expected.hexdigest()[:16]
+    assert tensors_digest([b, a]) != tensors_digest([a, b])
+    nudged = a.clone()
+    nudged[1] = torch.nextafter(a[1], torch.tensor(0.0))
+    assert tensors_digest([nudged, b]) != tensors_digest([a, b])

@@ -10,7 +10,8 @@ the steps an uninterrupted run would take.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -79,3 +80,23 @@ def model_config(config: TrainConfig, vocab_size: int) -> PretrainedConfig:
         dropout=config.dropout,
         architecture=config.architecture,
     )
+
+
+def tensors_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 (16 hex digits) of the tensors' values, one after another in their order."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
+
+
+def run_inputs(mlm: data.MLMData, tokenizer_json: str, initial_weights: str) -> dict[str, Any]:
+    """What a run trains on: digests of its tokenizer, its token sequences (training and
+    validation) and its initial weights (``initial_weights``, their :func:`tensors_digest`).
+    Runs with the same digests saw the same samples from the same start; runs compared side
+    by side must (``config.json`` holds the versions of the packages that made them)."""
+    return {
+        "tokenizer": hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16],
+        "sequences": tensors_digest([mlm.train, mlm.validation]),
+        "initial_weights": initial_weights,
+    }

@@ -30,7 +30,7 @@ CHECKPOINT_DIR = "checkpoints"
 
 
 #: The packages whose versions decide a run's numbers (its data, initial weights and maths).
-VERSIONED_PACKAGES = ("torch", "numpy", "numba", "transformers", "tokenizers")
+VERSIONED_PACKAGES = ("torch", "numpy", "numba", "transformers", "tokenizers", "mwparserfromhell")
 
 
 def environment() -> dict[str, str]:

@@ -31,7 +31,15 @@ from onebit.train.gradients import (
     clips_in_step,
     counted_allreduce_hook,
 )
-from onebit.train.job_data import load_data, lr_factor, masked_batch, model_config, step_seed
+from onebit.train.job_data import (
+    load_data,
+    lr_factor,
+    masked_batch,
+    model_config,
+    run_inputs,
+    step_seed,
+    tensors_digest,
+)
 from onebit.train.powersgd import CountedPowerSGD, one_bucket
 from onebit.train.rank import Rank, collective_ok
 from onebit.train.run_dir import (
@@ -120,6 +128,7 @@ class Trainer:
         self.bert_config = model_config(config, mlm.vocab_size)
         torch.manual_seed(config.seed)
         self.model = build_mlm_model(self.bert_config).to(self.rank.device)
+        self.initial_weights = tensors_digest(self.model.state_dict().values())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
 
@@ -276,6 +285,7 @@ class Trainer:
                 numel=self.numel,
                 extra={
                     "unigram_entropy": data.unigram_cross_entropy(mlm),
+                    "inputs": run_inputs(mlm, tokenizer_json, self.initial_weights),
                     **self._report_extra(),
                 },
             )
