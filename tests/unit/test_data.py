@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import bz2
 import io
+import json
 import logging
 import random
 import re
 import shutil
+import subprocess
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -422,6 +425,53 @@ def test_train_tokenizer_specials_and_cache(
 
     monkeypatch.setattr(wordpiece, "WordPieceTrainer", no_training)
     assert data.train_tokenizer(documents, vocab_size=300).to_str() == tok.to_str()
+
+
+def test_a_tokenizer_trained_in_another_process_is_the_same(
+    documents: list[str], tmp_path: Path
+) -> None:
+    """``tokenizers``' trainer numbers tokens of equal counts in an order that changes from
+    process to process; the canonical numbering makes one corpus give one tokenizer."""
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text(json.dumps(documents))
+    script = (
+        "import json, sys; from onebit.train import data; "
+        "docs = json.loads(open(sys.argv[1]).read()); "
+        "print(data.train_tokenizer(docs, vocab_size=300, cache_dir=sys.argv[2]).to_str())"
+    )
+    made = {
+        subprocess.run(
+            [sys.executable, "-c", script, str(corpus), str(tmp_path / f"cache{i}")],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
+        for i in range(3)
+    }
+    assert len(made) == 1
+
+
+def test_the_canonical_numbering_keeps_the_tokens_and_how_texts_split(
+    documents: list[str], cache: Path
+) -> None:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from tokenizers.trainers import WordPieceTrainer
+
+    trained = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    trained.normalizer = normalizers.BertNormalizer(lowercase=True)
+    trained.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = WordPieceTrainer(vocab_size=300, special_tokens=list(data.SPECIAL_TOKENS))
+    trained.train_from_iterator(documents, trainer=trainer)
+    ours = data.train_tokenizer(documents, vocab_size=300)
+    vocab = ours.get_vocab()
+    assert set(vocab) == set(trained.get_vocab())
+    ordered = sorted(vocab, key=vocab.__getitem__)
+    assert ordered == [*data.SPECIAL_TOKENS, *sorted(set(vocab) - set(data.SPECIAL_TOKENS))]
+    text = " ".join(documents[:3])
+    assert ours.encode(text).tokens[1:-1] == trained.encode(text).tokens
+    with pytest.raises(ValueError, match=r"lacks the special tokens \['\[MASK\]'\]"):
+        wordpiece.canonical_vocab({t: i for i, t in enumerate(data.SPECIAL_TOKENS[:-1])})
 
 
 def test_train_tokenizer_rejects_bad_input() -> None:

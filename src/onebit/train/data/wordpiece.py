@@ -23,6 +23,8 @@ CLS_TOKEN = "[CLS]"
 SEP_TOKEN = "[SEP]"
 MASK_TOKEN = "[MASK]"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, UNK_TOKEN, CLS_TOKEN, SEP_TOKEN, MASK_TOKEN)
+#: Version of the cached tokenizers: 2 numbers the vocabulary in :func:`canonical_vocab` order.
+TOKENIZER_FORMAT = 2
 
 
 def tokenizer_cache_path(
@@ -31,9 +33,21 @@ def tokenizer_cache_path(
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Path of the cached tokenizer for this corpus and vocabulary size."""
-    key = f"{corpus_digest(documents)}-{vocab_size}-v{CACHE_FORMAT_VERSION}"
+    key = f"{corpus_digest(documents)}-{vocab_size}-v{CACHE_FORMAT_VERSION}-t{TOKENIZER_FORMAT}"
     short = hashlib.sha256(key.encode()).hexdigest()[:16]
     return resolve_cache_dir(cache_dir) / "tokenizers" / f"wordpiece-{vocab_size}-{short}.json"
+
+
+def canonical_vocab(vocab: dict[str, int]) -> dict[str, int]:
+    """The same tokens numbered in one order: the special tokens first (ids 0-4), then the
+    others sorted by their text. ``tokenizers``' WordPiece trainer learns the same tokens in
+    every process but numbers those of equal counts in an order that changes from process to
+    process; renumbered, one corpus gives one tokenizer, and so one dataset, everywhere."""
+    missing = [token for token in SPECIAL_TOKENS if token not in vocab]
+    if missing:
+        raise ValueError(f"the vocabulary lacks the special tokens {missing}")
+    others = sorted(token for token in vocab if token not in SPECIAL_TOKENS)
+    return {token: index for index, token in enumerate([*SPECIAL_TOKENS, *others])}
 
 
 def train_tokenizer(
@@ -43,7 +57,8 @@ def train_tokenizer(
 ) -> Tokenizer:
     """Train (or load from the cache) a BERT-style uncased WordPiece tokenizer.
 
-    The special tokens ``[PAD] [UNK] [CLS] [SEP] [MASK]`` get ids 0-4. Encoding with
+    The special tokens ``[PAD] [UNK] [CLS] [SEP] [MASK]`` get ids 0-4, the others follow in
+    :func:`canonical_vocab` order, so the result does not depend on the process. Encoding with
     ``add_special_tokens=True`` wraps a text as ``[CLS] text [SEP]`` (pairs as
     ``[CLS] a [SEP] b [SEP]``). The result is cached at :func:`tokenizer_cache_path`.
     """
@@ -67,12 +82,8 @@ def train_tokenizer(
         "Training a WordPiece tokenizer (vocab %d) on %d documents", vocab_size, len(documents)
     )
     tokenizer.train_from_iterator(documents, trainer=trainer, length=len(documents))
-    ids = [tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS]
-    if ids != list(range(len(SPECIAL_TOKENS))):
-        raise RuntimeError(
-            f"Unexpected special token ids {dict(zip(SPECIAL_TOKENS, ids, strict=True))}"
-        )
-    cls_id, sep_id = ids[2], ids[3]
+    tokenizer.model = models.WordPiece(canonical_vocab(tokenizer.get_vocab()), unk_token=UNK_TOKEN)
+    cls_id, sep_id = tokenizer.token_to_id(CLS_TOKEN), tokenizer.token_to_id(SEP_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{CLS_TOKEN} $A {SEP_TOKEN}",
         pair=f"{CLS_TOKEN} $A {SEP_TOKEN} $B:1 {SEP_TOKEN}:1",
