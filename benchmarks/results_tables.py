@@ -84,6 +84,7 @@ COMMIT_DATES = {
     "94bcbc4": "2026-12-04",
     "894403e": "2026-12-04",
     "dc88f59": "2026-12-04",
+    "5ca0ad9": "2026-12-04",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -100,8 +101,6 @@ RECORDED_IN = {
     "docs/convergence/zero-one-adam-n4-k128-s120": "86773e0",
     "docs/convergence/zero-one-adam-n4-momentum": "d85dfdc",
     "docs/convergence/zero-one-adam-n4-momentum-s240": "d85dfdc",
-    "docs/convergence/zero-one-adam-n4-defaults": "0b0b186",
-    "docs/convergence/zero-one-adam-n4-defaults-t120": "132aeb6",
     "docs/convergence/lamb-n16": "425d9d9",
     "docs/convergence/onebit-lamb-n16": "86773e0",
     "docs/convergence/onebit-lamb-n64": "86773e0",
@@ -124,6 +123,7 @@ RECORDED_IN = {
     "docs/convergence/readiness/seed-study.json": "894403e",
     "docs/convergence/variance-guard/zero-one-adam": "94bcbc4",
     "docs/main-job/diloco": "dc88f59",
+    "docs/main-job/diloco-outer": "5ca0ad9",
 }
 
 RUN = "python3 run.py onebit"
@@ -589,14 +589,6 @@ STUDY_ARMS = [
     ("docs/convergence/zero-one-adam-n4-k128-s120", "0/1 Adam, κ 128, S 120"),
     ("docs/convergence/zero-one-adam-n4-momentum", "0/1 Adam, momentum exchange, κ 64, S 120"),
     ("docs/convergence/zero-one-adam-n4-momentum-s240", "0/1 Adam, momentum exchange, κ 64, S 240"),
-    (
-        "docs/convergence/zero-one-adam-n4-defaults",
-        "0/1 Adam, momentum exchange, auto warm-up, κ 16, S 1, T 600",
-    ),
-    (
-        "docs/convergence/zero-one-adam-n4-defaults-t120",
-        "0/1 Adam, momentum exchange, auto warm-up, κ 16, T 120",
-    ),
     ("docs/convergence/lamb-n16", "LAMB (simulated)"),
     ("docs/convergence/onebit-lamb-n16", "1-bit LAMB (simulated, fused exchange)"),
     ("docs/convergence/onebit-lamb-n64", "1-bit LAMB (simulated, fused exchange)"),
@@ -651,6 +643,7 @@ ARM_HEADER = [
 
 
 def table_convergence_study() -> Table:
+    _first_losses_agree([d for d, _ in STUDY_ARMS])
     paths = [f"{d}/summary.json" for d, _ in STUDY_ARMS]
     commits, dates = _stamp(paths)
     return Table(
@@ -667,6 +660,7 @@ def table_convergence_study() -> Table:
 
 
 def table_convergence_defaults() -> Table:
+    _first_losses_agree([d for d, _ in DEFAULT_ARMS])
     paths = [f"{d}/summary.json" for d, _ in DEFAULT_ARMS]
     commits, dates = _stamp(paths)
     return Table(
@@ -698,6 +692,7 @@ MAIN_JOB_RUNS = {
 def _main_job_table(name: str, runs: Sequence[str], header: Sequence[str], cells) -> Table:
     """A table of the main job's ``runs`` (folders under docs/main-job), LAMB's first:
     the label, then ``cells(summary, lamb_summary)``."""
+    _first_losses_agree([f"docs/main-job/{run}" for run in runs])
     paths = [f"docs/main-job/{run}/summary.json" for run in runs]
     summaries = [_read(path) for path in paths]
     rows = [
@@ -762,6 +757,7 @@ DILOCO_RUNS = {
 
 def table_diloco_main_job() -> Table:
     """DiLoCo over AdamW on the main job, dense and 1-bit, beside AdamW every step."""
+    _first_losses_agree([f"docs/main-job/diloco/{run}" for run in DILOCO_RUNS])
     paths = [f"docs/main-job/diloco/{run}/summary.json" for run in DILOCO_RUNS]
     summaries = [_read(path) for path in paths]
     adam = summaries[0]
@@ -800,6 +796,72 @@ def table_diloco_main_job() -> Table:
         commits,
         dates,
         [command for _, command in DILOCO_RUNS.values()],
+    )
+
+
+#: DiLoCo's outer SGD on the main job: (lr, momentum) -> run folder of each H and exchange.
+DILOCO_OUTER_RUNS = {
+    (0.7, 0.9): "docs/main-job/diloco/h{h}-{x}",
+    (0.7, 0.5): "docs/main-job/diloco-outer/h{h}-{x}-m05",
+    (1.0, 0.0): "docs/main-job/diloco-outer/h{h}-{x}-m0-lr1",
+}
+
+
+def _first_losses_agree(paths: Sequence[str]) -> None:
+    """The runs compared in a table trained on the same samples from the same start: their
+    first training losses (before any update) agree, and so do their ``inputs`` digests
+    where recorded; ``ValueError`` naming the runs otherwise."""
+    firsts, inputs = {}, {}
+    for path in paths:
+        with (ROOT / path / "metrics.jsonl").open() as metrics:
+            firsts[path] = json.loads(metrics.readline())["loss"]
+        recorded = _read(f"{path}/summary.json").get("inputs")
+        if recorded is not None:
+            inputs[path] = recorded
+    reference = next(iter(firsts.values()))
+    differ = [p for p, loss in firsts.items() if abs(loss - reference) > 1e-6 * abs(reference)]
+    differ += [p for p, digests in inputs.items() if digests != next(iter(inputs.values()))]
+    if differ:
+        raise ValueError(f"runs {differ} did not train on the inputs of {next(iter(firsts))}")
+
+
+def table_diloco_outer() -> Table:
+    """DiLoCo's outer SGD, dense and 1-bit, at each H of the main job: the final validation
+    losses side by side."""
+    rows, paths, commands = [], [], []
+    for h in (10, 25):
+        for (lr, momentum), pattern in DILOCO_OUTER_RUNS.items():
+            runs = {x: pattern.format(h=h, x=x) for x in ("dense", "1bit")}
+            loss = {
+                x: _read(f"{run}/summary.json")["final_validation_loss"] for x, run in runs.items()
+            }
+            nesterov = f"Nesterov {momentum:g}" if momentum else "no momentum"
+            rows.append(
+                [
+                    str(h),
+                    f"{lr:g}, {nesterov}",
+                    f"{loss['dense']:.4f}",
+                    f"{loss['1bit']:.4f}",
+                    _pct(loss["1bit"] / loss["dense"] - 1),
+                ]
+            )
+            paths += runs.values()
+            commands += [
+                f"python3 run.py train --optimizer adam --sync-every {h} --outer-exchange {x} "
+                f"--outer-lr {lr:g} --outer-momentum {momentum:g}"
+                for x in runs
+            ]
+    _first_losses_agree(paths)
+    commits, dates = _stamp(f"{path}/summary.json" for path in paths)
+    return Table(
+        "diloco-outer",
+        ["H", "outer SGD: lr, momentum", "dense", "1-bit", "1-bit vs dense"],
+        "llrrr",
+        rows,
+        [f"{path}/summary.json" for path in paths],
+        commits,
+        dates,
+        commands,
     )
 
 
@@ -854,6 +916,7 @@ def table_onebit_adam_convergence() -> Table:
     rows = []
     paths = []
     for lamb_dir, run_dir, mode in arms:
+        _first_losses_agree([lamb_dir, run_dir])
         lamb, s = _summary(lamb_dir), _summary(run_dir)
         paths += [f"{lamb_dir}/summary.json", f"{run_dir}/summary.json"]
         rows.append(
@@ -873,7 +936,7 @@ def table_onebit_adam_convergence() -> Table:
             "exchange",
             "run",
             "final validation loss",
-            "LAMB's, same installation",
+            "LAMB's, same inputs",
             "vs LAMB",
             "fewer bytes than LAMB",
         ],
@@ -904,6 +967,7 @@ def table_zero_one_adam_study() -> Table:
         base = _summary(base_dir)
         paths.append(f"{base_dir}/summary.json")
         for run_dir in runs:
+            _first_losses_agree([base_dir, run_dir])
             s = _summary(run_dir)
             paths.append(f"{run_dir}/summary.json")
             rows.append(
@@ -923,7 +987,7 @@ def table_zero_one_adam_study() -> Table:
             "arm",
             "run",
             "final validation loss",
-            "1-bit Adam, same installation",
+            "1-bit Adam, same inputs",
             "vs 1-bit Adam",
             "fewer bytes than 1-bit Adam",
         ],
@@ -1442,6 +1506,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "plateau-readiness": table_plateau_readiness,
     "seed-study": table_seed_study,
     "diloco-main-job": table_diloco_main_job,
+    "diloco-outer": table_diloco_outer,
 }
 
 MARKER = re.compile(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 
@@ -71,3 +72,27 @@ def test_the_tool_checks_and_rewrites_in_place(tmp_path, monkeypatch, built, cap
     assert page.read_text() == tables.render(page.read_text(), built)
     assert "stale" not in page.read_text()
     assert tables.main(["--check"]) == 0
+
+
+def test_runs_compared_in_a_table_must_share_their_inputs(tmp_path, monkeypatch):
+    """The first training loss (before any update) and the recorded input digests tell runs
+    on other samples or from other weights."""
+    monkeypatch.setattr(tables, "ROOT", tmp_path)
+
+    def run(name, first_loss, inputs=None):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text(f'{{"kind": "train", "loss": {first_loss}}}\n')
+        summary = {} if inputs is None else {"inputs": inputs}
+        (folder / "summary.json").write_text(json.dumps(summary))
+        return name
+
+    a, b = run("a", 6.365576758924708), run("b", 6.365576603848019)  # other reduction order
+    tables._first_losses_agree([a, b])
+    other = run("c", 6.375825695098817)
+    with pytest.raises(ValueError, match=r"\['c'\] did not train on the inputs of a"):
+        tables._first_losses_agree([a, other])
+    d = run("d", 6.365576758924708, {"sequences": "0123"})
+    e = run("e", 6.365576758924708, {"sequences": "4567"})
+    with pytest.raises(ValueError, match=r"\['e'\]"):
+        tables._first_losses_agree([a, d, e])
