@@ -306,3 +306,69 @@ def test_the_readiness_trajectory_records_each_check_until_the_freeze(tmp_path):
     assert [c["step"] for c in checks] == list(range(10, 10 * len(checks) + 1, 10))
     assert written["froze_after"] == checks[-1]["step"]  # "auto" freezes after a check
     assert f"froze after step {written['froze_after']}" in printed
+
+
+def _fake_run(root, name, train, stages, validation):
+    """A run folder of ``onebit train`` with these steps' kinds and validation losses."""
+    folder = root / name
+    folder.mkdir()
+    config = {"train": {"optimizer": "adam", **train}, "launch": {"world_size": 4}}
+    (folder / "config.json").write_text(json.dumps(config))
+    rows = [
+        {"kind": "train", "step": i + 1, "stage": s, "bytes": 8, "step_time": 0.5}
+        for i, s in enumerate(stages)
+    ]
+    rows += [{"kind": "validation", "step": step, "loss": loss} for step, loss in validation]
+    (folder / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    summary = {"parameters": 1024, "final_validation_loss": validation[-1][1]}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+def test_link_choice_times_each_step_by_its_kind(tmp_path, monkeypatch):
+    from onebit.estimate.model import (
+        Cluster,
+        Machine,
+        dense_allreduce,
+        flat_exchange,
+        local_compression_seconds,
+    )
+
+    tool = _tool("link_choice", monkeypatch)
+    dense = _fake_run(tmp_path, "dense", {}, ["dense"] * 6, [(3, 2.0), (6, 1.5)])
+    rounds = ["inner", "inner", "outer"] * 2
+    diloco = {"sync_every": 3, "outer_exchange": "1bit"}
+    local = _fake_run(tmp_path, "diloco", diloco, rounds, [(3, 1.7), (6, 1.6)])
+    machine = Machine(compression_throughput=2e4, host_throughput=1e4, latency=0.01)
+    runs = [tool.read_run(dense), tool.read_run(local)]
+    result = tool.choose(runs, 1.8, 2.0, ["8kbit"], machine)  # 1000 bytes/s
+    cluster = Cluster(parameters=1024, compute_seconds=2.0, bandwidth=1000.0, nodes=4)
+    dense_step = 2.0 + dense_allreduce(cluster, machine, 4).seconds
+    outer_step = 2.0 + local_compression_seconds(cluster, machine)
+    outer_step += flat_exchange(cluster, machine).seconds
+    assert result["runs"]["dense"]["steps"] == 6
+    assert result["runs"]["dense"]["seconds"]["8kbit"] == pytest.approx(6 * dense_step)
+    assert result["runs"]["diloco"]["steps"] == 3
+    assert result["runs"]["diloco"]["seconds"]["8kbit"] == pytest.approx(4.0 + outer_step)
+    assert result["runs"]["diloco"]["bytes"] == 24
+    fastest = result["fastest"]["8kbit"]
+    assert (fastest["run"], fastest["next"]) == ("diloco", "dense")
+    assert fastest["lead"] == pytest.approx(6 * dense_step / (4.0 + outer_step))
+    never = tool.choose(runs, 1.0, 2.0, ["8kbit"], machine)
+    assert never["runs"]["dense"]["steps"] is None and never["fastest"] == {}
+
+
+def test_link_choice_refuses_what_the_model_does_not_time(tmp_path, monkeypatch, capsys):
+    from_powersgd = _fake_run(tmp_path, "psgd", {"powersgd_rank": 4}, ["dense"], [(1, 2.0)])
+    with pytest.raises(SystemExit):
+        _tool("link_choice", monkeypatch).main([str(from_powersgd)])
+    assert "does not time PowerSGD" in capsys.readouterr().err
+
+
+def test_link_choice_on_the_main_jobs_diloco_runs(tmp_path):
+    runs = [f"docs/main-job/diloco/{run}" for run in ("adam", "h25-dense", "h25-1bit")]
+    out = _run("link_choice", *runs, "--record", str(tmp_path / "choice.json"))
+    assert "100mbit:" in out and "first" in out
+    record = json.loads((tmp_path / "choice.json").read_text())
+    assert set(record["runs"]) == {"adam", "h25-dense", "h25-1bit"}
+    assert record["target"] == max(r["final"] for r in record["runs"].values())

@@ -1,0 +1,178 @@
+"""Which method reaches a target loss first on a given link: the convergence study's arms,
+each one's steps to the target, timed by the cost model of ``onebit estimate``.
+
+    .venv/bin/python benchmarks/link_choice.py RUN_DIR [RUN_DIR ...] [--target LOSS]
+        [--compute SECONDS] [--links 100mbit 1gbit 10gbit] [--record FILE]
+
+For each run folder of ``onebit train`` (the study's arms: LAMB, AdamW, 1-bit LAMB and 1-bit
+Adam, DiLoCo), the first validation step whose loss is at most ``--target`` (default: the
+highest final validation loss of the runs, so that every run reaches it), and the time to
+reach it on W workers, one per node, behind links of each rate: the sum over those steps of
+the model's time of each step's kind (docs/ALGORITHM.md, "Cost model of a step"):
+
+* a dense step (LAMB, AdamW under DDP, the 1-bit optimizers' warm-up): ``t_c + T_dense(4)``;
+* a compression step of 1-bit LAMB or 1-bit Adam: ``t_c + t_local + T_flat``;
+* DiLoCo's inner step ``t_c``; the last step of a round ``t_c + T_outer``.
+
+``t_c`` (``--compute``) defaults to the median inner step of the DiLoCo runs given: a step
+with no communication at all, as measured where the runs ran. Methods the model does not time
+(PowerSGD, 0/1 Adam's local steps) are refused by name. Then, per link, the method that
+reaches the target first and its lead over the next. ``--record`` writes it all as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from onebit.estimate.model import Cluster, Machine, estimate
+from onebit.units import parse_bandwidth
+
+#: The step kinds of ``metrics.jsonl`` the model times, and the estimate row of each.
+DENSE_STAGES = ("dense", "warmup")
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """A run's config, its steps' kinds, its validation losses and its bytes per step."""
+    config = json.loads((run_dir / "config.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if row["kind"] == "train"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "name": run_dir.name,
+        "train": config["train"],
+        "workers": int(config["launch"]["world_size"]),
+        "parameters": int(summary["parameters"]),
+        "stages": [row["stage"] for row in train],
+        "step_times": _group(train, "stage", "step_time"),
+        "bytes": [int(row["bytes"]) for row in train],
+        "validation": [
+            (int(r["step"]), float(r["loss"])) for r in rows if r["kind"] == "validation"
+        ],
+        "final": float(summary["final_validation_loss"]),
+    }
+
+
+def _group(rows: list[dict[str, Any]], key: str, value: str) -> dict[str, list[float]]:
+    grouped: dict[str, list[float]] = {}
+    for row in rows:
+        grouped.setdefault(row[key], []).append(float(row[value]))
+    return grouped
+
+
+def method_of(run: dict[str, Any]) -> str:
+    """What the model times the run as; ``ValueError`` for what it does not time."""
+    train = run["train"]
+    if train.get("powersgd_rank"):
+        raise ValueError(f"{run['name']}: the cost model does not time PowerSGD")
+    if train["optimizer"] == "zero-one-adam":
+        raise ValueError(f"{run['name']}: the cost model does not time 0/1 Adam's local steps")
+    if train.get("sync_every"):
+        return f"diloco-{train['outer_exchange']}-h{train['sync_every']}"
+    return "onebit" if train["optimizer"] in ("onebit-lamb", "onebit-adam") else "lamb"
+
+
+def steps_to(run: dict[str, Any], target: float) -> int | None:
+    """The first validation step at or below ``target``; ``None`` if there is none."""
+    return next((step for step, loss in run["validation"] if loss <= target), None)
+
+
+def stage_seconds(run: dict[str, Any], cluster: Cluster, machine: Machine) -> dict[str, float]:
+    """The model's seconds of each kind of step of ``run``."""
+    method = method_of(run)
+    if method.startswith("diloco"):
+        cluster = dataclasses.replace(cluster, sync_every=(int(run["train"]["sync_every"]),))
+    rows = {row.method: row for row in estimate(cluster, machine)}
+    seconds = {stage: rows["lamb"].compression_step for stage in DENSE_STAGES}
+    seconds["compression"] = rows["onebit"].compression_step
+    if method.startswith("diloco"):
+        seconds |= {"inner": rows[method].warmup_step, "outer": rows[method].compression_step}
+    return seconds
+
+
+def choose(
+    runs: list[dict[str, Any]],
+    target: float,
+    compute: float,
+    links: list[str],
+    machine: Machine,
+) -> dict[str, Any]:
+    """Each run's steps, bytes and seconds to ``target`` on each link, and each link's
+    fastest run."""
+    results: dict[str, Any] = {"target": target, "compute_seconds": compute, "runs": {}}
+    for run in runs:
+        steps = steps_to(run, target)
+        entry: dict[str, Any] = {"steps": steps, "final": run["final"], "seconds": {}}
+        if steps is not None:
+            entry["bytes"] = sum(run["bytes"][:steps])
+        for link in links:
+            cluster = Cluster(
+                parameters=run["parameters"],
+                compute_seconds=compute,
+                bandwidth=parse_bandwidth(link) / 8,
+                nodes=run["workers"],
+            )
+            if steps is not None:
+                seconds = stage_seconds(run, cluster, machine)
+                entry["seconds"][link] = sum(seconds[stage] for stage in run["stages"][:steps])
+        results["runs"][run["name"]] = entry
+    results["fastest"] = {}
+    for link in links:
+        timed = sorted(
+            (entry["seconds"][link], name)
+            for name, entry in results["runs"].items()
+            if link in entry["seconds"]
+        )
+        if timed:
+            best = {"run": timed[0][1], "seconds": timed[0][0]}
+            if len(timed) > 1:
+                best |= {"next": timed[1][1], "lead": timed[1][0] / timed[0][0]}
+            results["fastest"][link] = best
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders of onebit train")
+    parser.add_argument("--target", type=float, help="validation loss to reach")
+    parser.add_argument("--compute", type=float, help="seconds of a step without communication")
+    parser.add_argument("--links", nargs="+", default=["100mbit", "1gbit", "10gbit"])
+    parser.add_argument("--record", type=Path, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    try:
+        runs = [read_run(path) for path in args.runs]
+        for run in runs:
+            method_of(run)
+        for link in args.links:
+            parse_bandwidth(link)
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(str(exc))
+    target = args.target if args.target is not None else max(run["final"] for run in runs)
+    compute = args.compute
+    if compute is None:
+        inner = [t for run in runs for t in run["step_times"].get("inner", [])]
+        if not inner:
+            parser.error("--compute is needed: no DiLoCo run gives a step without communication")
+        compute = statistics.median(inner)
+    if not compute > 0:
+        parser.error(f"--compute must be > 0 seconds, got {compute}")
+    results = choose(runs, target, compute, args.links, Machine())
+    print(f"target validation loss {target:.4f}, t_c {compute:.3f} s")
+    for name, entry in results["runs"].items():
+        times = ", ".join(f"{link} {s:.0f} s" for link, s in entry["seconds"].items())
+        print(f"  {name}: {entry['steps']} steps; {times or 'never reached'}")
+    for link, best in results["fastest"].items():
+        lead = f", {best['lead']:.2f}x ahead of {best['next']}" if "next" in best else ""
+        print(f"{link}: {best['run']} first{lead}")
+    if args.record:
+        args.record.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
