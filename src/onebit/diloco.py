@@ -134,19 +134,41 @@ class DiLoCo:
     def sync(self) -> None:
         """End the round now: the pseudo-gradients through the outer exchange, then the
         outer step from the round's start weights; the next round starts from its result."""
-        pseudo = self._buffer[: sum(self._numels)].split(self._numels)
-        for delta, start, param in zip(pseudo, self._round_start, self.params, strict=True):
-            delta.copy_((start - param.detach()).reshape(-1))
-        self._buffer[sum(self._numels) :].zero_()
+        self.pseudo_gradient(self._buffer)
         if self._exchange is None:
             allreduce_mean_(self._buffer, self.process_group, traffic=self.traffic)
-            if not bool(torch.isfinite(self._buffer).all()):
-                raise FloatingPointError(
-                    f"DiLoCo: the averaged pseudo-gradient of round {self.rounds + 1} is not "
-                    "finite (a worker's inner steps diverged); the weights are left as they are"
-                )
+            self.check_finite(self._buffer)
         else:
             self._exchange.exchange(self._buffer).decode(self._buffer)
+        self.outer_step(self._buffer)
+
+    @torch.no_grad()
+    def pseudo_gradient(self, out: Tensor) -> None:
+        """``out`` (:attr:`buffer_size` fp32 elements) = this worker's pseudo-gradient
+        ``θ_r - θ``, tensor after tensor, the padding zero."""
+        total = sum(self._numels)
+        for delta, start, param in zip(
+            out[:total].split(self._numels), self._round_start, self.params, strict=True
+        ):
+            delta.copy_((start - param.detach()).reshape(-1))
+        out[total:].zero_()
+
+    def check_finite(self, average: Tensor) -> None:
+        """``FloatingPointError`` naming the round if the averaged pseudo-gradient is not
+        finite (the 1-bit exchange raises its own ``NonFiniteError``)."""
+        if not bool(torch.isfinite(average).all()):
+            raise FloatingPointError(
+                f"DiLoCo: the averaged pseudo-gradient of round {self.rounds + 1} is not "
+                "finite (a worker's inner steps diverged); the weights are left as they are"
+            )
+
+    @torch.no_grad()
+    def outer_step(self, average: Tensor) -> None:
+        """The round's outer step from ``average``, the workers' averaged pseudo-gradient
+        (laid out as :meth:`pseudo_gradient`'s): the weights set back to the round's start,
+        each parameter's gradient to its part of ``average``, the outer optimizer's step;
+        the next round starts from its result, and the inner loop's gradients are put back."""
+        pseudo = average[: sum(self._numels)].split(self._numels)
         grads = [param.grad for param in self.params]
         for delta, start, param in zip(pseudo, self._round_start, self.params, strict=True):
             param.copy_(start)
@@ -157,6 +179,25 @@ class DiLoCo:
             start.copy_(param)
         self.local_step = 0
         self.rounds += 1
+
+    @property
+    def buffer_size(self) -> int:
+        """Elements of the pseudo-gradient buffer the outer exchange takes."""
+        return self._buffer.numel()
+
+    def use_exchange(self, exchange: Exchange) -> None:
+        """Average the pseudo-gradients of a 1-bit DiLoCo through ``exchange`` (a simulated
+        one, :mod:`onebit.simulate`) instead of over the process group; before the first
+        round only."""
+        if self._exchange is None:
+            raise ValueError("use_exchange replaces the 1-bit exchange; this DiLoCo is dense")
+        if self.rounds or self._exchange.worker_error is not None:
+            raise ValueError("use_exchange must come before the first round")
+        exchange.bind(
+            self._numels, torch.float32, self._buffer.device, self._exchange.backend, self.traffic
+        )
+        self._exchange = exchange
+        self._buffer = self._buffer.new_zeros(exchange.buffer_size(self._numels))
 
     # ----------------------------------------------------------------- what users see
     @contextlib.contextmanager

@@ -37,6 +37,14 @@ With ``delayed_exchange=True`` each compression step first applies the update it
 predecessor's exchange left pending, and the workers' passes run at the weights from before
 it, as a real run's gradients are one step stale (ALGORITHM.md, "Delayed exchange").
 
+:class:`SimulatedDiLoCo` simulates DiLoCo (:class:`onebit.DiLoCo`) the same way, except that
+DiLoCo's workers do differ between exchanges: each simulated worker keeps its own weights and
+its own state of the inner optimizer (the one optimizer object, its ``state`` swapped in for
+the worker's step), and one module runs every worker's passes. A round's end takes each
+worker's pseudo-gradient in rank order: summed and divided by ``W`` (the dense exchange), or
+streamed through the simulated 1-bit exchange; DiLoCo's own outer step follows once. Memory:
+``W`` copies of the weights and of the inner optimizer's state.
+
 A compression step cannot be skipped the way a distributed run skips one with a non-finite
 momentum (its worker errors are updated while the workers stream): a non-finite local momentum
 raises :class:`SimulationDiverged` instead, with the error state of the earlier workers of the
@@ -45,8 +53,10 @@ step already updated.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -54,12 +64,13 @@ from torch import Tensor
 
 from onebit.clipping import clip_grad_norm_
 from onebit.collectives import TrafficCounter, allreduce_bytes
+from onebit.diloco import DiLoCo
 from onebit.exchange import PerTensorSimulatedExchange, SimulatedExchange, SimulationDiverged
 from onebit.optim import COMPRESSION, OneBitOptimizer
 from onebit.optim.onebit_adam import OneBitAdam
 from onebit.optim.onebit_lamb import OneBitLamb
 
-__all__ = ["SimulatedDataParallel", "SimulatedExchange", "SimulationDiverged"]
+__all__ = ["SimulatedDataParallel", "SimulatedDiLoCo", "SimulatedExchange", "SimulationDiverged"]
 
 Result = TypeVar("Result")
 
@@ -212,6 +223,145 @@ class SimulatedDataParallel:
             "exchange_scratch": self.exchange.nbytes(),
             "gradient_sum": size(self._gradient_sum),
         }
+
+
+class SimulatedDiLoCo:
+    """DiLoCo over ``params`` with ``workers`` simulated workers in one process.
+
+    Args:
+        params: the parameters of the one module that runs every worker's passes.
+        inner_optimizer: the inner optimizer over ``params``; each worker has its own state
+            of it (its ``state`` is swapped per worker), the hyper-parameters are shared.
+        workers: ``W``.
+        sync_every, exchange, compression, outer_optimizer, kernels: as
+            :class:`onebit.DiLoCo`'s.
+
+    Use: ``results = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
+    worker ``rank``'s forward and backward pass at its own weights (which the parameters hold
+    then; gradients zeroed before each call), clipping if the job clips, and returns what the
+    caller wants back; ``step`` then takes every worker's inner step and, every
+    ``sync_every`` steps, ends the round (:meth:`sync`). :attr:`diloco` holds the round's
+    start weights, the outer optimizer and the bytes, as a distributed DiLoCo does.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        inner_optimizer: torch.optim.Optimizer,
+        workers: int,
+        *,
+        sync_every: int,
+        exchange: str = "1bit",
+        compression: str = "per_tensor",
+        outer_optimizer: torch.optim.Optimizer | None = None,
+        kernels: str | None = None,
+    ) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+        self.diloco = DiLoCo(
+            params,
+            inner_optimizer,
+            sync_every=sync_every,
+            exchange=exchange,
+            compression=compression,
+            outer_optimizer=outer_optimizer,
+            kernels=kernels,
+        )
+        self.diloco.close()  # every worker's inner step runs here: the rounds are ended below
+        self.exchange: SimulatedExchange | PerTensorSimulatedExchange | None = None
+        if exchange == "1bit":
+            per_tensor = compression == "per_tensor"
+            self.exchange = (PerTensorSimulatedExchange if per_tensor else SimulatedExchange)(
+                workers
+            )
+            self.diloco.use_exchange(self.exchange)
+        self.inner_optimizer = inner_optimizer
+        self.workers = workers
+        self.params = self.diloco.params
+        self._weights = [[p.detach().clone() for p in self.params] for _ in range(workers)]
+        self._states: list[defaultdict[Tensor, Any]] = [defaultdict(dict) for _ in range(workers)]
+
+    def step(self, worker_backward: Callable[[int], Result]) -> list[Result]:
+        """One inner step of every worker, in rank order; the round's end after the last."""
+        results = []
+        for rank in range(self.workers):
+            with self._worker(rank):
+                self.inner_optimizer.zero_grad(set_to_none=True)
+                with torch.enable_grad():
+                    results.append(worker_backward(rank))
+                self.inner_optimizer.step()
+        self.diloco.local_step += 1
+        if self.diloco.local_step >= self.diloco.sync_every:
+            self.sync()
+        return results
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """End the round now: every worker's pseudo-gradient in rank order, averaged as the
+        outer exchange averages them, then DiLoCo's outer step; every worker starts the next
+        round from its result."""
+        diloco, exchange = self.diloco, self.exchange
+        work = torch.zeros(diloco.buffer_size, dtype=torch.float32, device=self.params[0].device)
+        average = torch.zeros_like(work)
+        for rank in range(self.workers):
+            _copy_into(self.params, self._weights[rank])
+            diloco.pseudo_gradient(work)
+            if exchange is None:
+                average.add_(work)
+            elif rank < self.workers - 1:
+                exchange.add_worker(rank, work)
+            else:
+                exchange.exchange(work).decode(average)
+        if exchange is None:
+            average.div_(self.workers)
+            if self.workers > 1:
+                diloco.traffic.record("allreduce", allreduce_bytes(average, self.workers))
+            diloco.check_finite(average)
+        diloco.outer_step(average)
+        for weights in self._weights:
+            _copy_into(weights, self.params)
+
+    @contextlib.contextmanager
+    def _worker(self, rank: int) -> Iterator[None]:
+        """Inside the block the parameters hold worker ``rank``'s weights and the inner
+        optimizer its state; both are kept for the worker when it ends."""
+        _copy_into(self.params, self._weights[rank])
+        self.inner_optimizer.state = self._states[rank]
+        yield
+        self._states[rank] = self.inner_optimizer.state
+        _copy_into(self._weights[rank], self.params)
+
+    def state_dict(self) -> dict[str, Any]:
+        """DiLoCo's state (round, start weights, outer optimizer, every worker's errors,
+        bytes) and each worker's weights and inner optimizer state."""
+        inner = []
+        for rank in range(self.workers):
+            self.inner_optimizer.state = self._states[rank]
+            inner.append(self.inner_optimizer.state_dict())
+        return {
+            "diloco": self.diloco.state_dict(),
+            "weights": [[w.clone() for w in weights] for weights in self._weights],
+            "inner": inner,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; ``ValueError`` naming what does not fit, before
+        anything changes."""
+        if len(state["weights"]) != self.workers or len(state["inner"]) != self.workers:
+            raise ValueError(
+                f"checkpoint of {len(state['weights'])} simulated DiLoCo workers; this "
+                f"simulation has {self.workers}"
+            )
+        shapes = [tuple(p.shape) for p in self.params]
+        for weights in state["weights"]:
+            if [tuple(w.shape) for w in weights] != shapes:
+                raise ValueError(f"checkpoint's worker weights have other shapes than {shapes}")
+        self.diloco.load_state_dict(state["diloco"])
+        for rank, (weights, inner) in enumerate(zip(state["weights"], state["inner"], strict=True)):
+            _copy_into(self._weights[rank], weights)
+            self.inner_optimizer.load_state_dict(inner)
+            self._states[rank] = self.inner_optimizer.state
+        _copy_into(self.params, self._weights[-1])
 
 
 def _copy_into(params: list[Tensor], values: list[Tensor]) -> None:
