@@ -331,6 +331,23 @@ class SimulatedDiLoCo:
         self._states[rank] = self.inner_optimizer.state
         _copy_into(self._weights[rank], self.params)
 
+    def memory_bytes(self) -> dict[str, Any]:
+        """Bytes the simulation holds beyond one worker's: every worker's weights and inner
+        optimizer state, and the simulated exchange's errors and scratch."""
+
+        def size(tensors: Iterable[Any]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+
+        exchange = self.exchange
+        errors = [] if exchange is None else [exchange.worker_error, exchange.server_error]
+        entries = [entry for state in self._states for entry in state.values()]
+        return {
+            "worker_weights": size(w for weights in self._weights for w in weights),
+            "worker_optimizer_states": size(v for entry in entries for v in entry.values()),
+            "errors": size(errors),
+            "exchange_scratch": 0 if exchange is None else exchange.nbytes(),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """DiLoCo's state (round, start weights, outer optimizer, every worker's errors,
         bytes) and each worker's weights and inner optimizer state."""

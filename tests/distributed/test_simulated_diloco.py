@@ -79,7 +79,7 @@ def _simulated(workers: int, exchange: str, compression: str, save_after: int | 
     model, simulation = build()
     rounds = []
     for step in range(H * ROUNDS):
-        simulation.step(lambda rank, step=step: _loss(model, rank, step).backward())
+        simulation.step(lambda rank, s=step, m=model: _loss(m, rank, s).backward())
         if simulation.diloco.local_step == 0:
             rounds.append(_weights(model))
         if step + 1 == save_after:

@@ -86,3 +86,49 @@ def test_cli_simulation_equals_onebit_train_and_resumes(
     assert "holds a run of worker processes" in capsys.readouterr().err
     assert onebit_main(["simulate", *options, "--optimizer", "zero-one-adam"]) == 2
     assert "cannot be simulated" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``onebit simulate --sync-every 5`` (DiLoCo over AdamW, the 1-bit outer exchange, 2
+    workers): the weights, losses and bytes of ``onebit train`` with 2 worker processes, and
+    a simulation resumed from its checkpoint of step 8 (inside the second round, where the
+    workers' weights differ) ends where the uninterrupted one does."""
+    monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
+    corpus = str(write_corpus(tmp_path / "corpus.txt"))
+    options = [*TINY, "--corpus", corpus, "--optimizer", "adam", "--sync-every", "5"]
+    assert onebit_main(["train", *options, "--out", str(tmp_path / "real")]) == 0
+    threads = ["--threads", str(max(1, len(os.sched_getaffinity(0)) // 2))]
+    default_threads = torch.get_num_threads()
+    try:
+        assert onebit_main(["simulate", *options, *threads, "--out", str(tmp_path / "sim")]) == 0
+        partial = tmp_path / "partial"
+        shutil.copytree(tmp_path / "sim", partial)
+        shutil.rmtree(partial / "checkpoints" / f"step-{TINY_STEPS:08d}")
+        (partial / "summary.json").unlink()
+        assert onebit_main(["simulate", "--resume", str(partial), *threads]) == 0
+    finally:
+        torch.set_num_threads(default_threads)
+    simulated = final_model(tmp_path / "sim")
+    for run in ("real", "partial"):
+        for name, tensor in final_model(tmp_path / run).items():
+            assert torch.equal(tensor, simulated[name]), f"{name}: {run} != simulation"
+    train = {
+        kind: [
+            row
+            for row in map(json.loads, (tmp_path / kind / "metrics.jsonl").open())
+            if row["kind"] == "train"
+        ]
+        for kind in ("real", "sim", "partial")
+    }
+    for field in ("loss", "stage", "bytes"):
+        assert [r[field] for r in train["sim"]] == [r[field] for r in train["real"]], field
+        assert [r[field] for r in train["partial"]] == [r[field] for r in train["sim"]], field
+    summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert summary["simulation"]["memory_bytes"]["worker_weights"] == 2 * 4 * summary["parameters"]
+    nodes = ["--workers", "4", "--node-size", "2", "--out", str(tmp_path / "nodes")]
+    assert onebit_main(["simulate", *options, *nodes]) == 2
+    assert "DiLoCo between nodes) is not simulated" in capsys.readouterr().err
+    assert not (tmp_path / "nodes").exists()

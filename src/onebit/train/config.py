@@ -41,10 +41,6 @@ REAL_WORKER_OPTIONS = (
     "timeout",
     "powersgd_rank",
     "fsdp",
-    "sync_every",
-    "outer_exchange",
-    "outer_lr",
-    "outer_momentum",
 )
 
 #: Peak learning rates when ``lr`` is not given (each optimizer's ``default_lr``).

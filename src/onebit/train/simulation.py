@@ -7,8 +7,10 @@ slice ``i`` of the global batch (with worker ``i``'s dropout seed), averages the
 uncompressed steps in rank order, clips as the job does, and exchanges 1-bit momenta through
 the simulated flat or hierarchical exchange. The process is a torch.distributed world of one
 rank, so checkpoints and evaluation run the job's own code; a checkpoint's one optimizer state
-holds every worker's error-feedback buffers. Options of the real job that choose how workers
-communicate (``--ddp``, ``--backend``, ``--timeout``) have no meaning here.
+holds every worker's error-feedback buffers. With ``--sync-every`` the workers train with
+DiLoCo, simulated by :class:`onebit.simulate.SimulatedDiLoCo` (each worker's own weights and
+inner optimizer state; a checkpoint holds them all). Options of the real job that choose how
+workers communicate (``--ddp``, ``--backend``, ``--timeout``) have no meaning here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onebit.simulate import SimulatedDataParallel
+from onebit.collectives import TrafficCounter
+from onebit.diloco import outer_sgd
+from onebit.simulate import SimulatedDataParallel, SimulatedDiLoCo
 from onebit.train.config import TrainConfig
 from onebit.train.gradients import build_optimizer
 from onebit.train.rank import Rank
@@ -47,6 +51,20 @@ class SimulatedTrainer(Trainer):
     def _parallelize(self) -> None:
         config = self.config
         self.optimizer = build_optimizer(config, self.params)
+        self.forward = self.model
+        if config.diloco:
+            outer = outer_sgd(self.params, config.outer_lr, config.outer_momentum)
+            self.simulation: SimulatedDataParallel | SimulatedDiLoCo = SimulatedDiLoCo(
+                self.params,
+                self.optimizer,
+                self.workers,
+                sync_every=config.sync_every,
+                exchange=config.outer_exchange,
+                outer_optimizer=outer,
+            )
+            self.diloco = self.simulation.diloco
+            self.dense_traffic = TrafficCounter()  # DiLoCo's inner steps send nothing
+            return
         self.simulation = SimulatedDataParallel(
             self.optimizer,
             self.workers,
@@ -54,7 +72,6 @@ class SimulatedTrainer(Trainer):
             max_grad_norm=config.grad_clip,
         )
         self.dense_traffic = self.simulation.traffic
-        self.forward = self.model
 
     def _gradient_step(
         self, step: int, inputs: torch.Tensor, labels: torch.Tensor
@@ -62,17 +79,29 @@ class SimulatedTrainer(Trainer):
         def worker_backward(worker: int) -> tuple[float, int]:
             loss, masked = self._worker_loss(step, worker, inputs, labels)
             loss.backward()
+            if self.diloco is not None:  # each DiLoCo worker clips its own gradient
+                self._clip_gradients()
             return loss.item() * masked, masked
 
         totals = self.simulation.step(worker_backward)
         return sum(loss for loss, _ in totals), sum(masked for _, masked in totals)
 
+    def _end_round(self) -> None:
+        self.simulation.sync()
+
+    def _rounds_state(self) -> dict[str, Any]:
+        return {"diloco": self.simulation.state_dict()}  # every worker's weights inside
+
+    def _restore_rounds(self, rank_state: dict[str, Any]) -> None:
+        self.simulation.load_state_dict(rank_state["diloco"])
+
     def _report_extra(self) -> dict[str, Any]:
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        simulation = self.simulation
         return {
             "simulation": {
-                "node_size": self.simulation.exchange.topology[0],
-                "memory_bytes": self.simulation.memory_bytes(),
+                "node_size": 1 if self.diloco is not None else simulation.exchange.topology[0],
+                "memory_bytes": simulation.memory_bytes(),
                 "peak_rss_bytes": 1024 * peak_kib,
             }
         }
@@ -84,6 +113,11 @@ def check_simulated(config: TrainConfig) -> None:
         raise ValueError(
             f"--optimizer {config.optimizer} cannot be simulated; choose one of "
             f"{list(SIMULATED_OPTIMIZERS)}"
+        )
+    if config.diloco_nodes:
+        raise ValueError(
+            "--sync-every with --node-size > 1 (DiLoCo between nodes) is not simulated: "
+            "the simulated DiLoCo workers are single workers"
         )
     if config.bucket_cap_mb is not None or config.overlap_backward:
         raise ValueError(

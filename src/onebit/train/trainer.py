@@ -161,12 +161,28 @@ class Trainer:
         inside a DiLoCo round each rank's own weights come with its state)."""
         self.optimizer.load_state_dict(resumed.rank_state["optimizer"])
         if self.diloco is not None:
-            self.diloco.load_state_dict(resumed.rank_state["diloco"])
-            own = resumed.rank_state.get("own_weights")
-            if own is not None:
-                with torch.no_grad():
-                    for param, saved in zip(self.params, own, strict=True):
-                        param.copy_(saved)
+            self._restore_rounds(resumed.rank_state)
+
+    def _restore_rounds(self, rank_state: dict[str, Any]) -> None:
+        """DiLoCo's state, and inside a round this rank's own weights."""
+        self.diloco.load_state_dict(rank_state["diloco"])
+        own = rank_state.get("own_weights")
+        if own is not None:
+            with torch.no_grad():
+                for param, saved in zip(self.params, own, strict=True):
+                    param.copy_(saved)
+
+    def _rounds_state(self) -> dict[str, Any]:
+        """What :meth:`_restore_rounds` takes back: DiLoCo's state, and inside a round (where
+        the ranks' weights differ) this rank's own weights."""
+        state: dict[str, Any] = {"diloco": self.diloco.state_dict()}
+        if self.diloco.local_step:
+            state["own_weights"] = [p.detach().clone() for p in self.params]
+        return state
+
+    def _end_round(self) -> None:
+        """End DiLoCo's round now (the run's last step ends the round it is in)."""
+        self.diloco.sync()
 
     def _parallelize(self) -> None:
         """The optimizer, how gradients are averaged (``self.dense_traffic`` counts the dense
@@ -325,7 +341,7 @@ class Trainer:
         if step == config.steps and isinstance(self.optimizer, onebit.OneBitOptimizer):
             self.optimizer.finish_exchange()  # a delayed exchange's last update lands
         if step == config.steps and self.diloco is not None and self.diloco.local_step:
-            self.diloco.sync()  # the last round ends with the run
+            self._end_round()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         sent = self._bytes_sent() - sent_before
@@ -364,6 +380,12 @@ class Trainer:
             return False
         return config.diloco_nodes or not config.diloco
 
+    def _clip_gradients(self) -> None:
+        """Clip the gradients at ``--grad-clip`` where the optimizer does not clip in its
+        ``step()`` (onebit's optimizers do)."""
+        if self.config.grad_clip > 0 and not clips_in_step(self.optimizer):
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+
     def _gradient_step(
         self, step: int, inputs: torch.Tensor, labels: torch.Tensor
     ) -> tuple[float, int]:
@@ -371,13 +393,11 @@ class Trainer:
         optimizer step; returns the global batch's summed MLM loss and number of masked
         tokens. The 1-bit optimizers average (in their dense steps) and clip in ``step()``;
         the dense baselines' gradients are averaged by DDP or, in a plain loop, here."""
-        config = self.config
         loss, masked = self._worker_loss(step, self.rank.rank, inputs, labels)
         loss.backward()
         if self._averages_gradients():
             average_gradients(self.params, self.dense_traffic, self.dense_group)
-        if config.grad_clip > 0 and not clips_in_step(self.optimizer):
-            torch.nn.utils.clip_grad_norm_(self.params, config.grad_clip)
+        self._clip_gradients()
         self.optimizer.step()
         totals = torch.tensor([loss.item() * masked, masked], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -429,9 +449,7 @@ class Trainer:
         if self.powersgd is not None:
             rank_state["powersgd"] = self.powersgd.state_dict()
         if self.diloco is not None:
-            rank_state["diloco"] = self.diloco.state_dict()
-            if self.diloco.local_step:  # inside a round the ranks' weights differ
-                rank_state["own_weights"] = [p.detach().clone() for p in self.params]
+            rank_state.update(self._rounds_state())
         checkpoint.save(
             self.checkpoints,
             step,
