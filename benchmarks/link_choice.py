@@ -15,9 +15,13 @@ the model's time of each step's kind (docs/ALGORITHM.md, "Cost model of a step")
 * DiLoCo's inner step ``t_c``; the last step of a round ``t_c + T_outer``.
 
 ``t_c`` (``--compute``) defaults to the median inner step of the DiLoCo runs given: a step
-with no communication at all, as measured where the runs ran. Methods the model does not time
-(PowerSGD, 0/1 Adam's local steps) are refused by name. Then, per link, the method that
-reaches the target first and its lead over the next. ``--record`` writes it all as JSON.
+with no communication at all, as measured where the runs ran. ``--model`` times the steps of
+another model (a name or a count such as ``110M``, as ``onebit estimate --model`` takes;
+give its ``--compute`` too): the runs' steps to the target with that model's step times, an
+extrapolation stated as such. Methods the model does not time (PowerSGD, 0/1 Adam's local
+steps) are refused by name. Then, per link, the method that reaches the target first and its
+lead over the next. ``--record`` writes it all as JSON; ``--plot`` draws each run's final
+validation loss against its bytes per worker.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from onebit.estimate.model import Cluster, Machine, estimate
+from onebit.estimate.models import model_parameters
 from onebit.units import parse_bandwidth
 
 #: The step kinds of ``metrics.jsonl`` the model times, and the estimate row of each.
@@ -101,18 +106,29 @@ def choose(
     compute: float,
     links: list[str],
     machine: Machine,
+    parameters: int | None = None,
 ) -> dict[str, Any]:
-    """Each run's steps, bytes and seconds to ``target`` on each link, and each link's
-    fastest run."""
-    results: dict[str, Any] = {"target": target, "compute_seconds": compute, "runs": {}}
+    """Each run's steps, bytes and seconds to ``target`` on each link (steps of a model of
+    ``parameters``, default each run's own), and each link's fastest run."""
+    results: dict[str, Any] = {
+        "target": target,
+        "compute_seconds": compute,
+        "parameters": parameters,
+        "runs": {},
+    }
     for run in runs:
         steps = steps_to(run, target)
-        entry: dict[str, Any] = {"steps": steps, "final": run["final"], "seconds": {}}
+        entry: dict[str, Any] = {
+            "steps": steps,
+            "final": run["final"],
+            "total_bytes": sum(run["bytes"]),
+            "seconds": {},
+        }
         if steps is not None:
             entry["bytes"] = sum(run["bytes"][:steps])
         for link in links:
             cluster = Cluster(
-                parameters=run["parameters"],
+                parameters=parameters or run["parameters"],
                 compute_seconds=compute,
                 bandwidth=parse_bandwidth(link) / 8,
                 nodes=run["workers"],
@@ -142,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, help="validation loss to reach")
     parser.add_argument("--compute", type=float, help="seconds of a step without communication")
     parser.add_argument("--links", nargs="+", default=["100mbit", "1gbit", "10gbit"])
+    parser.add_argument("--model", help="time the steps of this model (name or count)")
     parser.add_argument("--record", type=Path, help="write the results as JSON")
+    parser.add_argument("--plot", type=Path, help="final loss against bytes per worker (PNG)")
     args = parser.parse_args(argv)
     try:
         runs = [read_run(path) for path in args.runs]
@@ -150,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             method_of(run)
         for link in args.links:
             parse_bandwidth(link)
+        parameters = None if args.model is None else model_parameters(args.model)
     except (OSError, ValueError, KeyError) as exc:
         parser.error(str(exc))
+    if parameters is not None and args.compute is None:
+        parser.error("--model needs --compute, that model's step without communication")
     target = args.target if args.target is not None else max(run["final"] for run in runs)
     compute = args.compute
     if compute is None:
@@ -161,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         compute = statistics.median(inner)
     if not compute > 0:
         parser.error(f"--compute must be > 0 seconds, got {compute}")
-    results = choose(runs, target, compute, args.links, Machine())
+    results = choose(runs, target, compute, args.links, Machine(), parameters)
     print(f"target validation loss {target:.4f}, t_c {compute:.3f} s")
     for name, entry in results["runs"].items():
         times = ", ".join(f"{link} {s:.0f} s" for link, s in entry["seconds"].items())
@@ -171,7 +192,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{link}: {best['run']} first{lead}")
     if args.record:
         args.record.write_text(json.dumps(results, indent=1) + "\n")
+    if args.plot:
+        plot_loss_against_bytes(results, args.plot)
     return 0
+
+
+def plot_loss_against_bytes(results: dict[str, Any], path: Path) -> None:
+    """Each run's final validation loss against the bytes a worker sent, bytes on a log
+    scale, the target as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name, entry in results["runs"].items():
+        axes.scatter(entry["total_bytes"], entry["final"])
+        axes.annotate(name, (entry["total_bytes"], entry["final"]), fontsize=8)
+    axes.axhline(results["target"], color="grey", linestyle=":", label="target")
+    axes.set_xscale("log")
+    axes.set_xlabel("bytes sent per worker, whole run")
+    axes.set_ylabel("final validation loss")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 if __name__ == "__main__":

@@ -360,15 +360,24 @@ def test_link_choice_times_each_step_by_its_kind(tmp_path, monkeypatch):
 
 def test_link_choice_refuses_what_the_model_does_not_time(tmp_path, monkeypatch, capsys):
     from_powersgd = _fake_run(tmp_path, "psgd", {"powersgd_rank": 4}, ["dense"], [(1, 2.0)])
+    tool = _tool("link_choice", monkeypatch)
     with pytest.raises(SystemExit):
-        _tool("link_choice", monkeypatch).main([str(from_powersgd)])
+        tool.main([str(from_powersgd)])
     assert "does not time PowerSGD" in capsys.readouterr().err
+    dense = _fake_run(tmp_path, "dense", {}, ["dense"], [(1, 2.0)])
+    with pytest.raises(SystemExit):
+        tool.main([str(dense), "--model", "bert-base"])
+    assert "--model needs --compute" in capsys.readouterr().err
 
 
 def test_link_choice_on_the_main_jobs_diloco_runs(tmp_path):
     runs = [f"docs/main-job/diloco/{run}" for run in ("adam", "h25-dense", "h25-1bit")]
-    out = _run("link_choice", *runs, "--record", str(tmp_path / "choice.json"))
+    outputs = ["--record", str(tmp_path / "choice.json"), "--plot", str(tmp_path / "plot.png")]
+    out = _run("link_choice", *runs, *outputs)
     assert "100mbit:" in out and "first" in out
     record = json.loads((tmp_path / "choice.json").read_text())
     assert set(record["runs"]) == {"adam", "h25-dense", "h25-1bit"}
     assert record["target"] == max(r["final"] for r in record["runs"].values())
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bert = _run("link_choice", *runs, "--model", "bert-base", "--compute", "1.2")
+    assert bert != out  # another model's step times
