@@ -303,3 +303,25 @@ def test_numba_gives_the_same_bits_on_one_thread_and_on_two():
 
     for serial, parallel in zip(run(1), run(2), strict=True):
         assert torch.equal(serial, parallel)
+
+
+def test_every_numba_kernel_releases_the_gil():
+    """The delayed exchange compresses on a thread of its own: its kernels must let the
+    Python of forward and backward run meanwhile (inlined helpers run inside kernels)."""
+    numba = pytest.importorskip("numba")
+    from onebit.kernels import _numba_compression, _numba_optim
+
+    kernels = {
+        f"{module.__name__}.{name}": function.targetoptions
+        for module in (_numba_compression, _numba_optim)
+        for name, function in vars(module).items()
+        if isinstance(function, numba.core.registry.CPUDispatcher)
+    }
+    from onebit.kernels._numba import _COMPRESSION
+    from onebit.kernels._numba_optim import _KERNELS
+
+    for drivers in (_COMPRESSION, _KERNELS):  # the functions the backend calls
+        kernels |= {f"driver {n}": drivers(n).targetoptions for n in drivers._names}
+    compiled = {name: opts for name, opts in kernels.items() if opts.get("inline") != "always"}
+    assert len(compiled) >= 30, sorted(kernels)
+    assert [name for name, opts in compiled.items() if not opts.get("nogil")] == []

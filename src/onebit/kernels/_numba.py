@@ -3,7 +3,9 @@
 Kernels are compiled on first use. With one torch thread (the usual setting for one
 process per rank) they run serially, compiled once and cached on disk; with more threads a
 parallel build of the same code runs on ``torch.get_num_threads()`` threads. Both give the
-same bits: work is split into fixed blocks whatever the thread count.
+same bits: work is split into fixed blocks whatever the thread count. Every kernel releases
+the GIL while it runs (``nogil``), so an exchange on another thread (the delayed exchange's)
+computes beside the Python of forward and backward.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Compiled:
         parallel = threads > 1
         build = self._builds.get(parallel)
         if build is None:
-            jit = numba.njit(parallel=parallel, error_model="numpy", cache=True)
+            jit = numba.njit(parallel=parallel, error_model="numpy", cache=True, nogil=True)
             build = {n: jit(_variant(getattr(self._module, n), parallel)) for n in self._names}
             self._builds[parallel] = build
         if parallel:

@@ -24,7 +24,7 @@ CHUNK = 1 << 10  # elements of the server's average kept in scratch at a time
 _SUM_FLAGS = {"reassoc", "contract"}
 
 
-@njit(fastmath=_SUM_FLAGS, cache=True)
+@njit(fastmath=_SUM_FLAGS, cache=True, nogil=True)
 def _sumsq_pack_sum(a, b, packed):
     """Signs of ``a + b`` into ``packed`` (MSB first); returns ``sum((a + b)^2)``."""
     acc = 0.0
@@ -39,7 +39,7 @@ def _sumsq_pack_sum(a, b, packed):
     return acc
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _error_feedback_sum(a, error, scale):
     """``error = (a + error) - scale * sign(a + error)``."""
     for i in range(a.size):
@@ -57,7 +57,7 @@ def _signed(weight, byte, j):
 # two ranks a pass, the last two fused into the pass that packs or updates the error. With an
 # odd count a virtual rank of weight 0 and all bits 0 goes first: it adds ``-0.0``, which leaves
 # every value as it is (``+0.0`` included), so the sum rounds exactly as the reference's.
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _add_two(head, w0, signs0, w1, signs1, y):
     """``y = (head + w0 sign_0) + w1 sign_1`` (``y`` may be ``head``)."""
     for k in range(signs0.size):
@@ -66,7 +66,7 @@ def _add_two(head, w0, signs0, w1, signs1, y):
             y[8 * k + j] = (head[8 * k + j] + _signed(w0, b0, j)) + _signed(w1, b1, j)
 
 
-@njit(fastmath=_SUM_FLAGS, cache=True)
+@njit(fastmath=_SUM_FLAGS, cache=True, nogil=True)
 def _pack_two(head, w0, signs0, w1, signs1, packed):
     """With the last two ranks' signs: packs ``sign(y)``, ``y = (head + w0 sign_0) + w1
     sign_1``, and returns ``sum(y^2)``."""
@@ -83,7 +83,7 @@ def _pack_two(head, w0, signs0, w1, signs1, packed):
     return acc
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _feedback_two(head, w0, signs0, w1, signs1, scale, error):
     """With the last two ranks' signs: ``error = y - scale * sign(y)``, ``y`` as in
     :func:`_pack_two` (``error`` may be ``head``)."""
@@ -118,7 +118,7 @@ def _operands(head, received, weights, zeros, first, last, scratch):
     return head, w0, s0, weights[n - 1], received[n - 1, first:last]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _decode(packed, scale, out):
     """``out = scale * sign`` from packed bits (``+scale`` where a bit is set)."""
     for k in range(packed.size):
@@ -127,7 +127,7 @@ def _decode(packed, scale, out):
             out[8 * k + j] = _signed(scale, byte, j)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _decode_count(packed, scale, out):
     """:func:`_decode` of the first ``out.size`` elements (a last byte only partly used)."""
     whole = out.size >> 3

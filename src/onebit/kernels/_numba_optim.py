@@ -50,7 +50,7 @@ def _direction(m, v, p, eps, wd):
     return base, base + wd * p, denom
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _decode_chunk(signs, first, count, value, wide):
     """Decode elements ``first .. first + count - 1`` of the exchanged momentum, ``+-value``
     by their bits in ``signs`` (``value = b_j / s``), into ``wide`` from whole bytes;
@@ -70,7 +70,7 @@ def _masked(decoded, mask, i):
 
 
 # ----------------------------------------------------------------------------- blocks
-@njit(fastmath=_SUM_FLAGS, error_model="numpy", cache=True)
+@njit(fastmath=_SUM_FLAGS, error_model="numpy", cache=True, nogil=True)
 def _lamb_block_sums(g, m, v, p, b1, omb1, b2, omb2, eps, wd):
     sum_p, sum_u, sum_g = 0.0, 0.0, 0.0
     for i in range(g.size):
@@ -82,7 +82,7 @@ def _lamb_block_sums(g, m, v, p, b1, omb1, b2, omb2, eps, wd):
     return sum_p, sum_u, sum_g
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _adam_block_apply(g, m, v, p, b1, omb1, b2, omb2, eps, wd, step):
     """Moments from ``g``, then ``p += step * u`` (``step = -lr c`` for LAMB, ``-lr`` for Adam)."""
     for i in range(g.size):
@@ -93,7 +93,7 @@ def _adam_block_apply(g, m, v, p, b1, omb1, b2, omb2, eps, wd, step):
         p[i] += step * u
 
 
-@njit(fastmath=_SUM_FLAGS, error_model="numpy", cache=True)
+@njit(fastmath=_SUM_FLAGS, error_model="numpy", cache=True, nogil=True)
 def _block_sum(x):
     total = 0.0
     for i in range(x.size):
@@ -101,7 +101,7 @@ def _block_sum(x):
     return total
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _momentum_block(m, g, b1, omb1, scale, out):
     for i in range(m.size):
         out[i] = scale * (b1 * m[i] + omb1 * g[i])
@@ -114,7 +114,7 @@ def _fresh_variance(new, m, fresh, b1, inv_omb1, b2, omb2):
     return b2 * fresh + omb2 * (grad * grad)
 
 
-@njit(fastmath=_SUM_FLAGS, error_model="numpy", cache=True)
+@njit(fastmath=_SUM_FLAGS, error_model="numpy", cache=True, nogil=True)
 def _onebit_lamb_chunk_a(decoded, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, ratio):
     """Decode the momentum and refresh ``v_fresh``; returns the sums of ``u0^2`` and ``u^2``
     and writes ``d / (sqrt(v_fresh) + eps)`` into ``ratio``."""
@@ -131,7 +131,7 @@ def _onebit_lamb_chunk_a(decoded, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, 
     return sum_base, sum_full
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _max_bits(bits):
     """The largest bit pattern: for non-negative floats viewed as integers, the largest
     value (NaN above every number), as an integer maximum that vectorises."""
@@ -142,7 +142,7 @@ def _max_bits(bits):
     return best
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _onebit_lamb_block_a(
     signs, start, value, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
 ):
@@ -179,7 +179,7 @@ def _onebit_lamb_block_a(
     return sum_base, sum_full, np.float64(ratio[0])
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _step_block(m, v, p, eps, wd, step):
     """``p += step * (m / (sqrt(v) + eps) + wd p)``."""
     for i in range(m.size):
@@ -187,7 +187,7 @@ def _step_block(m, v, p, eps, wd, step):
         p[i] += step * u
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _momentum_step_block(m, g, v, p, b1, omb1, eps, wd, step):
     """``m = b1 m + (1 - b1) g``; ``p += step * (m / (sqrt(v) + eps) + wd p)``."""
     for i in range(m.size):
@@ -196,7 +196,7 @@ def _momentum_step_block(m, g, v, p, b1, omb1, eps, wd, step):
         p[i] += step * u
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _onebit_adam_chunk(decoded, mask, m, v, p, eps, wd, step):
     for i in range(m.size):
         new = _masked(decoded, mask, i)
@@ -205,7 +205,7 @@ def _onebit_adam_chunk(decoded, mask, m, v, p, eps, wd, step):
         p[i] += step * u
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _onebit_adam_block(signs, start, value, mask, m, v, p, eps, wd, step):
     """``m = decoded (* mask)``; ``p += step * (m / (sqrt(v) + eps) + wd p)``, by chunks."""
     wide = np.empty(CHUNK + 16, m.dtype)
@@ -366,14 +366,14 @@ def frozen_adam(blocks, active, exchanged, mask, m, v, p, eps, wd, step):
             )
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _accumulated_block(p, synced, v, eps, out):
     """``out = (p - p_synced) (sqrt(v) + eps)``."""
     for i in range(p.size):
         out[i] = (p[i] - synced[i]) * (np.sqrt(v[i]) + eps)
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def _synchronised_block(delta, m, synced, p, v, eps, rebuild):
     """``m = delta * rebuild``; ``p_synced += delta / (sqrt(v) + eps)``; ``p = p_synced``."""
     for i in range(delta.size):
