@@ -865,6 +865,83 @@ def table_diloco_outer() -> Table:
     )
 
 
+#: The study's arms run again on one tokenizer, with DiLoCo's: folder -> label. LAMB first.
+DILOCO_STUDY = "docs/convergence/diloco-study"
+DILOCO_STUDY_ARMS = [
+    (f"{DILOCO_STUDY}/lamb", "LAMB"),
+    (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
+    (f"{DILOCO_STUDY}/adam-n4", "AdamW, every step (DDP)"),
+    (f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense", "DiLoCo over AdamW, H = 20, dense"),
+    (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit"),
+]
+
+
+def table_diloco_study() -> Table:
+    """The study's arms with DiLoCo's, on the same samples: final loss and bytes."""
+    arms = [(d, label) for d, label in DILOCO_STUDY_ARMS if (ROOT / d).is_dir()]
+    _first_losses_agree([d for d, _ in arms])
+    paths = [f"{d}/summary.json" for d, _ in arms]
+    commits, dates = _stamp(paths)
+    names = " ".join(d.rsplit("/", 1)[1] for d, _ in arms)
+    return Table(
+        "diloco-study",
+        ARM_HEADER,
+        "lllrrrr",
+        _arm_rows(arms),
+        paths,
+        commits,
+        dates,
+        [f"{STUDY} --out runs/diloco-study --arms {names}"],
+    )
+
+
+def table_link_choice() -> Table:
+    """Per link, the time each run of the DiLoCo study takes to reach the target loss (its
+    steps timed by the cost model) and which is first."""
+    path = f"{DILOCO_STUDY}/link-choice.json"
+    choice = _read(path)
+    links = list(choice["fastest"])
+    labels = {d.rsplit("/", 1)[1]: label for d, label in DILOCO_STUDY_ARMS}
+    rows = []
+    for name, entry in choice["runs"].items():
+        reached = entry["steps"] is not None
+        rows.append(
+            [
+                labels.get(name, name),
+                str(entry["steps"]) if reached else "not reached",
+                _mib(entry["bytes"]) if reached else "",
+                *(f"{entry['seconds'][link]:.0f} s" if reached else "" for link in links),
+            ]
+        )
+    rows.append(
+        [
+            "**first**",
+            "",
+            "",
+            *(
+                f"{labels.get(b['run'], b['run'])}, {b['lead']:.2f}x ahead"
+                for b in choice["fastest"].values()
+            ),
+        ]
+    )
+    commits, dates = _stamp([path])
+    runs = " ".join(f"{DILOCO_STUDY}/{name}" for name in choice["runs"])
+    model = f" --model {choice['parameters']} --compute {choice['compute_seconds']}"
+    return Table(
+        "link-choice",
+        ["run", "steps to the target", "bytes to the target", *links],
+        "lrr" + "r" * len(links),
+        rows,
+        [path],
+        commits,
+        dates,
+        [
+            f".venv/bin/python benchmarks/link_choice.py {runs} --target {choice['target']:.4f}"
+            + (model if choice["parameters"] else "")
+        ],
+    )
+
+
 DELAYED_RUNS = [
     ("docs/main-job/default", "main job, lr 0.016", "1-bit LAMB"),
     ("docs/main-job/delayed", "main job, lr 0.016", "delayed"),
