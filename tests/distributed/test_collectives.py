@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers.oracle import oracle_compressed_allreduce
 
 import onebit
@@ -170,6 +171,9 @@ def test_non_finite_input_raises_on_every_rank_without_touching_state(bad_value)
 
 
 def _raise_on_rank_one(rank: int, world_size: int):
+    # Both ranks past the group's setup first: a rank 0 that returned and closed its group
+    # while rank 1 still finished connecting would fail rank 1 before it could raise.
+    dist.barrier()
     if rank == 1:
         raise RuntimeError("boom")
     return rank
