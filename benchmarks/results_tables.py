@@ -85,6 +85,8 @@ COMMIT_DATES = {
     "894403e": "2026-12-04",
     "dc88f59": "2026-12-04",
     "5ca0ad9": "2026-12-04",
+    "ae839b0": "2026-12-04",
+    "237b32f": "2026-12-04",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -124,6 +126,7 @@ RECORDED_IN = {
     "docs/convergence/variance-guard/zero-one-adam": "94bcbc4",
     "docs/main-job/diloco": "dc88f59",
     "docs/main-job/diloco-outer": "5ca0ad9",
+    "docs/convergence/diloco-study": "ae839b0",
 }
 
 RUN = "python3 run.py onebit"
@@ -895,10 +898,9 @@ def table_diloco_study() -> Table:
     )
 
 
-def table_link_choice() -> Table:
+def _link_choice(name: str, path: str) -> Table:
     """Per link, the time each run of the DiLoCo study takes to reach the target loss (its
-    steps timed by the cost model) and which is first."""
-    path = f"{DILOCO_STUDY}/link-choice.json"
+    steps timed by the cost model) and which is first, from ``link_choice.py --record``."""
     choice = _read(path)
     links = list(choice["fastest"])
     labels = {d.rsplit("/", 1)[1]: label for d, label in DILOCO_STUDY_ARMS}
@@ -928,7 +930,7 @@ def table_link_choice() -> Table:
     runs = " ".join(f"{DILOCO_STUDY}/{name}" for name in choice["runs"])
     model = f" --model {choice['parameters']} --compute {choice['compute_seconds']}"
     return Table(
-        "link-choice",
+        name,
         ["run", "steps to the target", "bytes to the target", *links],
         "lrr" + "r" * len(links),
         rows,
@@ -940,6 +942,14 @@ def table_link_choice() -> Table:
             + (model if choice["parameters"] else "")
         ],
     )
+
+
+def table_link_choice() -> Table:
+    return _link_choice("link-choice", f"{DILOCO_STUDY}/link-choice.json")
+
+
+def table_link_choice_bert_base() -> Table:
+    return _link_choice("link-choice-bert-base", f"{DILOCO_STUDY}/link-choice-bert-base.json")
 
 
 DELAYED_RUNS = [
@@ -1584,6 +1594,9 @@ TABLES: dict[str, Callable[[], Table]] = {
     "seed-study": table_seed_study,
     "diloco-main-job": table_diloco_main_job,
     "diloco-outer": table_diloco_outer,
+    "diloco-study": table_diloco_study,
+    "link-choice": table_link_choice,
+    "link-choice-bert-base": table_link_choice_bert_base,
 }
 
 MARKER = re.compile(

@@ -18,6 +18,25 @@ import onebit
 from onebit.cli import main as onebit_main
 
 
+def _train_simulate_and_resume(tmp_path: Path, options: list[str]) -> Path:
+    """``onebit train`` (2 processes) into real/, ``onebit simulate`` into sim/, and in
+    partial/ the simulation as if stopped after step 8, resumed; returns partial/."""
+    assert onebit_main(["train", *options, "--out", str(tmp_path / "real")]) == 0
+    # Each worker's pass on the threads a real worker has (bit-identical results need that).
+    threads = ["--threads", str(max(1, len(os.sched_getaffinity(0)) // 2))]
+    default_threads = torch.get_num_threads()
+    partial = tmp_path / "partial"
+    try:
+        assert onebit_main(["simulate", *options, *threads, "--out", str(tmp_path / "sim")]) == 0
+        shutil.copytree(tmp_path / "sim", partial)
+        shutil.rmtree(partial / "checkpoints" / f"step-{TINY_STEPS:08d}")
+        (partial / "summary.json").unlink()
+        assert onebit_main(["simulate", "--resume", str(partial), *threads]) == 0
+    finally:
+        torch.set_num_threads(default_threads)
+    return partial
+
+
 @pytest.mark.slow
 def test_cli_simulation_equals_onebit_train_and_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -29,19 +48,7 @@ def test_cli_simulation_equals_onebit_train_and_resumes(
     corpus = str(write_corpus(tmp_path / "corpus.txt"))
     # --workers 2; the fused exchange, which the simulation runs
     options = [*TINY, "--corpus", corpus, "--compression", "fused"]
-    assert onebit_main(["train", *options, "--out", str(tmp_path / "real")]) == 0
-    # Each worker's pass on the threads a real worker has (bit-identical results need that).
-    threads = ["--threads", str(max(1, len(os.sched_getaffinity(0)) // 2))]
-    default_threads = torch.get_num_threads()
-    try:
-        assert onebit_main(["simulate", *options, *threads, "--out", str(tmp_path / "sim")]) == 0
-        partial = tmp_path / "partial"  # the simulation as if stopped after step 8
-        shutil.copytree(tmp_path / "sim", partial)
-        shutil.rmtree(partial / "checkpoints" / f"step-{TINY_STEPS:08d}")
-        (partial / "summary.json").unlink()
-        assert onebit_main(["simulate", "--resume", str(partial), *threads]) == 0
-    finally:
-        torch.set_num_threads(default_threads)
+    partial = _train_simulate_and_resume(tmp_path, options)
 
     real, simulated = final_model(tmp_path / "real"), final_model(tmp_path / "sim")
     assert real.keys() == simulated.keys()
@@ -99,18 +106,7 @@ def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
     corpus = str(write_corpus(tmp_path / "corpus.txt"))
     options = [*TINY, "--corpus", corpus, "--optimizer", "adam", "--sync-every", "5"]
-    assert onebit_main(["train", *options, "--out", str(tmp_path / "real")]) == 0
-    threads = ["--threads", str(max(1, len(os.sched_getaffinity(0)) // 2))]
-    default_threads = torch.get_num_threads()
-    try:
-        assert onebit_main(["simulate", *options, *threads, "--out", str(tmp_path / "sim")]) == 0
-        partial = tmp_path / "partial"
-        shutil.copytree(tmp_path / "sim", partial)
-        shutil.rmtree(partial / "checkpoints" / f"step-{TINY_STEPS:08d}")
-        (partial / "summary.json").unlink()
-        assert onebit_main(["simulate", "--resume", str(partial), *threads]) == 0
-    finally:
-        torch.set_num_threads(default_threads)
+    _train_simulate_and_resume(tmp_path, options)
     simulated = final_model(tmp_path / "sim")
     for run in ("real", "partial"):
         for name, tensor in final_model(tmp_path / run).items():
