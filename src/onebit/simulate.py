@@ -327,8 +327,10 @@ class SimulatedDiLoCo:
         optimizer its state; both are kept for the worker when it ends."""
         _copy_into(self.params, self._weights[rank])
         self.inner_optimizer.state = self._states[rank]
-        yield
-        self._states[rank] = self.inner_optimizer.state
+        try:
+            yield
+        finally:
+            self._states[rank] = self.inner_optimizer.state
         _copy_into(self._weights[rank], self.params)
 
     def memory_bytes(self) -> dict[str, Any]:
