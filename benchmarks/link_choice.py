@@ -20,7 +20,9 @@ another model (a name or a count such as ``110M``, as ``onebit estimate --model`
 give its ``--compute`` too): the runs' steps to the target with that model's step times, an
 extrapolation stated as such. Methods the model does not time (PowerSGD, 0/1 Adam's local
 steps) are refused by name. Then, per link, the method that reaches the target first and its
-lead over the next. ``--record`` writes it all as JSON; ``--plot`` draws each run's final
+lead over the next (runs whose times agree share the first place; the validation losses come
+every ``eval_every`` steps, so steps to the target are multiples of it). ``--record`` writes
+it all as JSON; ``--plot`` draws each run's final
 validation loss against its bytes per worker.
 """
 
@@ -145,9 +147,12 @@ def choose(
             if link in entry["seconds"]
         )
         if timed:
-            best = {"run": timed[0][1], "seconds": timed[0][0]}
-            if len(timed) > 1:
-                best |= {"next": timed[1][1], "lead": timed[1][0] / timed[0][0]}
+            first = timed[0][0]
+            tied = [name for seconds, name in timed if seconds <= first * (1 + 1e-9)]
+            best: dict[str, Any] = {"runs": tied, "seconds": first}
+            rest = timed[len(tied) :]
+            if rest:
+                best |= {"next": rest[0][1], "lead": rest[0][0] / first}
             results["fastest"][link] = best
     return results
 
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {entry['steps']} steps; {times or 'never reached'}")
     for link, best in results["fastest"].items():
         lead = f", {best['lead']:.2f}x ahead of {best['next']}" if "next" in best else ""
-        print(f"{link}: {best['run']} first{lead}")
+        print(f"{link}: {' and '.join(best['runs'])} first{lead}")
     if args.record:
         args.record.write_text(json.dumps(results, indent=1) + "\n")
     if args.plot:

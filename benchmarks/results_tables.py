@@ -921,7 +921,8 @@ def _link_choice(name: str, path: str) -> Table:
             "",
             "",
             *(
-                f"{labels.get(b['run'], b['run'])}, {b['lead']:.2f}x ahead"
+                " = ".join(labels.get(run, run) for run in b["runs"])
+                + (f", {b['lead']:.2f}x ahead" if "lead" in b else "")
                 for b in choice["fastest"].values()
             ),
         ]

@@ -352,10 +352,16 @@ def test_link_choice_times_each_step_by_its_kind(tmp_path, monkeypatch):
     assert result["runs"]["diloco"]["seconds"]["8kbit"] == pytest.approx(4.0 + outer_step)
     assert result["runs"]["diloco"]["bytes"] == 24
     fastest = result["fastest"]["8kbit"]
-    assert (fastest["run"], fastest["next"]) == ("diloco", "dense")
+    assert (fastest["runs"], fastest["next"]) == (["diloco"], "dense")
     assert fastest["lead"] == pytest.approx(6 * dense_step / (4.0 + outer_step))
     never = tool.choose(runs, 1.0, 2.0, ["8kbit"], machine)
     assert never["runs"]["dense"]["steps"] is None and never["fastest"] == {}
+    twin = _fake_run(tmp_path, "twin", {}, ["dense"] * 6, [(3, 2.0), (6, 1.5)])
+    tied = tool.choose([runs[0], tool.read_run(twin)], 1.8, 2.0, ["8kbit"], machine)
+    assert tied["fastest"]["8kbit"] == {
+        "runs": ["dense", "twin"],
+        "seconds": pytest.approx(6 * dense_step),
+    }
 
 
 def test_link_choice_refuses_what_the_model_does_not_time(tmp_path, monkeypatch, capsys):
