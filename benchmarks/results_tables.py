@@ -86,7 +86,7 @@ COMMIT_DATES = {
     "dc88f59": "2026-12-04",
     "5ca0ad9": "2026-12-04",
     "ae839b0": "2026-12-04",
-    "237b32f": "2026-12-04",
+    "593393d": "2026-12-04",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -127,6 +127,8 @@ RECORDED_IN = {
     "docs/main-job/diloco": "dc88f59",
     "docs/main-job/diloco-outer": "5ca0ad9",
     "docs/convergence/diloco-study": "ae839b0",
+    "docs/convergence/diloco-study/link-choice.json": "593393d",
+    "docs/convergence/diloco-study/link-choice-bert-base.json": "593393d",
 }
 
 RUN = "python3 run.py onebit"
