@@ -647,39 +647,49 @@ ARM_HEADER = [
 ]
 
 
-def table_convergence_study() -> Table:
-    _first_losses_agree([d for d, _ in STUDY_ARMS])
-    paths = [f"{d}/summary.json" for d, _ in STUDY_ARMS]
+def _arms_table(
+    name: str,
+    arms: Sequence[tuple[str, str]],
+    sources: Sequence[str] | None,
+    command: str,
+    *,
+    measured: bool,
+) -> Table:
+    """The arms (run folder, label; LAMB first) that trained on the same inputs, with
+    :data:`ARM_HEADER`'s columns; ``sources`` default to each arm's summary."""
+    _first_losses_agree([d for d, _ in arms])
+    paths = [f"{d}/summary.json" for d, _ in arms]
     commits, dates = _stamp(paths)
     return Table(
-        "convergence-study",
+        name,
         ARM_HEADER,
         "lllrrrr",
-        _arm_rows(STUDY_ARMS),
-        ["docs/convergence/<run>/summary.json"],
+        _arm_rows(arms),
+        paths if sources is None else sources,
         commits,
         dates,
-        [f"{STUDY} --out runs/study2 --arms <run>"],
+        [command],
+        measured=measured,
+    )
+
+
+def table_convergence_study() -> Table:
+    return _arms_table(
+        "convergence-study",
+        STUDY_ARMS,
+        ["docs/convergence/<run>/summary.json"],
+        f"{STUDY} --out runs/study2 --arms <run>",
         measured=False,
     )
 
 
 def table_convergence_defaults() -> Table:
-    _first_losses_agree([d for d, _ in DEFAULT_ARMS])
-    paths = [f"{d}/summary.json" for d, _ in DEFAULT_ARMS]
-    commits, dates = _stamp(paths)
-    return Table(
+    return _arms_table(
         "convergence-defaults",
-        ARM_HEADER,
-        "lllrrrr",
-        _arm_rows(DEFAULT_ARMS),
-        paths,
-        commits,
-        dates,
-        [
-            f"{STUDY} --out runs/defaults --arms lamb onebit-lamb-n4-per-tensor "
-            "onebit-adam-n4-per-tensor zero-one-adam-n4-auto lamb-powersgd-r4 lamb-powersgd-r1"
-        ],
+        DEFAULT_ARMS,
+        None,
+        f"{STUDY} --out runs/defaults --arms lamb onebit-lamb-n4-per-tensor "
+        "onebit-adam-n4-per-tensor zero-one-adam-n4-auto lamb-powersgd-r4 lamb-powersgd-r1",
         measured=False,
     )
 
@@ -883,20 +893,13 @@ DILOCO_STUDY_ARMS = [
 
 def table_diloco_study() -> Table:
     """The study's arms with DiLoCo's, on the same samples: final loss and bytes."""
-    arms = [(d, label) for d, label in DILOCO_STUDY_ARMS if (ROOT / d).is_dir()]
-    _first_losses_agree([d for d, _ in arms])
-    paths = [f"{d}/summary.json" for d, _ in arms]
-    commits, dates = _stamp(paths)
-    names = " ".join(d.rsplit("/", 1)[1] for d, _ in arms)
-    return Table(
+    names = " ".join(d.rsplit("/", 1)[1] for d, _ in DILOCO_STUDY_ARMS)
+    return _arms_table(
         "diloco-study",
-        ARM_HEADER,
-        "lllrrrr",
-        _arm_rows(arms),
-        paths,
-        commits,
-        dates,
-        [f"{STUDY} --out runs/diloco-study --arms {names}"],
+        DILOCO_STUDY_ARMS,
+        None,
+        f"{STUDY} --out runs/diloco-study --arms {names}",
+        measured=True,
     )
 
 
