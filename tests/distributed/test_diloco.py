@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+from helpers.diloco_problem import INNER, backward, inner_step
+from helpers.diloco_problem import model as _model
 from helpers.oracle import oracle_compressed_allreduce_per_tensor
 
 import onebit
@@ -19,25 +21,7 @@ from onebit.testing import spawn_workers
 
 WORLD, H, ROUNDS = 2, 3, 4
 SHAPES = [(6, 5), (6,), (2, 6), (2,)]
-INNER = dict(lr=0.01, weight_decay=0.01)
 LR, MOMENTUM = 0.7, 0.9
-
-
-def _model() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 5, generator=generator), torch.randn(8, 2, generator=generator)
-
-
-def _inner_step(model, inner, rank: int, step: int) -> None:
-    x, y = _batch(rank, step)
-    inner.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    inner.step()
 
 
 def _train(rank: int, world: int, exchange: str, save_at: int | None = None):
@@ -50,7 +34,7 @@ def _train(rank: int, world: int, exchange: str, save_at: int | None = None):
     )
     rounds = []
     for step in range(H * ROUNDS):
-        _inner_step(model, inner, rank, step)
+        inner_step(model, inner, rank, step)
         if diloco.local_step == 0:
             rounds.append([p.detach().clone() for p in model.parameters()])
         if step + 1 == save_at:
@@ -118,8 +102,7 @@ def _node_step(model, inner, ranks: range, step: int) -> None:
     grads = []
     for rank in ranks:
         inner.zero_grad()
-        x, y = _batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        backward(model, rank, step)
         grads.append([p.grad.clone() for p in model.parameters()])
     for index, param in enumerate(model.parameters()):
         param.grad = torch.stack([g[index] for g in grads]).sum(dim=0) / len(grads)
@@ -214,10 +197,7 @@ def _nodes_of_two(rank: int, world: int, exchange: str):
     )
     rounds = []
     for step in range(H * ROUNDS):
-        x, y = _batch(rank, step)
-        inner.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        inner.step()
+        inner_step(ddp, inner, rank, step)
         if diloco.local_step == 0:
             rounds.append([p.detach().clone() for p in model.parameters()])
     return rounds

@@ -7,26 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.diloco_problem import INNER, backward, inner_step
+from helpers.diloco_problem import model as _model
 
 import onebit
 from onebit.simulate import SimulatedDiLoCo
 from onebit.testing import spawn_workers
 
 H, ROUNDS = 3, 3
-INNER = dict(lr=0.01, weight_decay=0.01)
 #: (outer exchange, compression)
 CASES = [("dense", "per_tensor"), ("1bit", "per_tensor"), ("1bit", "fused")]
-
-
-def _model() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
-
-
-def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * rank + step)
-    x, y = torch.randn(8, 5, generator=generator), torch.randn(8, 2, generator=generator)
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -49,9 +39,7 @@ def _real(rank: int, world: int):
         )
         rounds = []
         for step in range(H * ROUNDS):
-            inner.zero_grad()
-            _loss(model, rank, step).backward()
-            inner.step()
+            inner_step(model, inner, rank, step)
             if diloco.local_step == 0:
                 rounds.append(_weights(model))
         runs[exchange, compression] = rounds, diloco.bytes_sent
@@ -79,7 +67,7 @@ def _simulated(workers: int, exchange: str, compression: str, save_after: int | 
     model, simulation = build()
     rounds = []
     for step in range(H * ROUNDS):
-        simulation.step(lambda rank, s=step, m=model: _loss(m, rank, s).backward())
+        simulation.step(lambda rank, s=step, m=model: backward(m, rank, s))
         if simulation.diloco.local_step == 0:
             rounds.append(_weights(model))
         if step + 1 == save_after:
