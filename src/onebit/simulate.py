@@ -33,9 +33,11 @@ own state and the model's gradients of one worker at a time. Workers are streame
 one worker's gradients and momentum exist at once. At ``W = 256`` (flat) and 4M parameters
 that is 4.1 GB of worker errors and 128 MB of signs (:meth:`memory_bytes`).
 
-With ``delayed_exchange=True`` each compression step first applies the update its
-predecessor's exchange left pending, and the workers' passes run at the weights from before
-it, as a real run's gradients are one step stale (ALGORITHM.md, "Delayed exchange").
+With ``delayed_exchange=True`` each worker's pass runs at its own prediction of the last
+step (:meth:`OneBitOptimizer.predicted_weights`, made from its momentum as a real rank's
+``step()`` makes it; one copy of the weights per worker is kept), then the update the last
+step's exchange left pending is applied before the workers' momenta are formed
+(ALGORITHM.md, "Delayed exchange").
 
 :class:`SimulatedDiLoCo` simulates DiLoCo (:class:`onebit.DiLoCo`) the same way, except that
 DiLoCo's workers do differ between exchanges: each simulated worker keeps its own weights and
@@ -130,6 +132,8 @@ class SimulatedDataParallel:
             raise ValueError("the simulated parameters must share one dtype and one device")
         self.traffic = TrafficCounter()  # the averaged steps' dense allreduce, per worker
         self._gradient_sum: Tensor | None = None
+        # delayed_exchange: each worker's prediction of the last step (None: the parameters)
+        self._predicted: list[list[Tensor] | None] = [None] * workers
 
     @property
     def compressing(self) -> bool:
@@ -138,36 +142,48 @@ class SimulatedDataParallel:
 
     def step(self, worker_backward: Callable[[int], Result]) -> list[Result]:
         """One step of all workers; returns ``worker_backward(rank)`` of each rank."""
-        if self.compressing:
+        if self.compressing and self._delayed:
+            results = self._delayed_compression_step(worker_backward)
+        elif self.compressing:
             results = []
-            applied_late = self._apply_pending_update()
             for rank in range(self.workers):
                 results.append(self._backward(rank, worker_backward))
                 self._clip()
                 if rank < self.workers - 1:  # the last one's momentum goes in through step()
                     self.exchange.add_worker(rank, self._onebit.local_momentum())
-            if applied_late is not None:
-                _copy_into(self.params, applied_late)
         else:
             results = self._average_gradients(worker_backward)
             self._clip()
         self.optimizer.step()
         return results
 
-    @torch.no_grad()
-    def _apply_pending_update(self) -> list[Tensor] | None:
-        """With ``delayed_exchange``: the update of the last step's exchange applied (the
-        momentum every worker's starts from), then the weights from before it put back for
-        the workers' passes (ALGORITHM.md, "Delayed exchange"); the weights after it, to be
-        restored once the workers are done (``None``: no update was pending)."""
+    @property
+    def _delayed(self) -> bool:
+        return self._onebit is not None and self._onebit.delayed_exchange
+
+    def _delayed_compression_step(self, worker_backward: Callable[[int], Result]) -> list[Result]:
+        """Every worker's gradient at its prediction of the last step; the pending update
+        applied; each worker's momentum formed at the shared weights and, but the last
+        one's (``step()`` predicts that one), its prediction kept before its exchange."""
         optimizer = self._onebit
-        if optimizer is None or not optimizer.update_pending:
-            return None
-        before = [param.detach().clone() for param in self.params]
+        assert optimizer is not None
+        if optimizer.update_pending:  # the last worker's prediction: the parameters now
+            self._predicted[-1] = [param.detach().clone() for param in self.params]
+        else:  # the stage's first step (or the first after a refresh): no prediction yet
+            self._predicted = [None] * self.workers
         optimizer.finish_exchange()
-        after = [param.detach().clone() for param in self.params]
-        _copy_into(self.params, before)
-        return after
+        shared = [param.detach().clone() for param in self.params]
+        results = []
+        for rank in range(self.workers):
+            _copy_into(self.params, self._predicted[rank] or shared)
+            results.append(self._backward(rank, worker_backward))
+            self._clip()
+            _copy_into(self.params, shared)
+            if rank < self.workers - 1:  # the last one's momentum goes in through step()
+                momentum = optimizer.local_momentum()
+                self._predicted[rank] = optimizer.predicted_weights(momentum)
+                self.exchange.add_worker(rank, momentum)
+        return results
 
     def _backward(self, rank: int, worker_backward: Callable[[int], Result]) -> Result:
         self.optimizer.zero_grad(set_to_none=True)
@@ -209,9 +225,26 @@ class SimulatedDataParallel:
             self.traffic.record("allreduce", allreduce_bytes(self._gradient_sum, self.workers))
         return results
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs beside the optimizer's and the model's (the last worker's
+        prediction is the parameters): with ``delayed_exchange``, the other workers'
+        predictions of the last step (``None`` where there is none)."""
+        return {"predicted": self._predicted[:-1]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take :meth:`state_dict`'s; raises ``ValueError`` for another number of workers."""
+        predicted = list(state["predicted"])
+        if len(predicted) != self.workers - 1:
+            raise ValueError(
+                f"the checkpoint holds the predictions of {len(predicted) + 1} simulated "
+                f"workers, this simulation has {self.workers}"
+            )
+        self._predicted = [*predicted, None]
+
     def memory_bytes(self) -> dict[str, Any]:
         """Bytes the simulation holds now beyond one optimizer's usual state: every worker's
-        error buffers, the exchange's scratch (packed signs, node mean), the gradient sum."""
+        error buffers, the exchange's scratch (packed signs, node mean), the gradient sum,
+        and with ``delayed_exchange`` the workers' predictions."""
         worker_error, server_error = self.exchange.worker_error, self.exchange.server_error
 
         def size(tensor: Tensor | None) -> int:
@@ -222,6 +255,7 @@ class SimulatedDataParallel:
             "server_errors": size(server_error),
             "exchange_scratch": self.exchange.nbytes(),
             "gradient_sum": size(self._gradient_sum),
+            "predictions": sum(size(t) for kept in self._predicted for t in kept or ()),
         }
 
 

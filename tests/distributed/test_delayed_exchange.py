@@ -1,9 +1,10 @@
 """The delayed exchange (ALGORITHM.md, "Delayed exchange") on gloo ranks.
 
-With gradients that do not depend on the weights, the delayed optimizer's weights after step
-s + 1 are the undelayed optimizer's after step s, bit for bit, from the freeze on (the same
-momenta, error feedback and updates, each applied one step later), and equal after
-``finish_exchange()``; a non-finite momentum drops the same update. The bytes are the same
+With gradients that do not depend on the weights, the delayed optimizer's shared weights after
+step s + 1 are the undelayed optimizer's after step s, bit for bit, from the freeze on (the
+same momenta, error feedback and updates, each applied one step later), and equal after
+``finish_exchange()``; a non-finite momentum drops the same update. Between steps the
+parameters hold each rank's own prediction, unlike the shared weights. The bytes are the same
 (the failed step's gradient flags aside). A checkpoint taken with
 an exchange in flight resumes the run exactly, also when only rank 0 takes it; under DDP
 (whose buffer broadcast, and the loop's own allreduce, run while the exchange is in flight)
@@ -53,16 +54,19 @@ def _trajectory(rank: int, name: str, options: dict, inject: bool, delayed: bool
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(shape)) for shape in SHAPES]
     optimizer = _build(name, params, options, delayed)
-    weights = []
+    weights, predicted = [], []
     for step in range(1, STEPS + 1):
         for param, grad in zip(params, _gradients(step, rank, inject), strict=True):
             param.grad = grad
         optimizer.step()
-        weights.append(torch.cat([p.detach().reshape(-1) for p in params]).clone())
+        weights.append(torch.cat([w.reshape(-1) for w in optimizer.shared_weights()]))
+        predicted.append(torch.cat([p.detach().reshape(-1) for p in params]).clone())
+    if not delayed:
+        assert all(torch.equal(a, b) for a, b in zip(weights, predicted, strict=True))
     pending = optimizer.update_pending
     optimizer.finish_exchange()
     final = torch.cat([p.detach().reshape(-1) for p in params]).clone()
-    return weights, final, pending, optimizer.bytes_sent, optimizer.skipped_steps
+    return weights, predicted, final, pending, optimizer.bytes_sent, optimizer.skipped_steps
 
 
 def _runs(rank: int, world: int):
@@ -79,11 +83,16 @@ def test_delayed_steps_are_the_undelayed_steps_one_step_late():
     for index, (name, options, inject) in enumerate(CASES):
         case = f"{name} {options} non-finite step: {inject}"
         for rank, runs in enumerate(ranks):
-            (plain, plain_final, plain_pending, plain_bytes, plain_skipped) = runs[index][0]
-            (late, late_final, pending, late_bytes, late_skipped) = runs[index][1]
+            (plain, _, plain_final, plain_pending, plain_bytes, plain_skipped) = runs[index][0]
+            (late, predicted, late_final, pending, late_bytes, late_skipped) = runs[index][1]
             assert not plain_pending and pending, case
             for step in range(FREEZE):  # the warm-up is not delayed
                 assert torch.equal(late[step], plain[step]), (case, rank, step + 1)
+                assert torch.equal(predicted[step], plain[step]), (case, rank, step + 1)
+            for step in range(FREEZE, STEPS):  # each rank's own prediction
+                other = ranks[1 - rank][index][1][1][step]
+                assert not torch.equal(predicted[step], late[step]), (case, rank, step + 1)
+                assert not torch.equal(predicted[step], other), (case, rank, step + 1)
             for step in range(FREEZE, STEPS - 1):  # step s + 1 applies step s's update
                 assert torch.equal(late[step + 1], plain[step]), (case, rank, step + 2)
                 assert not torch.equal(late[step + 1], late[step]) or (
@@ -94,7 +103,7 @@ def test_delayed_steps_are_the_undelayed_steps_one_step_late():
             flags = ring_allreduce_bytes(len(SHAPES), 2) if inject else 0
             assert late_bytes == {**plain_bytes, "compression": plain_bytes["compression"] + flags}
             assert late_skipped == plain_skipped == int(inject), case
-            assert torch.equal(late_final, ranks[0][index][1][1]), (case, rank)
+            assert torch.equal(late_final, ranks[0][index][1][2]), (case, rank)
 
 
 def _checkpointed(rank: int, world: int):

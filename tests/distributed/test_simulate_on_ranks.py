@@ -1,6 +1,7 @@
 """The many-worker simulation (onebit.simulate): bit for bit what real gloo processes compute
 (the test model, whose averaged gradients are exact in any order: helpers/simulation.py),
-fused and per tensor, with the exchange delayed by a step too."""
+fused and per tensor, with the exchange delayed by a step too (each worker's gradients at its
+own prediction)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from helpers.simulation import (
     build_optimizer,
     flat_params,
     micro_batch,
+    shared_params,
     simulated_run,
 )
 from torch import nn
@@ -48,8 +50,9 @@ CASES = {
 
 
 def _real_runs(rank: int, world: int, cases) -> list[tuple[list[torch.Tensor], int]]:
-    """On each of ``world`` gloo processes: every case, the parameters after every step and
-    the number of compression steps that clipped this rank's own gradient."""
+    """On each of ``world`` gloo processes: every case, the shared weights and the parameters
+    (with the delay this rank's prediction) after every step, and the number of compression
+    steps that clipped this rank's own gradient."""
     from onebit.train.gradients import average_gradients
 
     trajectories = []
@@ -70,7 +73,7 @@ def _real_runs(rank: int, world: int, cases) -> list[tuple[list[torch.Tensor], i
                 norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in params])
                 clipped_locally += bool(torch.linalg.vector_norm(norms) > clip * math.sqrt(world))
             optimizer.step()
-            trajectory.append(flat_params(model))
+            trajectory.append((shared_params(model, optimizer), flat_params(model)))
         trajectories.append((trajectory, clipped_locally))
     return trajectories
 
@@ -83,11 +86,16 @@ def test_simulation_equals_real_processes_bit_for_bit(workers: int) -> None:
         ranks = [trajectories[index][0] for trajectories in real]
         if clip and name != "lamb":  # the case tests clipping at clip·√W in compression steps
             assert all(trajectories[index][1] > 0 for trajectories in real), case
-        simulated, optimizer, _ = simulated_run(name, workers, local, clip, kernels)
+        simulated, predicted, optimizer, _ = simulated_run(name, workers, local, clip, kernels)
         for step in range(STEPS):
             for rank, trajectory in enumerate(ranks):
-                assert torch.equal(trajectory[step], ranks[0][step]), (case, step, rank)
-            assert torch.equal(simulated[step], ranks[0][step]), f"{case}: step {step + 1}"
+                assert torch.equal(trajectory[step][0], ranks[0][step][0]), (case, step, rank)
+            assert torch.equal(simulated[step], ranks[0][step][0]), f"{case}: step {step + 1}"
+            # the parameters: the last worker's own prediction where delayed
+            last = ranks[-1][step][1]
+            assert torch.equal(predicted[step], last), f"{case}: step {step + 1}"
+            delayed = name.endswith("-delayed") and step >= FREEZE
+            assert torch.equal(last, ranks[0][step][1]) != delayed, (case, step)
         assert not torch.equal(simulated[FREEZE], simulated[-1]), case  # it trains
         if name != "lamb":
             assert optimizer.stage == "compression"

@@ -38,16 +38,22 @@ def _train_simulate_and_resume(tmp_path: Path, options: list[str]) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("delay", [[], ["--delayed-exchange"]], ids=["", "delayed"])
 def test_cli_simulation_equals_onebit_train_and_resumes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    delay: list[str],
 ) -> None:
     """``onebit simulate --workers 2`` on the tiny job of helpers/jobs.py: the same parameters as
     ``onebit train`` with 2 worker processes (a mean of two gradients is exact in any order),
-    the same run-folder files, and an interrupted simulation that resumes to the same end."""
+    the same run-folder files, and an interrupted simulation that resumes to the same end;
+    also with the delayed exchange, each worker's gradients taken at its own prediction."""
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
     corpus = str(write_corpus(tmp_path / "corpus.txt"))
     # --workers 2; the fused exchange, which the simulation runs
-    options = [*TINY, "--corpus", corpus, "--compression", "fused"]
+    plain = [*TINY, "--corpus", corpus, "--compression", "fused"]
+    options = [*plain, *delay]
     partial = _train_simulate_and_resume(tmp_path, options)
 
     real, simulated = final_model(tmp_path / "real"), final_model(tmp_path / "sim")
@@ -91,7 +97,7 @@ def test_cli_simulation_equals_onebit_train_and_resumes(
     assert "holds a simulation of 2 workers" in capsys.readouterr().err
     assert onebit_main(["simulate", "--resume", str(tmp_path / "real")]) == 2
     assert "holds a run of worker processes" in capsys.readouterr().err
-    assert onebit_main(["simulate", *options, "--optimizer", "zero-one-adam"]) == 2
+    assert onebit_main(["simulate", *plain, "--optimizer", "zero-one-adam"]) == 2
     assert "cannot be simulated" in capsys.readouterr().err
 
 

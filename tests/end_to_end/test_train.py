@@ -206,7 +206,8 @@ def test_delayed_exchange_job_sends_the_same_bytes_and_resumes_exactly(
 ) -> None:
     """``--delayed-exchange``: the same bytes in all as the undelayed reference (the last
     update lands at the last step); the checkpoint of step 6 holds that step's update, in
-    flight; killed after step 7 and restarted from it: the same trajectory bit for bit."""
+    flight; killed after step 7 and restarted from it: the same trajectory bit for bit, the
+    same bytes step by step."""
     out = workspace / "delayed"
     options = ("--delayed-exchange", "--checkpoint-every", "3", "--keep-checkpoints", "4")
     assert train(*tiny(workspace, out, *options)) == 0
@@ -218,6 +219,8 @@ def test_delayed_exchange_job_sends_the_same_bytes_and_resumes_exactly(
     extra = ("--max-restarts", "1", "--kill-at-step", "7")
     assert train(*tiny(workspace, killed, *options, *extra)) == 0
     assert_same_trajectory(killed, out)
+    # the bytes of step 6's exchange, saved with it, counted by step 7 after the restart
+    assert [r["bytes"] for r in report.read_metrics(killed).train] == [r["bytes"] for r in rows]
 
 
 ZERO_ONE = [

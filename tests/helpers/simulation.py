@@ -77,6 +77,14 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
+def shared_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """The weights every rank shares: the parameters, but with ``delayed_exchange`` those the
+    optimizer sets aside while the parameters hold the rank's prediction."""
+    if getattr(optimizer, "delayed_exchange", False):
+        return torch.cat([w.reshape(-1) for w in optimizer.shared_weights()])
+    return flat_params(model)
+
+
 def worker_backward(model: nn.Module, step: int):
     """Worker ``rank``'s forward and backward pass at ``step``; returns its loss."""
 
@@ -90,12 +98,15 @@ def worker_backward(model: nn.Module, step: int):
 
 
 def simulated_run(name: str, workers: int, local: int, clip: float, kernels: str):
+    """The shared weights after every step, the parameters after every step (with
+    ``delayed_exchange`` the last worker's prediction), the optimizer and the simulation."""
     model = build_model()
     optimizer = build_optimizer(name, model.parameters(), kernels)
     simulation = SimulatedDataParallel(optimizer, workers, local, max_grad_norm=clip)
-    trajectory = []
+    trajectory, predicted = [], []
     for step in range(STEPS):
         losses = simulation.step(worker_backward(model, step))
         assert len(losses) == workers
-        trajectory.append(flat_params(model))
-    return trajectory, optimizer, simulation
+        trajectory.append(shared_params(model, optimizer))
+        predicted.append(flat_params(model))  # the last worker's prediction, if delayed
+    return trajectory, predicted, optimizer, simulation

@@ -1,10 +1,13 @@
 """The delayed exchange in one process (ALGORITHM.md, "Delayed exchange"): what it refuses,
 by name, before anything changes; the first step of the stage applies nothing; the pending
-update is applied by the next step or by ``finish_exchange()``, and a checkpoint carries it."""
+update is applied by the next step or by ``finish_exchange()``, and a checkpoint carries it;
+between steps the parameters hold the prediction, written out here in float64, which keeps
+a quadratic converging where gradients one update behind do not."""
 
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -58,13 +61,98 @@ def test_the_pending_update_lands_at_the_next_step_or_when_finished(cls):
     _gradients(params, FREEZE + 1)
     optimizer.step()  # the stage's first step: its exchange starts, nothing is applied
     assert optimizer.update_pending
-    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+    shared = optimizer.shared_weights()
+    assert all(torch.equal(a, w) for a, w in zip(before, shared, strict=True))
+    assert not any(torch.equal(a, p) for a, p in zip(before, params, strict=True))  # predicted
+    predicted = [p.detach().clone() for p in params]
+    with optimizer.holding_shared_weights():
+        assert all(torch.equal(w, p) for w, p in zip(shared, params, strict=True))
+    assert all(torch.equal(w, p) for w, p in zip(predicted, params, strict=True))
     with pytest.raises(RuntimeError, match="finish_exchange"):
         optimizer.local_momentum()
     optimizer.finish_exchange()
     assert not optimizer.update_pending
     assert not any(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+    shared = optimizer.shared_weights()
+    assert all(torch.equal(w, p) for w, p in zip(shared, params, strict=True))
     optimizer.finish_exchange()  # nothing pending: nothing to do
+    assert all(torch.equal(w, p) for w, p in zip(shared, params, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("cls", "options"),
+    [
+        (onebit.OneBitLamb, dict(weight_decay=0.1)),
+        (onebit.OneBitLamb, dict(compression="fused")),
+        (onebit.OneBitAdam, dict(weight_decay=0.1)),
+    ],
+)
+def test_the_parameters_hold_the_prediction_from_this_ranks_momentum(cls, options):
+    """After each stage step: p = w - lr c (mask (b1 m + (1 - b1) g) / (sqrt(v) + eps) + wd w),
+    w the shared weights, m the landed momentum, c = c_frz f (1-bit LAMB) or 1; an element
+    that never had a gradient (v = 0) is masked, one whose gradient is not finite stays."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 3, dtype=torch.float64)) for _ in range(2)]
+    lr, eps, (beta1, _) = 0.01, 1e-8, (0.9, 0.999)
+    optimizer = cls(params, lr=lr, eps=eps, freeze_step=FREEZE, delayed_exchange=True, **options)
+    for step in range(1, FREEZE + 5):
+        generator = torch.Generator().manual_seed(step)
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator, dtype=torch.float64)
+            param.grad[0, 0] = 0.0  # never a gradient: v = 0 there
+        if step == FREEZE + 3:
+            params[1].grad[2, 1] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the non-finite step's skip
+            optimizer.step()
+        if step <= FREEZE:
+            continue
+        decay = options.get("weight_decay", 0.0)
+        for param, shared in zip(params, optimizer.shared_weights(), strict=True):
+            state = optimizer.state[param]
+            coeff = 1.0
+            if cls is onebit.OneBitLamb:
+                coeff = float(state["lamb_coeff_freeze"]) * float(state["last_factor"])
+            v = state["exp_avg_sq"]
+            local = (beta1 * state["exp_avg"] + (1 - beta1) * param.grad) * (v > 0)
+            move = lr * coeff * (local / (v.sqrt() + eps) + decay * shared)
+            expected = torch.where(move.isfinite(), shared - move, shared)
+            torch.testing.assert_close(param.detach(), expected, rtol=1e-13, atol=1e-15)
+            assert torch.equal(
+                param.detach()[0, 0], shared[0, 0] - lr * coeff * decay * shared[0, 0]
+            )
+        assert torch.isfinite(params[1]).all()
+
+
+def _quadratic(lr: float, gradients_at: str, steps: int = 250) -> float:
+    """Final loss of 1-bit Adam, delayed where ``gradients_at`` is not ``"undelayed"``, on
+    ``sum_i h_i |x_i|^2 / 2``: gradients taken at the parameters (the prediction) or at the
+    shared weights (one update behind)."""
+    curvatures = [1.0, 3.0, 10.0]
+    params = [nn.Parameter(torch.ones(4, dtype=torch.float64)) for _ in curvatures]
+    optimizer = onebit.OneBitAdam(
+        params,
+        lr=lr,
+        freeze_step=10,
+        delayed_exchange=gradients_at != "undelayed",
+        variance_guard="off",
+    )
+    for _ in range(steps):
+        at = optimizer.shared_weights() if gradients_at == "shared" else params
+        for param, weights, h in zip(params, at, curvatures, strict=True):
+            param.grad = h * weights.detach().clone()
+        optimizer.step()
+    optimizer.finish_exchange()
+    return sum(
+        0.5 * h * float((p.detach() ** 2).sum()) for p, h in zip(params, curvatures, strict=True)
+    )
+
+
+@pytest.mark.parametrize("lr", [0.05, 0.1])
+def test_the_prediction_keeps_a_quadratic_converging_where_stale_gradients_do_not(lr):
+    assert _quadratic(lr, "undelayed") < 1e-5
+    assert _quadratic(lr, "parameters") < 1e-5
+    assert _quadratic(lr, "shared") > 0.1
 
 
 def _two_steps_into_the_stage() -> tuple[list[nn.Parameter], onebit.OneBitLamb]:
@@ -80,8 +168,10 @@ def _two_steps_into_the_stage() -> tuple[list[nn.Parameter], onebit.OneBitLamb]:
 def test_a_pending_update_is_refused_by_an_optimizer_without_the_delay():
     _, optimizer = _two_steps_into_the_stage()
     saved = optimizer.state_dict()
-    assert saved["onebit"]["format"] == 3
+    assert saved["onebit"]["format"] == 4
     assert saved["onebit"]["pending_update"]["step"] == FREEZE + 2
+    shared = torch.cat([w.reshape(-1) for w in optimizer.shared_weights()])
+    assert torch.equal(saved["onebit"]["pending_update"]["shared_weights"], shared)
     assert optimizer.update_pending  # saving changed nothing
     plain = onebit.OneBitLamb(_params(), freeze_step=FREEZE)
     before = plain.state_dict()
@@ -121,3 +211,25 @@ def test_an_update_loaded_from_a_checkpoint_can_be_finished_before_any_step():
     assert not loaded.update_pending
     assert all(torch.equal(a, b) for a, b in zip(params, loaded_params, strict=True))
     assert not any(torch.equal(a, w) for a, w in zip(loaded_params, weights, strict=True))
+
+
+def test_a_checkpoint_of_format_3_has_no_prediction_to_undo():
+    """Format 3 (before the prediction) saved the shared weights in the parameters, with no
+    copy: the update lands on the weights the model loads."""
+    params, optimizer = _two_steps_into_the_stage()
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    shared = optimizer.shared_weights()
+    optimizer.finish_exchange()
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    for key in ("shared_weights", "bytes_sent"):
+        del saved["onebit"]["pending_update"][key]
+    for state in saved["state"].values():
+        del state["local_param"]  # the prediction, which format 3 did not have
+    saved["onebit"]["format"] = 3
+    loaded_params = [torch.nn.Parameter(w.clone()) for w in shared]
+    loaded = onebit.OneBitLamb(loaded_params, freeze_step=FREEZE, delayed_exchange=True)
+    loaded.load_state_dict(saved)
+    loaded.finish_exchange()
+    assert all(torch.equal(a, b) for a, b in zip(params, loaded_params, strict=True))

@@ -5,6 +5,8 @@ model: helpers/simulation.py; against real processes: distributed/test_simulate_
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers.oracle import oracle_compressed_allreduce, oracle_hierarchical_compressed_allreduce
@@ -55,7 +57,7 @@ def test_streamed_exchange_equals_the_reference_simulations() -> None:
 
 
 def test_state_traffic_and_memory_model() -> None:
-    _, optimizer, simulation = simulated_run("onebit-lamb", 4, 1, 0.0, "numba")
+    _, _, optimizer, simulation = simulated_run("onebit-lamb", 4, 1, 0.0, "numba")
     numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
     padded = onebit.padded_size(numel, 4)
     worker_error, server_error = optimizer.error_feedback
@@ -70,27 +72,34 @@ def test_state_traffic_and_memory_model() -> None:
     assert memory["exchange_scratch"] == 4 * padded // 8 + 4 * padded // 8 // 4 + 2 * 4 * 4
 
     # Checkpoints hold every worker's error state and continue the same trajectory.
-    _, hierarchical, _ = simulated_run("onebit-adam", 4, 2, 0.0, "numba")
+    _, _, hierarchical, _ = simulated_run("onebit-adam", 4, 2, 0.0, "numba")
     state = hierarchical.state_dict()
     assert state["onebit"]["world_size"] == 4 and state["onebit"]["ranks_per_node"] == 2
     assert state["onebit"]["worker_error"].numel() == 4 * padded // 2
 
 
-def test_resume_from_a_checkpoint_continues_the_same_trajectory() -> None:
-    expected, _, _ = simulated_run("onebit-lamb", 4, 2, 0.0, "numba")
+@pytest.mark.parametrize(("name", "local"), [("onebit-lamb", 2), ("onebit-lamb-delayed", 1)])
+def test_resume_from_a_checkpoint_continues_the_same_trajectory(name: str, local: int) -> None:
+    _, expected, _, _ = simulated_run(name, 4, local, 0.0, "numba")
     model = build_model()
-    optimizer = build_optimizer("onebit-lamb", model.parameters(), "numba")
-    simulation = SimulatedDataParallel(optimizer, 4, 2)
+    optimizer = build_optimizer(name, model.parameters(), "numba")
+    simulation = SimulatedDataParallel(optimizer, 4, local)
     for step in range(STEPS):
         if step == FREEZE + 2:  # resume into a fresh model, optimizer and simulation
             state, weights = optimizer.state_dict(), model.state_dict()
+            simulated = copy.deepcopy(simulation.state_dict())
             model = build_model()
             model.load_state_dict(weights)
-            optimizer = build_optimizer("onebit-lamb", model.parameters(), "numba")
-            simulation = SimulatedDataParallel(optimizer, 4, 2)
+            optimizer = build_optimizer(name, model.parameters(), "numba")
+            simulation = SimulatedDataParallel(optimizer, 4, local)
             optimizer.load_state_dict(state)
+            simulation.load_state_dict(simulated)
         simulation.step(worker_backward(model, step))
         assert torch.equal(flat_params(model), expected[step]), step
+    with pytest.raises(ValueError, match="predictions of 4 simulated workers.*has 2"):
+        SimulatedDataParallel(
+            build_optimizer(name, build_model().parameters(), "numba"), 2
+        ).load_state_dict(simulated)
 
 
 def test_bad_input_is_named() -> None:

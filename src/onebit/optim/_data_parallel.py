@@ -177,12 +177,19 @@ class DataParallel:
         exchange's own."""
         return self._process_group if self._delay_group is None else self._delay_group
 
-    def untaken_exchange_traffic(self) -> int:
-        """With ``delayed``: the bytes the exchange sent that :meth:`take_exchange_traffic`
-        has not taken yet (those of the exchange in flight); 0 otherwise."""
+    def untaken_exchange_traffic(self) -> dict[str, int]:
+        """With ``delayed``: the bytes by kind that the exchange sent and
+        :meth:`take_exchange_traffic` has not taken yet (those of the exchange in flight);
+        none otherwise."""
         if self._exchange_traffic is self.traffic:
-            return 0
-        return self._exchange_traffic.total()
+            return {}
+        return dict(self._exchange_traffic.bytes_sent)
+
+    def restore_untaken_exchange_traffic(self, bytes_by_kind: dict[str, int]) -> None:
+        """With ``delayed``: bytes an exchange sent before a checkpoint (from
+        :meth:`untaken_exchange_traffic`), for the next :meth:`take_exchange_traffic`."""
+        if self._exchange_traffic is not self.traffic:
+            self._exchange_traffic.record_all(bytes_by_kind)
 
     def take_exchange_traffic(self) -> None:
         """With ``delayed``: add the bytes the exchange sent since the last call to

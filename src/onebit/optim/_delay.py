@@ -1,4 +1,5 @@
-"""The exchange of one step's momentum run behind the caller's next forward and backward
+"""The exchange of one step's momentum run behind the caller's next forward and backward,
+and the shared weights kept aside while the parameters hold this rank's prediction
 (ALGORITHM.md, "Delayed exchange")."""
 
 from __future__ import annotations
@@ -7,14 +8,16 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import Tensor
 
 from onebit.compression import ExchangeResult, SignRuns
 from onebit.exchange import NonFiniteError
+from onebit.optim._flat import FlatState
 
-__all__ = ["DelayedExchange", "Landed"]
+__all__ = ["DelayedExchange", "Landed", "SharedWeights"]
 
 
 @dataclass
@@ -147,6 +150,49 @@ class DelayedExchange:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         return self._stream
+
+
+class SharedWeights:
+    """The weights every rank shares, set aside while the parameters hold this rank's
+    prediction (ALGORITHM.md, "Delayed exchange"): one flat copy, reused."""
+
+    def __init__(self) -> None:
+        self._copy: Tensor | None = None
+        self.set_aside = False
+
+    def keep(self, flat: FlatState) -> None:
+        """Copy the flat weights aside, before the prediction moves them."""
+        weights = cast(Tensor, flat.weights)
+        if self._copy is None or self._copy.shape != weights.shape:
+            self._copy = torch.empty_like(weights)
+        self._copy.copy_(weights)
+        self.set_aside = True
+
+    def put_back(self, flat: FlatState) -> None:
+        """The shared weights into the flat weights and the parameters (nothing to do
+        unless they are set aside)."""
+        if self.set_aside:
+            cast(Tensor, flat.weights).copy_(cast(Tensor, self._copy))
+            flat.refresh_half_params()
+            self.set_aside = False
+
+    def views(self, flat: FlatState) -> list[Tensor]:
+        """Each parameter's shared weights: views of the copy where set aside, else of the
+        weights themselves."""
+        return flat.views(cast(Tensor, self._copy)) if self.set_aside else flat.weight_views()
+
+    def nbytes(self) -> int:
+        return 0 if self._copy is None else self._copy.numel() * self._copy.element_size()
+
+    def state_dict(self) -> Tensor | None:
+        """The copy where the weights are set aside (``None``: they are not)."""
+        return self._copy if self.set_aside else None
+
+    def load_state_dict(self, saved: Tensor | None, device: torch.device) -> None:
+        """Take ``saved`` (from :meth:`state_dict`) as the weights set aside, to be put back
+        by the next step, whatever the parameters hold meanwhile."""
+        self.set_aside = saved is not None
+        self._copy = None if saved is None else saved.detach().to(device, copy=True)
 
 
 def _without_grad(run: Callable[[], ExchangeResult]) -> ExchangeResult:

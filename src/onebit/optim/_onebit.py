@@ -24,7 +24,7 @@ import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast, overload
 
 import torch
@@ -43,7 +43,7 @@ from onebit.optim._compression_stage import (
     scaling_coefficients_,
 )
 from onebit.optim._data_parallel import COMPRESSIONS, DataParallel
-from onebit.optim._delay import DelayedExchange
+from onebit.optim._delay import DelayedExchange, SharedWeights
 from onebit.optim._flat import FlatState
 from onebit.optim._guard import StepGuard
 from onebit.optim._overlap import BackwardOverlap, bucket_members
@@ -59,7 +59,7 @@ from onebit.optim._schedule import (
     Schedule,
 )
 from onebit.optim._variance_guard import MODE_OFF, VarianceGuard, check_mode
-from onebit.optim.functional import _active_indices
+from onebit.optim.functional import _active_indices, predict_weights_
 
 __all__ = [
     "COMPRESSION",
@@ -76,8 +76,9 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 #: The layout of ``state_dict()["onebit"]``. Format 1 (no ``"format"`` key) differs only in
 #: that it recorded ``compression="fused"`` for 0/1 Adam, which exchanges each tensor alone;
 #: format 3 is format 2 with a ``"pending_update"`` (``delayed_exchange``), written only where
-#: one is pending.
-CHECKPOINT_FORMAT = 3
+#: one is pending; format 4 is format 3 whose pending update holds the shared weights (the
+#: parameters hold this rank's prediction).
+CHECKPOINT_FORMAT = 4
 
 
 def _saved_compression(extra: dict[str, Any]) -> str:
@@ -239,6 +240,7 @@ class OneBitOptimizer(Optimizer):
             if delayed_exchange
             else None
         )
+        self._shared_weights = SharedWeights() if delayed_exchange else None
         if self.shards is not None:
             if delayed_exchange:
                 raise ValueError(
@@ -270,6 +272,8 @@ class OneBitOptimizer(Optimizer):
                 loss = closure()
         step = self._step + 1
         flat = self._flat_state(step)
+        if self._shared_weights is not None:  # the prediction undone
+            self._shared_weights.put_back(flat)
         self._unscale_for_grad_scaler(flat.params)
         kind = self.schedule.kind(step)
         if kind != COMPRESSION:
@@ -395,8 +399,9 @@ class OneBitOptimizer(Optimizer):
     ) -> bool:
         """The update of the exchange the last step started (none at the stage's first step,
         nor after a load or :meth:`finish_exchange`), then this rank's momentum of this step
-        formed and its exchange started, to run while the caller computes the next step's
-        gradients (ALGORITHM.md, "Delayed exchange")."""
+        formed, the weights moved to this rank's prediction from it (the shared ones set
+        aside) and its exchange started, to run while the caller computes the next step's
+        gradients at the prediction (ALGORITHM.md, "Delayed exchange")."""
         delay = cast(DelayedExchange, self._delay)
         buffer = self._momentum_buffer(step, flat)
         if self._apply_delayed_update(flat, buffer):
@@ -405,9 +410,25 @@ class OneBitOptimizer(Optimizer):
         self._scaled_local_momentum(flat, grads, buffer, active)
         self._check_gradients_once(step, COMPRESSION, buffer)
         applies_to = self._where_some_rank_had(step, COMPRESSION, flat, active, grads)
+        cast(SharedWeights, self._shared_weights).keep(flat)
+        self._predict(flat, flat.weight_views(), buffer, applies_to)
         exchange = self.exchange
         delay.start(step, lambda: exchange.exchange(buffer), flat.device, applies_to)
         return True
+
+    def _predict(
+        self, flat: FlatState, weights: list[Tensor], momentum: Tensor, active: Sequence[bool]
+    ) -> None:
+        """``weights`` (the shared ones) moved to the prediction from ``momentum``."""
+        predict_weights_(
+            flat,
+            weights,
+            momentum,
+            flat.scalars["scaling_coeff"],
+            self._stage.mask,
+            self.rule.prediction_coefficients(flat),
+            active,
+        )
 
     def _apply_delayed_update(self, flat: FlatState, buffer: Tensor) -> bool:
         """Wait for the exchange in flight and apply its update (``buffer`` its scratch);
@@ -440,13 +461,15 @@ class OneBitOptimizer(Optimizer):
 
     @torch.no_grad()
     def finish_exchange(self) -> None:
-        """With ``delayed_exchange=True``: wait for the exchange the last ``step()`` started
-        and apply its update, so the weights hold every step's update (at the end of
-        training; a checkpoint needs no such call). The next ``step()`` then applies nothing.
-        Nothing to do otherwise."""
+        """With ``delayed_exchange=True``: put the shared weights back in place of this
+        rank's prediction, wait for the exchange the last ``step()`` started and apply its
+        update, so the weights hold every step's update and are the same on every rank (at
+        the end of training, before evaluating; a checkpoint needs no such call). The next
+        ``step()`` then applies nothing. Nothing to do otherwise."""
         if self._delay is None or self._delay.step is None:
             return
         flat = self._parameters.build(self.param_groups, self.state)  # also after a load
+        cast(SharedWeights, self._shared_weights).put_back(flat)
         buffer = self._momentum_buffer(self._step + 1, flat)
         with self._data_parallel.counting(COMPRESSION):
             self._apply_delayed_update(flat, buffer)
@@ -905,6 +928,52 @@ class OneBitOptimizer(Optimizer):
         lands there (ALGORITHM.md, "Delayed exchange")."""
         return self._delay is not None
 
+    @torch.no_grad()
+    def shared_weights(self) -> list[Tensor]:
+        """Copies of the weights every rank shares, one per trainable parameter in
+        ``param_groups`` order: with ``delayed_exchange``, those set aside while the
+        parameters hold this rank's prediction (the pending update not applied); otherwise
+        the parameters' own."""
+        shared: dict[int, Tensor] = {}
+        if self._shared_weights is not None and self._shared_weights.set_aside:
+            flat = self._parameters.build(self.param_groups, self.state)
+            views = self._shared_weights.views(flat)
+            shared = {id(p): view for p, view in zip(flat.params, views, strict=True)}
+        return [shared.get(id(p), p.detach()).clone() for p in trainable(self.param_groups)]
+
+    @contextlib.contextmanager
+    def holding_shared_weights(self) -> Iterator[None]:
+        """Inside the block the parameters hold :meth:`shared_weights` (with
+        ``delayed_exchange``, in place of this rank's prediction: to evaluate the weights
+        every rank shares); after it, what they held before. Nothing to do otherwise."""
+        if self._shared_weights is None or not self._shared_weights.set_aside:
+            yield
+            return
+        params = trainable(self.param_groups)
+        held = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in params], self.shared_weights())
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in params], held)
+
+    @torch.no_grad()
+    def predicted_weights(self, momentum: Tensor) -> list[Tensor]:
+        """With ``delayed_exchange``, in the compression stage: the weights a rank whose
+        momentum is ``momentum`` (as :meth:`local_momentum` returns it) takes its next
+        gradients at, as ``step()`` predicts them from the shared weights; new tensors,
+        per parameter. Nothing changes (the simulation of many workers makes each one's)."""
+        if self._shared_weights is None or self.stage != COMPRESSION:
+            raise RuntimeError(
+                "predicted_weights() is for the compression stage of delayed_exchange=True"
+            )
+        flat = self._parameters.build(self.param_groups, self.state)
+        weights = [view.clone() for view in self._shared_weights.views(flat)]
+        self._predict(flat, weights, momentum, self._taking_part(flat))
+        return weights
+
     @property
     def update_pending(self) -> bool:
         """With ``delayed_exchange``: whether an update waits to be applied (by the next
@@ -963,6 +1032,8 @@ class OneBitOptimizer(Optimizer):
         reuses: the gathered gradients, the exchange buffer and the exchange's own) and
         ``"error_feedback"`` (the exchange's worker and server errors, once created)."""
         memory = self._parameters.memory_bytes()
+        if self._shared_weights is not None:
+            memory["state"] += self._shared_weights.nbytes()
         errors, exchange_scratch = self._data_parallel.memory_bytes()
         memory["error_feedback"] = errors
         memory["scratch"] += self._stage.nbytes() + exchange_scratch
@@ -1001,19 +1072,22 @@ class OneBitOptimizer(Optimizer):
         """torch's optimizer state (per parameter) plus ``"onebit"``: the step, this rank's
         error-feedback buffers, the world size they belong to, the traffic counters and the
         schedule's decisions. Where the replicas differ by design (inside 0/1 Adam's local
-        intervals) each parameter's state also holds this rank's own weights
-        (``local_param``). With ``delayed_exchange``, the exchange in flight is waited for
-        and its result saved (``"pending_update"``), to be applied by the next step, as it
-        will be here: nothing changes."""
+        intervals; this rank's prediction with ``delayed_exchange``) each parameter's state
+        also holds this rank's own weights (``local_param``), which :meth:`load_state_dict`
+        puts back in the parameters. With ``delayed_exchange``, the exchange in flight is
+        waited for and its result saved with the shared weights (``"pending_update"``), to be
+        applied by the next step, as it will be here: nothing changes."""
         pending = None if self._delay is None else self._delay.state_dict()
+        shared = None if self._shared_weights is None else self._shared_weights.state_dict()
+        if pending is not None:  # counted by the next step, here as after a load
+            pending["bytes_sent"] = self._data_parallel.untaken_exchange_traffic()
+        if pending is not None and shared is not None:
+            pending["shared_weights"] = shared
         state = super().state_dict()
         data_parallel = self._data_parallel
         sent = dict(data_parallel.bytes_sent)
-        in_flight = data_parallel.untaken_exchange_traffic()  # counted by the next step
-        if in_flight:
-            sent[COMPRESSION] += in_flight
         state["onebit"] = {
-            "format": CHECKPOINT_FORMAT if pending is not None else 2,
+            "format": 2 if pending is None else 4 if shared is not None else 3,
             "optimizer": type(self).__name__,
             "step": self._step,
             "skipped_steps": self._guard.skipped_steps,
@@ -1029,8 +1103,8 @@ class OneBitOptimizer(Optimizer):
         }
         if pending is not None:
             state["onebit"]["pending_update"] = pending
-        if not self.schedule.replicas_agree(self._step):
-            self._save_own_weights(state)
+        if not self.schedule.replicas_agree(self._step) or shared is not None:
+            self._save_own_weights(state)  # this rank's own: its prediction, if delayed
         return state
 
     def _save_own_weights(self, state: dict[str, Any]) -> None:
@@ -1121,7 +1195,12 @@ class OneBitOptimizer(Optimizer):
         if self._variance_guard is not None:
             self._variance_guard.load_state_dict(extra.get("variance_guard"), device)
         if self._delay is not None:
-            self._delay.load_state_dict(extra.get("pending_update"), device)
+            pending = extra.get("pending_update")
+            self._delay.load_state_dict(pending, device)
+            if pending is not None:
+                self._data_parallel.restore_untaken_exchange_traffic(pending.get("bytes_sent", {}))
+            shared = None if pending is None else pending.get("shared_weights")
+            cast(SharedWeights, self._shared_weights).load_state_dict(shared, device)
         self.schedule.load_state_dict(extra)
         self._gradients_since_sync = extra.get("gradients_since_sync")
         for param in _common.params_in_order(self.param_groups):

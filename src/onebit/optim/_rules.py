@@ -59,6 +59,11 @@ class UpdateRule:
     def start_compression(self, flat: FlatState) -> None:
         """What the rule keeps from the switch to 1-bit steps on (nothing by default)."""
 
+    def prediction_coefficients(self, flat: FlatState) -> Tensor | None:
+        """Per parameter, the coefficient the delayed exchange predicts the next update with
+        (the last one's; ``None``: 1)."""
+        return None
+
     def compressed(
         self,
         updates: UpdateKernels,
@@ -112,6 +117,10 @@ class OneBitLambRule(UpdateRule):
         """At every freeze: ``v_fresh = copy(v)``, ``f_last = 1``."""
         flat.enable_fresh_variance().copy_(flat.exp_avg_sq)
         flat.scalars["last_factor"].fill_(1.0)
+
+    def prediction_coefficients(self, flat: FlatState) -> Tensor:
+        """``c_frz f_last``."""
+        return flat.scalars["lamb_coeff_freeze"] * flat.scalars["last_factor"]
 
     def compressed(self, updates, flat, packed, scratch, mask, active, per_tensor) -> None:
         scalars = flat.scalars

@@ -33,6 +33,7 @@ __all__ = [
     "onebit_lamb_compressed_step_",
     "onebit_adam_compressed_step_",
     "onebit_adam_per_tensor_step_",
+    "predict_weights_",
     "adam_momentum_step_",
     "accumulated_update",
     "synchronised_update_",
@@ -279,6 +280,43 @@ def onebit_lamb_compressed_step_(
     full = last_factor.clone()
     full[indices] = factor
     return full
+
+
+def predict_weights_(
+    flat: FlatState,
+    weights: Sequence[Tensor],
+    momentum: Tensor,
+    scaling: Tensor,
+    mask: Tensor | None,
+    coefficients: Tensor | None,
+    active: Sequence[bool],
+) -> None:
+    """The delayed exchange's prediction (ALGORITHM.md, "Delayed exchange"), in place in
+    ``weights`` (each parameter's view of the flat weights or of a copy of them):
+    ``p <- p - lr c (mask (buf / s) / (sqrt(v) + eps) + wd p)`` for every active parameter,
+    ``buf`` this rank's scaled momentum before the exchange (``momentum``, left as it is),
+    ``c`` the rule's coefficient (``None``: 1); an element whose move is not finite stays."""
+    indices = _active_indices(active)
+    move = flat.scratch(0)[: flat.numel]
+    torch.mul(momentum[: flat.numel], mask if mask is not None else 1, out=move)
+    moves = flat.views(move)
+    torch._foreach_mul_(moves, list(scaling.reciprocal().unbind()))
+    v, denom = flat.views(flat.exp_avg_sq), flat.views(flat.scratch(1))
+    for group, idx in _by_group(flat, indices):
+        _adam_direction(
+            _pick(moves, idx),
+            _pick(denom, idx),
+            _pick(moves, idx),
+            _pick(v, idx),
+            _pick(weights, idx),
+            group,
+        )
+    steps = -flat.segment_values(lambda g: g["lr"])[indices]
+    if coefficients is not None:
+        steps = steps * coefficients[indices]
+    _scale_each(_pick(moves, indices), steps)
+    move.masked_fill_(~torch.isfinite(move), 0)
+    torch._foreach_add_(_pick(weights, indices), _pick(moves, indices))
 
 
 def onebit_adam_compressed_step_(

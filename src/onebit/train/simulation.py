@@ -86,6 +86,17 @@ class SimulatedTrainer(Trainer):
         totals = self.simulation.step(worker_backward)
         return sum(loss for loss, _ in totals), sum(masked for _, masked in totals)
 
+    def _optimizer_checkpoint(self) -> dict[str, Any]:
+        state = super()._optimizer_checkpoint()
+        if self.diloco is None:  # the simulated workers' own part (delayed: predictions)
+            state["simulation"] = self.simulation.state_dict()
+        return state
+
+    def _restore_state(self, resumed) -> None:
+        super()._restore_state(resumed)
+        if self.diloco is None and "simulation" in resumed.rank_state:
+            self.simulation.load_state_dict(resumed.rank_state["simulation"])
+
     def _end_round(self) -> None:
         self.simulation.sync()
 

@@ -405,12 +405,16 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-        """MLM loss over the whole (fixed-masked) validation set, split across ranks; with
-        DiLoCo, of the current round's start weights (the same on every rank)."""
-        if self.diloco is None:
-            return self._validation_loss(inputs, labels)
-        with self.diloco.round_start_weights():
-            return self._validation_loss(inputs, labels)
+        """MLM loss over the whole (fixed-masked) validation set, split across ranks, of
+        weights the same on every rank: with DiLoCo, the current round's start weights; with
+        a delayed exchange, the shared weights (not each rank's prediction)."""
+        if self.diloco is not None:
+            with self.diloco.round_start_weights():
+                return self._validation_loss(inputs, labels)
+        if isinstance(self.optimizer, onebit.OneBitOptimizer):
+            with self.optimizer.holding_shared_weights():
+                return self._validation_loss(inputs, labels)
+        return self._validation_loss(inputs, labels)
 
     def _validation_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
         self.model.eval()
