@@ -411,7 +411,7 @@ class OneBitOptimizer(Optimizer):
         self._check_gradients_once(step, COMPRESSION, buffer)
         applies_to = self._where_some_rank_had(step, COMPRESSION, flat, active, grads)
         cast(SharedWeights, self._shared_weights).keep(flat)
-        self._predict(flat, flat.weight_views(), buffer, applies_to)
+        self._predict(flat, flat.weight_views(), buffer, active)
         exchange = self.exchange
         delay.start(step, lambda: exchange.exchange(buffer), flat.device, applies_to)
         return True
