@@ -87,6 +87,7 @@ COMMIT_DATES = {
     "5ca0ad9": "2026-12-04",
     "ae839b0": "2026-12-04",
     "593393d": "2026-12-04",
+    "6e0a975": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -115,10 +116,9 @@ RECORDED_IN = {
     "docs/convergence/onebit-adam-n4-per-tensor": "8ac4669",
     "docs/convergence/zero-one-adam-n4-auto": "8ac4669",
     "docs/convergence/delayed/onebit-lamb-n4-delayed": "95bcdd9",
+    "docs/convergence/delayed/prediction": "6e0a975",
     "docs/convergence/per-tensor/onebit-lamb-n4-per-tensor": "ae35092",
     "docs/main-job": "294793a",
-    "docs/main-job/delayed/lr-0.008": "963ac7d",
-    "docs/main-job/delayed/lr-0.008-undelayed": "963ac7d",
     "docs/zero-one-adam": "1354b52",
     "docs/convergence/variance-guard": "af63a40",
     "docs/convergence/readiness": "94bcbc4",
@@ -699,7 +699,6 @@ def table_convergence_defaults() -> Table:
 MAIN_JOB_RUNS = {
     "lamb": ("LAMB", "python3 run.py train --optimizer lamb"),
     "default": ("1-bit LAMB, frozen after step 100 (the default)", "python3 run.py train"),
-    "delayed": ("1-bit LAMB, delayed exchange", "python3 run.py train --delayed-exchange"),
     "freeze-50": ("1-bit LAMB, frozen after step 50", "python3 run.py train --freeze-step 50"),
 }
 
@@ -753,7 +752,7 @@ def table_main_job() -> Table:
         "fewer than LAMB",
         "training time",
     ]
-    return _main_job_table("main-job", ["lamb", "default", "delayed"], header, cells)
+    return _main_job_table("main-job", ["lamb", "default"], header, cells)
 
 
 #: DiLoCo on the main job: folder under docs/main-job/diloco -> (label, command).
@@ -882,6 +881,7 @@ def table_diloco_outer() -> Table:
 
 #: The study's arms run again on one tokenizer, with DiLoCo's: folder -> label. LAMB first.
 DILOCO_STUDY = "docs/convergence/diloco-study"
+DELAYED_PREDICTION = "docs/convergence/delayed/prediction"
 DILOCO_STUDY_ARMS = [
     (f"{DILOCO_STUDY}/lamb", "LAMB"),
     (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
@@ -958,39 +958,51 @@ def table_link_choice_bert_base() -> Table:
     return _link_choice("link-choice-bert-base", f"{DILOCO_STUDY}/link-choice-bert-base.json")
 
 
+#: The delayed exchange beside the same run without it: (folder, run, exchange), in pairs.
 DELAYED_RUNS = [
-    ("docs/main-job/default", "main job, lr 0.016", "1-bit LAMB"),
-    ("docs/main-job/delayed", "main job, lr 0.016", "delayed"),
-    ("docs/main-job/delayed/lr-0.008-undelayed", "main job, lr 0.008", "1-bit LAMB"),
-    ("docs/main-job/delayed/lr-0.008", "main job, lr 0.008", "delayed"),
-    ("docs/convergence/per-tensor/onebit-lamb-n4-per-tensor", "study, 4 workers", "1-bit LAMB"),
-    ("docs/convergence/delayed/onebit-lamb-n4-delayed", "study, 4 workers", "delayed"),
+    (f"{DELAYED_PREDICTION}/main-job/undelayed", "main job", "1-bit LAMB"),
+    (f"{DELAYED_PREDICTION}/main-job/delayed", "main job", "delayed, at the prediction"),
+    (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "study, 4 workers", "1-bit LAMB"),
+    (
+        f"{DELAYED_PREDICTION}/onebit-lamb-n4-delayed",
+        "study, 4 workers",
+        "delayed, at the prediction",
+    ),
+    ("docs/main-job/default", "main job (another tokenizer)", "1-bit LAMB"),
+    ("docs/main-job/delayed", "main job (another tokenizer)", "delayed, one update behind"),
 ]
 
 
 def table_delayed_convergence() -> Table:
+    """Validation losses by step with and without the delay, pair by pair (each pair on the
+    same inputs), and the final loss against the undelayed run's."""
     curves = {d: dict(_validation_losses(d)) for d, _, _ in DELAYED_RUNS}
     steps = sorted(set().union(*[set(c) for c in curves.values()]))
-    header = ["run", "exchange", *[str(s) for s in steps]]
+    header = ["run", "gradients", *[str(s) for s in steps], "vs undelayed"]
     rows = []
-    for run_dir, run, exchange in DELAYED_RUNS:
-        curve = curves[run_dir]
-        rows.append([run, exchange, *[f"{curve[s]:.3f}" if s in curve else "" for s in steps]])
-    paths = [
-        f"{d}/metrics.jsonl" if (ROOT / d / "metrics.jsonl").exists() else f"{d}/summary.json"
-        for d, _, _ in DELAYED_RUNS
-    ]
+    for (plain, run, plain_label), (late, _, late_label) in zip(
+        DELAYED_RUNS[::2], DELAYED_RUNS[1::2], strict=True
+    ):
+        _first_losses_agree([plain, late])
+        final = {d: curves[d][max(curves[d])] for d in (plain, late)}
+        for run_dir, label in ((plain, plain_label), (late, late_label)):
+            curve = curves[run_dir]
+            versus = "" if run_dir == plain else _pct(final[late] / final[plain] - 1)
+            rows.append(
+                [run, label, *[f"{curve[s]:.3f}" if s in curve else "" for s in steps], versus]
+            )
+    paths = [f"{d}/metrics.jsonl" for d, _, _ in DELAYED_RUNS]
     commits, dates = _stamp(paths)
     return Table(
         "delayed-convergence",
         header,
-        "ll" + "r" * len(steps),
+        "ll" + "r" * (len(steps) + 1),
         rows,
         paths,
         commits,
         dates,
         [
-            "python3 run.py train --delayed-exchange [--lr 0.008]",
+            "python3 run.py train [--delayed-exchange]",
             f"{STUDY} --out runs/study-delay-n4 --arms onebit-lamb-n4-delayed",
         ],
         measured=False,
