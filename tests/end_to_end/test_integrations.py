@@ -3,7 +3,9 @@
 One spawn runs every installed framework in turn; the tests check, per framework, that
 onebit's hook is on the DDP model, that the traffic handed to ``torch.distributed`` in the
 compression stage is 1/32 of the warm-up's dense traffic, that ranks end bit-identical, and
-(Trainer) that the run follows the plain DDP loop on the same batches bit for bit.
+(Trainer) that the run follows the plain DDP loop on the same batches bit for bit; with the
+delayed exchange (Trainer, Lightning), that the last update lands when training ends and that
+Lightning validates the weights every rank shares.
 
 Traffic is counted below onebit: every collective issued from Python goes through a method
 of ``torch.distributed.ProcessGroup``, patched here to record what each call is handed;
@@ -107,14 +109,15 @@ def _result(probe, optimizer, module, hooked, **extra):
     )
 
 
-def _run_trainer(rank):
+def _run_trainer(rank, delayed=False):
     from transformers import Trainer, TrainingArguments
 
     from onebit.integrations.hf import OneBitCallback
 
+    options = dict(OPTIMIZER, delayed_exchange=delayed)
     with TrafficProbe() as probe, tempfile.TemporaryDirectory() as out:
         net = Net()
-        optimizer = probe.optimizer = onebit.OneBitLamb(net.parameters(), **OPTIMIZER)
+        optimizer = probe.optimizer = onebit.OneBitLamb(net.parameters(), **options)
         args = TrainingArguments(
             output_dir=out,
             max_steps=STEPS,
@@ -134,13 +137,14 @@ def _run_trainer(rank):
     # The plain DDP path (README) on the batches this rank saw, clipped as the Trainer does.
     replay = Net()
     model = DistributedDataParallel(replay)
-    replay_optimizer = onebit.OneBitLamb(replay.parameters(), **OPTIMIZER)
+    replay_optimizer = onebit.OneBitLamb(replay.parameters(), **options)
     onebit.ddp.register_comm_hook(model, replay_optimizer)
     for x, labels in net.seen:
         replay_optimizer.zero_grad()
         model(x, labels)["loss"].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         replay_optimizer.step()
+    replay_optimizer.finish_exchange()
     same = torch.equal(_params(net), _params(replay))
     return _result(probe, optimizer, net, hooked, same_as_plain_ddp=same)
 
@@ -167,7 +171,7 @@ def _run_accelerate(rank):
         return _result(probe, optimizer, net, _hooked(model))
 
 
-def _run_lightning(rank):
+def _run_lightning(rank, delayed=False):
     import lightning.pytorch as pl
 
     from onebit.integrations.lightning import OneBitDDPStrategy
@@ -180,18 +184,28 @@ def _run_lightning(rank):
         def training_step(self, batch, batch_index):
             return self.net(**batch)["loss"]
 
+        def validation_step(self, batch, batch_index):
+            self.validated.append(_params(self))  # the weights validated, on every rank
+            return self.net(**batch)["loss"]
+
         def configure_optimizers(self):
-            probe.optimizer = onebit.OneBitLamb(self.parameters(), **OPTIMIZER)
+            probe.optimizer = onebit.OneBitLamb(
+                self.parameters(), delayed_exchange=delayed, **OPTIMIZER
+            )
             return probe.optimizer
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(Samples(), batch_size=BATCH)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(Samples(WORLD * BATCH), batch_size=BATCH)
 
         def on_train_start(self) -> None:
             self.hooked = _hooked(self.trainer.strategy.model)
 
     with TrafficProbe() as probe:
         module = Classifier()
+        module.validated = []
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD,
@@ -202,9 +216,11 @@ def _run_lightning(rank):
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            val_check_interval=FREEZE + 2,  # in the compression stage
+            num_sanity_val_steps=0,
         )
         trainer.fit(module)
-        return _result(probe, probe.optimizer, module, module.hooked)
+        return _result(probe, probe.optimizer, module, module.hooked, validated=module.validated)
 
 
 def _frameworks_worker(rank, world_size, frameworks):
@@ -215,13 +231,21 @@ def _frameworks_worker(rank, world_size, frameworks):
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
-    runs = {"trainer": _run_trainer, "accelerate": _run_accelerate, "lightning": _run_lightning}
+    runs = {
+        "trainer": _run_trainer,
+        "accelerate": _run_accelerate,
+        "lightning": _run_lightning,
+        "trainer-delayed": lambda rank: _run_trainer(rank, delayed=True),
+        "lightning-delayed": lambda rank: _run_lightning(rank, delayed=True),
+    }
     return {name: runs[name](rank) for name in frameworks}
 
 
 @pytest.fixture(scope="module")
 def results():
-    frameworks = [name for name, installed in INSTALLED.items() if installed]
+    # the Trainer's runs first: after Lightning's, accelerate cannot find the process group
+    order = ["trainer", "trainer-delayed", "accelerate", "lightning", "lightning-delayed"]
+    frameworks = [name for name in order if INSTALLED[name.removesuffix("-delayed")]]
     if not frameworks:
         pytest.skip("none of transformers+accelerate, lightning is installed")
     ranks = spawn_workers(_frameworks_worker, WORLD, (frameworks,), timeout_s=180)
@@ -281,3 +305,29 @@ def test_accelerate(results):
 @pytest.mark.slow  # a run of each framework
 def test_lightning(results):
     _check(results, "lightning")
+
+
+def _check_delayed(results, framework):
+    """``delayed_exchange=True``: the last update applied when training ends, so the ranks
+    end bit-identical."""
+    if framework not in results:
+        pytest.skip(f"{framework} is not installed")
+    ranks = results[framework]
+    assert all(rank["hooked"] for rank in ranks)
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+@pytest.mark.slow  # a run of each framework
+def test_trainer_finishes_a_delayed_exchange(results):
+    _check_delayed(results, "trainer-delayed")
+    assert all(rank["same_as_plain_ddp"] for rank in results["trainer-delayed"])
+
+
+@pytest.mark.slow  # a run of each framework
+def test_lightning_validates_the_shared_weights_and_finishes_a_delayed_exchange(results):
+    _check_delayed(results, "lightning-delayed")
+    ranks = results["lightning-delayed"]
+    validated = [rank["validated"] for rank in ranks]
+    assert len(validated[0]) > 0
+    for first, second in zip(*validated, strict=True):  # the shared weights, not predictions
+        assert torch.equal(first, second)

@@ -233,3 +233,44 @@ def test_a_checkpoint_of_format_3_has_no_prediction_to_undo():
     loaded.load_state_dict(saved)
     loaded.finish_exchange()
     assert all(torch.equal(a, b) for a, b in zip(params, loaded_params, strict=True))
+
+
+@pytest.mark.skipif("numba" not in onebit.kernels.available(), reason="needs numba")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fused_prediction_is_the_torch_references(dtype):
+    """numba's one-pass prediction against the reference, over two groups, the fused
+    exchange's scaling, a mask, a parameter that takes no part and a non-finite momentum."""
+    from onebit.kernels._numba_optim import NumbaUpdates
+    from onebit.optim import functional
+    from onebit.optim._flat import FlatState
+
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(40, 30), (30,), (17, 5), (3,)]
+    params = [nn.Parameter(torch.randn(s, generator=generator, dtype=dtype)) for s in shapes]
+    groups = [
+        {"lr": 0.02, "weight_decay": 0.01, "eps": 1e-8, "betas": (0.9, 0.999)},
+        {"lr": 0.01, "weight_decay": 0.0, "eps": 1e-6, "betas": (0.8, 0.99)},
+    ]
+    flat = FlatState([(groups[index // 2], p) for index, p in enumerate(params)])
+    flat.exp_avg_sq.copy_(torch.rand(flat.numel, generator=generator, dtype=dtype))
+    flat.exp_avg_sq[::7] = 0
+    mask = (flat.exp_avg_sq > 0).to(dtype)
+    momentum = torch.randn(flat.numel + 5, generator=generator, dtype=dtype)
+    momentum[11] = float("nan")
+    scaling = torch.tensor([1.0, 2.0, 0.5, 1.0], dtype=dtype)
+    coefficients = torch.rand(4, generator=generator, dtype=dtype)
+    active = [True, True, False, True]
+    shared = flat.weights.clone()
+    out = {}
+    for name, predict in (
+        ("torch", functional.predict_weights_),
+        ("numba", NumbaUpdates().predict_weights_),
+    ):
+        out[name] = torch.full_like(shared, 7.0)
+        predict(flat, shared, out[name], momentum, scaling, mask, coefficients, active)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-14
+    torch.testing.assert_close(out["numba"], out["torch"], rtol=tolerance, atol=tolerance)
+    inactive = flat.view(out["numba"], 2)
+    assert torch.equal(inactive, flat.view(shared, 2))
+    assert out["numba"][11] == shared[11] and out["torch"][11] == shared[11]
+    assert not torch.equal(flat.view(out["numba"], 0), flat.view(shared, 0))

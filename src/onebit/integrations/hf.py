@@ -18,6 +18,10 @@ each rank's local gradients at ``max_grad_norm`` in the compression stage, as De
 engine did; with many ranks of small batches that shrinks the update. To clip them at
 ``max_grad_norm·√W`` instead, give the optimizer ``max_grad_norm`` and the Trainer
 ``max_grad_norm=0``: ``step()`` then clips what its update uses.
+
+With ``delayed_exchange=True`` the callback applies the last update when training ends
+(``finish_exchange()``); the Trainer's evaluations during training see each rank's predicted
+weights (ALGORITHM.md, "Delayed exchange").
 """
 
 from __future__ import annotations
@@ -65,12 +69,15 @@ def register_comm_hook(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 
 class OneBitCallback(TrainerCallback):
-    """Registers onebit's hook on the model ``trainer`` trains, when training begins.
+    """Registers onebit's hook on the model ``trainer`` trains, when training begins, and
+    applies a delayed exchange's last update when it ends.
 
     The Trainer wraps its model in ``DistributedDataParallel`` inside ``train()``, after
     callbacks are added and before ``on_train_begin``; this callback then calls
     :func:`register_comm_hook` on ``trainer.model_wrapped`` and ``trainer.optimizer``, once
-    per wrapped model (``train()`` may run again on the same one).
+    per wrapped model (``train()`` may run again on the same one). At ``on_train_end`` it
+    calls the optimizer's ``finish_exchange()``, so that the weights the Trainer saves are
+    final and the same on every rank.
     """
 
     def __init__(self, trainer: Trainer) -> None:
@@ -82,3 +89,8 @@ class OneBitCallback(TrainerCallback):
         if model is not self._registered_on:
             register_comm_hook(model, self.trainer.optimizer)
             self._registered_on = model
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+        if isinstance(optimizer, OneBitOptimizer):
+            optimizer.finish_exchange()

@@ -14,10 +14,14 @@ on CUDA (silently dropping them on CPU), and before ``configure_optimizers`` has
 optimizer the hook must follow. Gradient clipping (``gradient_clip_val``) clips each rank's
 local gradients in the compression stage, as DeepSpeed's engine did; the optimizer's
 ``max_grad_norm`` (without ``gradient_clip_val``) clips them at ``max_grad_norm·√W`` instead.
+With ``delayed_exchange=True`` the strategy validates the weights every rank shares (not each
+rank's prediction) and applies the last update when training ends (ALGORITHM.md, "Delayed
+exchange").
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,6 +42,9 @@ class OneBitDDPStrategy(DDPStrategy):
     When fitting, after the model is wrapped and ``configure_optimizers`` has run, the hook
     is registered following the optimizer, which must be exactly one
     :class:`onebit.OneBitLamb` or :class:`onebit.OneBitAdam` (one stage for the whole model).
+    Validation runs on the optimizer's shared weights (``holding_shared_weights()``), and
+    the end of training calls its ``finish_exchange()`` (both matter with
+    ``delayed_exchange=True`` only).
     Takes every ``DDPStrategy`` argument except the communication-hook ones, which onebit
     sets.
 
@@ -51,6 +58,28 @@ class OneBitDDPStrategy(DDPStrategy):
         if taken:
             raise TypeError(f"OneBitDDPStrategy sets the communication hook itself; drop {taken}")
         super().__init__(**kwargs)
+        self._validating = contextlib.ExitStack()
+
+    def _onebit_optimizer(self) -> OneBitOptimizer | None:
+        optimizers = self.optimizers
+        single = len(optimizers) == 1 and isinstance(optimizers[0], OneBitOptimizer)
+        return optimizers[0] if single else None
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        optimizer = self._onebit_optimizer()
+        if optimizer is not None:
+            self._validating.enter_context(optimizer.holding_shared_weights())
+
+    def on_validation_end(self) -> None:
+        self._validating.close()
+        super().on_validation_end()
+
+    def on_train_end(self) -> None:
+        optimizer = self._onebit_optimizer()
+        if optimizer is not None:
+            optimizer.finish_exchange()
+        super().on_train_end()
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)

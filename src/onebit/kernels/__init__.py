@@ -163,7 +163,9 @@ class SegmentedCompressionKernels(CompressionKernels, Protocol):
 class UpdateKernels(Protocol):
     """The optimizers' updates over a flat state (``flat``: a
     :class:`~onebit.optim._flat.FlatState`); the rules are those of
-    :mod:`onebit.optim.functional`, whose reference implements the same methods."""
+    :mod:`onebit.optim.functional`, whose reference implements the same methods. A backend
+    may also fuse the delayed exchange's prediction (``predict_weights_``, with the
+    reference's arguments); the optimizers run the reference where it does not."""
 
     def lamb_step_(
         self, flat: Any, grads: Sequence[Tensor | None], active: Sequence[bool], check_finite: bool

@@ -400,6 +400,38 @@ def synchronised(blocks, active, delta, m, synced, p, v, eps, rebuild):
             )
 
 
+@njit(error_model="numpy", cache=True, nogil=True)
+def _predict_block(shared, momentum, mask, v, out, inverse_scale, eps, wd, step):
+    """``u = (mask momentum / s) / (sqrt(v) + eps) + wd shared``; ``out = shared + step u``
+    where ``step u`` is finite, else ``out = shared``."""
+    for i in range(out.size):
+        moved = momentum[i] * mask[i] if mask.size else momentum[i]
+        moved = moved * inverse_scale
+        moved = moved / (np.sqrt(v[i]) + eps) + wd * shared[i]
+        moved = moved * step
+        out[i] = shared[i] + moved if np.isfinite(moved) else shared[i]
+
+
+def predict(blocks, active, shared, momentum, mask, v, out, inverse_scale, eps, wd, step):
+    """:func:`_predict_block` over the active parameters; ``out = shared`` elsewhere."""
+    for b in prange(blocks.shape[0]):
+        seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
+        if active[seg]:
+            _predict_block(
+                shared[s:e],
+                momentum[s:e],
+                mask[s:e] if mask.size else mask,
+                v[s:e],
+                out[s:e],
+                inverse_scale[seg],
+                eps[seg],
+                wd[seg],
+                step[seg],
+            )
+        else:
+            out[s:e] = shared[s:e]
+
+
 _KERNELS = Compiled(
     sys.modules[__name__],
     (
@@ -414,6 +446,7 @@ _KERNELS = Compiled(
         "frozen_adam",
         "accumulated",
         "synchronised",
+        "predict",
     ),
 )
 
@@ -706,6 +739,36 @@ class NumbaUpdates:
             hyper.key("eps"),
             hyper.key("weight_decay"),
             -hyper.key("lr"),
+        )
+
+    def predict_weights_(
+        self,
+        flat: Any,
+        shared: Tensor,
+        out: Tensor,
+        momentum: Tensor,
+        scaling: Tensor,
+        mask: Tensor | None,
+        coefficients: Tensor | None,
+        active: Sequence[bool],
+    ) -> None:
+        """In one pass over memory."""
+        hyper = _Hyper(flat)
+        step = -hyper.key("lr")
+        if coefficients is not None:
+            step = (step * _np(coefficients.to(flat.dtype))).astype(hyper.dtype)
+        _KERNELS("predict")(
+            _blocks(flat),
+            _active(active),
+            _np(shared),
+            _np(momentum),
+            _mask_array(flat, mask),
+            _np(flat.exp_avg_sq),
+            _np(out),
+            _np(scaling.reciprocal()),
+            hyper.key("eps"),
+            hyper.key("weight_decay"),
+            step,
         )
 
     def accumulated_update(self, flat: Any, active: Sequence[bool], out: Tensor) -> Tensor:

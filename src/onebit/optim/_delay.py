@@ -160,13 +160,14 @@ class SharedWeights:
         self._copy: Tensor | None = None
         self.set_aside = False
 
-    def keep(self, flat: FlatState) -> None:
-        """Copy the flat weights aside, before the prediction moves them."""
+    def keep(self, flat: FlatState) -> Tensor:
+        """Copy the flat weights aside, before the prediction moves them; returns the copy."""
         weights = cast(Tensor, flat.weights)
         if self._copy is None or self._copy.shape != weights.shape:
             self._copy = torch.empty_like(weights)
         self._copy.copy_(weights)
         self.set_aside = True
+        return self._copy
 
     def put_back(self, flat: FlatState) -> None:
         """The shared weights into the flat weights and the parameters (nothing to do
@@ -176,10 +177,9 @@ class SharedWeights:
             flat.refresh_half_params()
             self.set_aside = False
 
-    def views(self, flat: FlatState) -> list[Tensor]:
-        """Each parameter's shared weights: views of the copy where set aside, else of the
-        weights themselves."""
-        return flat.views(cast(Tensor, self._copy)) if self.set_aside else flat.weight_views()
+    def flat(self, flat: FlatState) -> Tensor:
+        """The flat shared weights: the copy where set aside, else the weights themselves."""
+        return cast(Tensor, self._copy if self.set_aside else flat.weights)
 
     def nbytes(self) -> int:
         return 0 if self._copy is None else self._copy.numel() * self._copy.element_size()

@@ -410,19 +410,22 @@ class OneBitOptimizer(Optimizer):
         self._scaled_local_momentum(flat, grads, buffer, active)
         self._check_gradients_once(step, COMPRESSION, buffer)
         applies_to = self._where_some_rank_had(step, COMPRESSION, flat, active, grads)
-        cast(SharedWeights, self._shared_weights).keep(flat)
-        self._predict(flat, flat.weight_views(), buffer, active)
+        shared = cast(SharedWeights, self._shared_weights).keep(flat)
+        self._predict(flat, shared, cast(Tensor, flat.weights), buffer, active)
         exchange = self.exchange
         delay.start(step, lambda: exchange.exchange(buffer), flat.device, applies_to)
         return True
 
     def _predict(
-        self, flat: FlatState, weights: list[Tensor], momentum: Tensor, active: Sequence[bool]
+        self, flat: FlatState, shared: Tensor, out: Tensor, momentum: Tensor, active: Sequence[bool]
     ) -> None:
-        """``weights`` (the shared ones) moved to the prediction from ``momentum``."""
-        predict_weights_(
+        """``out`` (flat) = the prediction from ``momentum`` and the flat weights ``shared``,
+        by the backend's fused kernel where it has one."""
+        predict = getattr(self.updates, "predict_weights_", predict_weights_)
+        predict(
             flat,
-            weights,
+            shared,
+            out,
             momentum,
             flat.scalars["scaling_coeff"],
             self._stage.mask,
@@ -937,7 +940,7 @@ class OneBitOptimizer(Optimizer):
         shared: dict[int, Tensor] = {}
         if self._shared_weights is not None and self._shared_weights.set_aside:
             flat = self._parameters.build(self.param_groups, self.state)
-            views = self._shared_weights.views(flat)
+            views = flat.views(self._shared_weights.flat(flat))
             shared = {id(p): view for p, view in zip(flat.params, views, strict=True)}
         return [shared.get(id(p), p.detach()).clone() for p in trainable(self.param_groups)]
 
@@ -970,9 +973,10 @@ class OneBitOptimizer(Optimizer):
                 "predicted_weights() is for the compression stage of delayed_exchange=True"
             )
         flat = self._parameters.build(self.param_groups, self.state)
-        weights = [view.clone() for view in self._shared_weights.views(flat)]
-        self._predict(flat, weights, momentum, self._taking_part(flat))
-        return weights
+        shared = self._shared_weights.flat(flat)
+        out = torch.empty_like(shared)
+        self._predict(flat, shared, out, momentum, self._taking_part(flat))
+        return flat.views(out)
 
     @property
     def update_pending(self) -> bool:

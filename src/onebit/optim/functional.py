@@ -284,22 +284,24 @@ def onebit_lamb_compressed_step_(
 
 def predict_weights_(
     flat: FlatState,
-    weights: Sequence[Tensor],
+    shared: Tensor,
+    out: Tensor,
     momentum: Tensor,
     scaling: Tensor,
     mask: Tensor | None,
     coefficients: Tensor | None,
     active: Sequence[bool],
 ) -> None:
-    """The delayed exchange's prediction (ALGORITHM.md, "Delayed exchange"), in place in
-    ``weights`` (each parameter's view of the flat weights or of a copy of them):
-    ``p <- p - lr c (mask (buf / s) / (sqrt(v) + eps) + wd p)`` for every active parameter,
-    ``buf`` this rank's scaled momentum before the exchange (``momentum``, left as it is),
-    ``c`` the rule's coefficient (``None``: 1); an element whose move is not finite stays."""
+    """The delayed exchange's prediction (ALGORITHM.md, "Delayed exchange"), from the flat
+    weights ``shared`` into the flat ``out`` (the flat weights, or a buffer of their size):
+    ``out = p - lr c (mask (buf / s) / (sqrt(v) + eps) + wd p)``, ``p`` from ``shared``, for
+    every active parameter (``out = p`` for the others and for an element whose move is not
+    finite), ``buf`` this rank's scaled momentum before the exchange (``momentum``, left as
+    it is), ``c`` the rule's coefficient (``None``: 1)."""
     indices = _active_indices(active)
     move = flat.scratch(0)[: flat.numel]
     torch.mul(momentum[: flat.numel], mask if mask is not None else 1, out=move)
-    moves = flat.views(move)
+    moves, weights = flat.views(move), flat.views(shared)
     torch._foreach_mul_(moves, list(scaling.reciprocal().unbind()))
     v, denom = flat.views(flat.exp_avg_sq), flat.views(flat.scratch(1))
     for group, idx in _by_group(flat, indices):
@@ -316,7 +318,10 @@ def predict_weights_(
         steps = steps * coefficients[indices]
     _scale_each(_pick(moves, indices), steps)
     move.masked_fill_(~torch.isfinite(move), 0)
-    torch._foreach_add_(_pick(weights, indices), _pick(moves, indices))
+    inactive = set(range(len(active))) - set(indices)
+    torch.add(shared[: flat.numel], move, out=out[: flat.numel])
+    for index in inactive:
+        flat.view(out, index).copy_(flat.view(shared, index))
 
 
 def onebit_adam_compressed_step_(
@@ -433,5 +438,6 @@ REFERENCE = SimpleNamespace(
     onebit_adam_per_tensor_step_=onebit_adam_per_tensor_step_,
     accumulated_update=accumulated_update,
     synchronised_update_=synchronised_update_,
+    predict_weights_=predict_weights_,
 )
 """The torch reference as update kernels (:class:`onebit.kernels.UpdateKernels`)."""
