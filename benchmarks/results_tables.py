@@ -88,6 +88,7 @@ COMMIT_DATES = {
     "ae839b0": "2026-12-04",
     "593393d": "2026-12-04",
     "6e0a975": "2026-12-05",
+    "916556b": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -308,14 +309,12 @@ STEADY = [
     for link in ("100mbit", "1gbit", "10gbit", "unshaped")
 ]
 DELAYED = [
-    "docs/bench/delayed/cluster-base-2w-100mbit.json",
-    "docs/bench/delayed/cluster-base-2w-1gbit.json",
-    "docs/bench/delayed/cluster-base-2w-1gbit-repeat.json",
-    "docs/bench/delayed/cluster-base-2w-unshaped.json",
-    "docs/bench/delayed/cluster-small-4w-100mbit.json",
-    "docs/bench/delayed/cluster-small-4w-1gbit.json",
-    "docs/bench/delayed/cluster-small-4w-1gbit-repeat.json",
-    "docs/bench/delayed/cluster-small-4w-unshaped.json",
+    "docs/bench/delayed-prediction/cluster-base-2w-100mbit.json",
+    "docs/bench/delayed-prediction/cluster-base-2w-1gbit.json",
+    "docs/bench/delayed-prediction/cluster-base-2w-unshaped.json",
+    "docs/bench/delayed-prediction/cluster-small-4w-100mbit.json",
+    "docs/bench/delayed-prediction/cluster-small-4w-1gbit.json",
+    "docs/bench/delayed-prediction/cluster-small-4w-unshaped.json",
 ]
 ZERO_ONE_CLUSTER = [
     "docs/bench/zero-one-adam/cluster-small-4w-100mbit.json",
@@ -415,6 +414,7 @@ def table_delayed_exchange() -> Table:
         undelayed = summary["onebit-lamb"]["t_comp"]
         delayed = summary["onebit-lamb-delayed"]["t_comp"]
         overlap = summary.get("onebit-lamb-overlap")
+        overlap_per_tensor = summary.get("onebit-lamb-overlap-per-tensor")
         rows.append(
             [
                 f"`{s['model']}`, {s['workers']} workers, {LINKS[s['bandwidth']]}"
@@ -423,6 +423,7 @@ def table_delayed_exchange() -> Table:
                 _s(lamb),
                 _s(undelayed),
                 _s(overlap["t_comp"]) if overlap else "not run",
+                _s(overlap_per_tensor["t_comp"]) if overlap_per_tensor else "not run",
                 _s(delayed),
                 _x(undelayed / delayed),
                 _x(lamb / delayed),
@@ -435,12 +436,13 @@ def table_delayed_exchange() -> Table:
             "without communication",
             "LAMB",
             "1-bit LAMB",
-            "1-bit LAMB, overlapped",
+            "1-bit LAMB, overlapped (fused)",
+            "1-bit LAMB, overlapped (per tensor)",
             "1-bit LAMB, delayed",
             "undelayed / delayed",
             "LAMB / delayed",
         ],
-        "lrrrrrrr",
+        "lrrrrrrrr",
         rows,
         files,
     )
