@@ -95,7 +95,9 @@ class SimulatedDataParallel:
     Use: ``losses = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
     worker ``rank``'s forward and backward pass on its micro-batch (leaving its gradients in
     ``.grad``, zeroed before each call) and returns whatever the caller wants back (e.g. its
-    loss); ``step`` then updates the parameters once, as ``W`` real workers would.
+    loss); ``step`` then updates the parameters once, as ``W`` real workers would. A checkpoint
+    holds the optimizer's ``state_dict()``, the model's and, with ``delayed_exchange``,
+    :meth:`state_dict` (the workers' predictions).
     """
 
     def __init__(

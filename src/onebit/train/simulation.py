@@ -26,6 +26,7 @@ import torch.distributed as dist
 from onebit.collectives import TrafficCounter
 from onebit.diloco import outer_sgd
 from onebit.simulate import SimulatedDataParallel, SimulatedDiLoCo
+from onebit.train import checkpoint
 from onebit.train.config import TrainConfig
 from onebit.train.gradients import build_optimizer
 from onebit.train.rank import Rank
@@ -92,7 +93,7 @@ class SimulatedTrainer(Trainer):
             state["simulation"] = self.simulation.state_dict()
         return state
 
-    def _restore_state(self, resumed) -> None:
+    def _restore_state(self, resumed: checkpoint.Checkpoint) -> None:
         super()._restore_state(resumed)
         if self.diloco is None and "simulation" in resumed.rank_state:
             self.simulation.load_state_dict(resumed.rank_state["simulation"])
