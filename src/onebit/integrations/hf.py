@@ -51,7 +51,7 @@ def register_comm_hook(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
         TypeError: if the optimizer is not a onebit optimizer, or several processes train a
             model that is not plain ``DistributedDataParallel`` (FSDP, DeepSpeed...).
     """
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    inner = _unwrapped(optimizer)
     if not isinstance(inner, OneBitOptimizer):
         raise TypeError(
             f"the optimizer is a {type(inner).__name__}; onebit's hook needs the OneBitLamb or "
@@ -66,6 +66,11 @@ def register_comm_hook(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
             "onebit's 1-bit exchange runs under plain data parallelism "
             "(DistributedDataParallel), not FSDP or DeepSpeed"
         )
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer inside accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 class OneBitCallback(TrainerCallback):
@@ -91,6 +96,6 @@ class OneBitCallback(TrainerCallback):
             self._registered_on = model
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+        optimizer = _unwrapped(self.trainer.optimizer)
         if isinstance(optimizer, OneBitOptimizer):
             optimizer.finish_exchange()

@@ -61,6 +61,8 @@ class OneBitDDPStrategy(DDPStrategy):
         self._validating = contextlib.ExitStack()
 
     def _onebit_optimizer(self) -> OneBitOptimizer | None:
+        """The one onebit optimizer ``configure_optimizers`` returned (``None``: it returned
+        something else)."""
         optimizers = self.optimizers
         single = len(optimizers) == 1 and isinstance(optimizers[0], OneBitOptimizer)
         return optimizers[0] if single else None
@@ -85,11 +87,11 @@ class OneBitDDPStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return  # only fitting wraps the model in DDP
-        optimizers = self.optimizers
-        if len(optimizers) != 1 or not isinstance(optimizers[0], OneBitOptimizer):
-            names = [type(optimizer).__name__ for optimizer in optimizers]
+        optimizer = self._onebit_optimizer()
+        if optimizer is None:
+            names = [type(optimizer).__name__ for optimizer in self.optimizers]
             raise TypeError(
                 f"configure_optimizers returned {names}; OneBitDDPStrategy needs exactly one "
                 "OneBitLamb or OneBitAdam for all the model's parameters"
             )
-        ddp.register_comm_hook(self.model, optimizers[0])
+        ddp.register_comm_hook(self.model, optimizer)
