@@ -37,7 +37,10 @@ With ``delayed_exchange=True`` each worker's pass runs at its own prediction of 
 step (:meth:`OneBitOptimizer.predicted_weights`, made from its momentum as a real rank's
 ``step()`` makes it; one copy of the weights per worker is kept), then the update the last
 step's exchange left pending is applied before the workers' momenta are formed
-(ALGORITHM.md, "Delayed exchange").
+(ALGORITHM.md, "Delayed exchange"). ``prediction="mean"`` makes every worker's prediction
+from the mean of the workers' momenta instead: an oracle no real rank has (it would need the
+exchange the delay runs behind), which measures what the workers' own gradients in their
+predictions cost.
 
 :class:`SimulatedDiLoCo` simulates DiLoCo (:class:`onebit.DiLoCo`) the same way, except that
 DiLoCo's workers do differ between exchanges: each simulated worker keeps its own weights and
@@ -74,6 +77,9 @@ from onebit.optim.onebit_lamb import OneBitLamb
 
 __all__ = ["SimulatedDataParallel", "SimulatedDiLoCo", "SimulatedExchange", "SimulationDiverged"]
 
+#: What a simulated worker's prediction of the delayed exchange is made from.
+PREDICTIONS = ("own", "mean")
+
 Result = TypeVar("Result")
 
 
@@ -91,6 +97,10 @@ class SimulatedDataParallel:
         max_grad_norm: if positive, clip with :func:`onebit.clip_grad_norm_` where a
             data-parallel job does: the averaged gradient at ``max_grad_norm`` in averaged
             steps, each worker's own at ``max_grad_norm·√W`` in compression steps.
+        prediction: with ``delayed_exchange``, the momentum each worker's prediction is
+            made from: ``"own"``, its own (what a real rank does), or ``"mean"``, the mean of
+            the workers' (an oracle; the parameters after :meth:`step` still hold the last
+            worker's own prediction, the next step takes the mean one).
 
     Use: ``losses = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
     worker ``rank``'s forward and backward pass on its micro-batch (leaving its gradients in
@@ -107,7 +117,10 @@ class SimulatedDataParallel:
         node_size: int = 1,
         *,
         max_grad_norm: float = 0.0,
+        prediction: str = "own",
     ) -> None:
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
         per_tensor = (
             isinstance(optimizer, OneBitOptimizer) and optimizer.compression == "per_tensor"
         )
@@ -136,6 +149,7 @@ class SimulatedDataParallel:
         self._gradient_sum: Tensor | None = None
         # delayed_exchange: each worker's prediction of the last step (None: the parameters)
         self._predicted: list[list[Tensor] | None] = [None] * workers
+        self.prediction = prediction
 
     @property
     def compressing(self) -> bool:
@@ -166,25 +180,37 @@ class SimulatedDataParallel:
     def _delayed_compression_step(self, worker_backward: Callable[[int], Result]) -> list[Result]:
         """Every worker's gradient at its prediction of the last step; the pending update
         applied; each worker's momentum formed at the shared weights and, but the last
-        one's (``step()`` predicts that one), its prediction kept before its exchange."""
+        one's (``step()`` predicts that one), its prediction kept before its exchange (with
+        ``prediction="mean"``: one prediction for all, from the mean of their momenta)."""
         optimizer = self._onebit
         assert optimizer is not None
-        if optimizer.update_pending:  # the last worker's prediction: the parameters now
-            self._predicted[-1] = [param.detach().clone() for param in self.params]
-        else:  # the stage's first step (or the first after a refresh): no prediction yet
+        mean = self.prediction == "mean" and self.workers > 1  # one worker: its own
+        if not optimizer.update_pending:  # the stage's first step (or after a refresh)
             self._predicted = [None] * self.workers
+        elif not mean:  # the last worker's prediction: the parameters now
+            self._predicted[-1] = [param.detach().clone() for param in self.params]
         optimizer.finish_exchange()
         shared = [param.detach().clone() for param in self.params]
         results = []
+        total: Tensor | None = None  # "mean": the workers' momenta summed in rank order
         for rank in range(self.workers):
             _copy_into(self.params, self._predicted[rank] or shared)
             results.append(self._backward(rank, worker_backward))
             self._clip()
             _copy_into(self.params, shared)
-            if rank < self.workers - 1:  # the last one's momentum goes in through step()
-                momentum = optimizer.local_momentum()
+            last = rank == self.workers - 1
+            if last and not mean:
+                continue  # its momentum goes in through step(), which predicts from it
+            momentum = optimizer.local_momentum()
+            if mean:
+                total = momentum.clone() if total is None else total.add_(momentum)
+            else:
                 self._predicted[rank] = optimizer.predicted_weights(momentum)
+            if not last:
                 self.exchange.add_worker(rank, momentum)
+        if total is not None:
+            self._predicted = [optimizer.predicted_weights(total.div_(self.workers))]
+            self._predicted *= self.workers
         return results
 
     def _backward(self, rank: int, worker_backward: Callable[[int], Result]) -> Result:
@@ -241,7 +267,8 @@ class SimulatedDataParallel:
                 f"the checkpoint holds the predictions of {len(predicted) + 1} simulated "
                 f"workers, this simulation has {self.workers}"
             )
-        self._predicted = [*predicted, None]
+        last = predicted[0] if self.prediction == "mean" and predicted else None
+        self._predicted = [*predicted, last]
 
     def memory_bytes(self) -> dict[str, Any]:
         """Bytes the simulation holds now beyond one optimizer's usual state: every worker's

@@ -97,12 +97,16 @@ def worker_backward(model: nn.Module, step: int):
     return backward
 
 
-def simulated_run(name: str, workers: int, local: int, clip: float, kernels: str):
+def simulated_run(
+    name: str, workers: int, local: int, clip: float, kernels: str, prediction: str = "own"
+):
     """The shared weights after every step, the parameters after every step (with
     ``delayed_exchange`` the last worker's prediction), the optimizer and the simulation."""
     model = build_model()
     optimizer = build_optimizer(name, model.parameters(), kernels)
-    simulation = SimulatedDataParallel(optimizer, workers, local, max_grad_norm=clip)
+    simulation = SimulatedDataParallel(
+        optimizer, workers, local, max_grad_norm=clip, prediction=prediction
+    )
     trajectory, predicted = [], []
     for step in range(STEPS):
         losses = simulation.step(worker_backward(model, step))

@@ -16,6 +16,7 @@ from helpers.simulation import (
     build_model,
     build_optimizer,
     flat_params,
+    shared_params,
     simulated_run,
     worker_backward,
 )
@@ -78,12 +79,21 @@ def test_state_traffic_and_memory_model() -> None:
     assert state["onebit"]["worker_error"].numel() == 4 * padded // 2
 
 
-@pytest.mark.parametrize(("name", "local"), [("onebit-lamb", 2), ("onebit-lamb-delayed", 1)])
-def test_resume_from_a_checkpoint_continues_the_same_trajectory(name: str, local: int) -> None:
-    _, expected, _, _ = simulated_run(name, 4, local, 0.0, "numba")
+@pytest.mark.parametrize(
+    ("name", "local", "prediction"),
+    [
+        ("onebit-lamb", 2, "own"),
+        ("onebit-lamb-delayed", 1, "own"),
+        ("onebit-lamb-delayed", 1, "mean"),
+    ],
+)
+def test_resume_from_a_checkpoint_continues_the_same_trajectory(
+    name: str, local: int, prediction: str
+) -> None:
+    _, expected, _, _ = simulated_run(name, 4, local, 0.0, "numba", prediction)
     model = build_model()
     optimizer = build_optimizer(name, model.parameters(), "numba")
-    simulation = SimulatedDataParallel(optimizer, 4, local)
+    simulation = SimulatedDataParallel(optimizer, 4, local, prediction=prediction)
     for step in range(STEPS):
         if step == FREEZE + 2:  # resume into a fresh model, optimizer and simulation
             state, weights = optimizer.state_dict(), model.state_dict()
@@ -91,7 +101,7 @@ def test_resume_from_a_checkpoint_continues_the_same_trajectory(name: str, local
             model = build_model()
             model.load_state_dict(weights)
             optimizer = build_optimizer(name, model.parameters(), "numba")
-            simulation = SimulatedDataParallel(optimizer, 4, local)
+            simulation = SimulatedDataParallel(optimizer, 4, local, prediction=prediction)
             optimizer.load_state_dict(state)
             simulation.load_state_dict(simulated)
         simulation.step(worker_backward(model, step))
@@ -102,6 +112,43 @@ def test_resume_from_a_checkpoint_continues_the_same_trajectory(name: str, local
         ).load_state_dict(simulated)
 
 
+def _points_of_each_worker(prediction: str) -> tuple[list[list[torch.Tensor]], list]:
+    """Per step, the weights each of 3 workers' gradients are taken at; and the shared ones."""
+    model = build_model()
+    optimizer = build_optimizer("onebit-lamb-delayed", model.parameters(), "torch")
+    simulation = SimulatedDataParallel(optimizer, 3, prediction=prediction)
+    points, shared = [], []
+    for step in range(STEPS):
+        backward = worker_backward(model, step)
+        seen: list[torch.Tensor] = []
+
+        def recorded(rank: int, backward=backward, seen=seen) -> float:
+            seen.append(flat_params(model))
+            return backward(rank)
+
+        simulation.step(recorded)
+        points.append(seen)
+        shared.append(shared_params(model, optimizer))
+    return points, shared
+
+
+def test_the_mean_prediction_is_one_point_the_mean_of_the_workers_own() -> None:
+    """The prediction is affine in the momentum, so the one made from the workers' mean
+    momentum is the mean of their own predictions (ALGORITHM.md, "Delayed exchange")."""
+    own, own_shared = _points_of_each_worker("own")
+    mean, mean_shared = _points_of_each_worker("mean")
+    first = FREEZE + 1  # the second compression step: the first at a prediction
+    for step in range(first):  # the same run until the predictions are used
+        assert torch.equal(own_shared[step], mean_shared[step]), step
+        assert all(torch.equal(a, b) for a, b in zip(own[step], mean[step], strict=True))
+    assert not torch.equal(own[first][0], own[first][1])  # each worker's own point
+    for point in mean[first][1:]:
+        assert torch.equal(point, mean[first][0])
+    expected = torch.stack(own[first]).mean(dim=0)
+    torch.testing.assert_close(mean[first][0], expected, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(own_shared[-1], mean_shared[-1])  # the runs part from then on
+
+
 def test_bad_input_is_named() -> None:
     model = build_model()
     with pytest.raises(ValueError, match="node_size=3 must divide workers=4"):
@@ -110,6 +157,10 @@ def test_bad_input_is_named() -> None:
         SimulatedDataParallel(build_optimizer("lamb", model.parameters(), "numba"), 0)
     optimizer = build_optimizer("onebit-lamb", model.parameters(), "numba")
     SimulatedDataParallel(optimizer, 2)
+    with pytest.raises(ValueError, match="prediction must be one of.*'oracle'"):
+        SimulatedDataParallel(
+            build_optimizer("onebit-lamb", model.parameters(), "numba"), 2, prediction="oracle"
+        )
     with pytest.raises(ValueError, match="already simulated"):
         SimulatedDataParallel(optimizer, 2)
     exchange = SimulatedExchange(2)

@@ -97,6 +97,21 @@ def test_bad_options_are_named(
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+def test_the_simulations_prediction_oracle_is_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--delayed-prediction`` is an option of ``onebit simulate --delayed-exchange`` only."""
+    out = str(tmp_path / "run")
+    assert onebit_main(["simulate", "--out", out, "--delayed-prediction", "mean"]) == 2
+    assert "--delayed-prediction mean chooses the predictions of --delayed-exchange: add it" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        onebit_main(["train", "--out", out, "--delayed-prediction", "mean"])
+    assert "unrecognized arguments: --delayed-prediction" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_run_folder_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert onebit_main(["train", "--no-launch"]) == 2
     assert "--no-launch needs --out" in capsys.readouterr().err

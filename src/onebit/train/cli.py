@@ -11,7 +11,13 @@ from typing import Any
 
 from onebit.cli import add_options, given_options
 from onebit.optim.registry import optimizer_spec
-from onebit.train.config import DEFAULT_ADAM_LR, OPTIMIZERS, REAL_WORKER_OPTIONS, TrainConfig
+from onebit.train.config import (
+    DEFAULT_ADAM_LR,
+    OPTIMIZERS,
+    REAL_WORKER_OPTIONS,
+    SIMULATION_OPTIONS,
+    TrainConfig,
+)
 from onebit.train.downstream_config import FinetuneConfig, ProbeConfig
 from onebit.train.run_dir import default_run_dir, read_config, read_launch
 
@@ -98,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_options(train, TrainConfig)
+    add_options(train, TrainConfig, exclude=SIMULATION_OPTIONS)
     _add_launch_options(train)
     out = _add_run_folder_options(train, "runs/<time>-<optimizer>")
     out.add_argument(

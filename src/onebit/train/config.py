@@ -21,6 +21,7 @@ from onebit.optim.checks import (
     check_unit_interval,
 )
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
+from onebit.simulate import PREDICTIONS
 from onebit.train.exchange_options import check_exchange_options
 
 #: The encoder architectures of :mod:`onebit.train.model` (kept here, where the options are
@@ -42,6 +43,9 @@ REAL_WORKER_OPTIONS = (
     "powersgd_rank",
     "fsdp",
 )
+
+#: Options of the simulated workers alone (``onebit train`` has none).
+SIMULATION_OPTIONS = ("delayed_prediction",)
 
 #: Peak learning rates when ``lr`` is not given (each optimizer's ``default_lr``).
 DEFAULT_LAMB_LR = registry.OPTIMIZERS["lamb"].default_lr
@@ -255,6 +259,14 @@ class TrainConfig:
         help="1-bit LAMB / 1-bit Adam: run each compression step's exchange behind the next "
         "step's forward and backward and apply its update there, one step late (not with "
         "--overlap-backward, --node-size > 1 or --fsdp)",
+    )
+    delayed_prediction: str = option(
+        "own",
+        group=_SYSTEM,
+        choices=PREDICTIONS,
+        help="onebit simulate --delayed-exchange: the momentum each worker's prediction is "
+        "made from: its own (what real workers do), or the mean of the workers' (an oracle no "
+        "real worker has, to measure what their differences cost)",
     )
     powersgd_rank: int = option(
         0,

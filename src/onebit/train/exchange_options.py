@@ -68,6 +68,11 @@ def _check_buckets(config: TrainConfig) -> None:
 def _check_delay(config: TrainConfig) -> None:
     """``--delayed-exchange``: 1-bit LAMB and 1-bit Adam over one flat group."""
     if not config.delayed_exchange:
+        if config.delayed_prediction != "own":
+            raise ValueError(
+                f"--delayed-prediction {config.delayed_prediction} chooses the predictions "
+                "of --delayed-exchange: add it"
+            )
         return
     if config.optimizer not in ("onebit-lamb", "onebit-adam"):
         raise ValueError(

@@ -71,6 +71,7 @@ class SimulatedTrainer(Trainer):
             self.workers,
             config.node_size if config.hierarchical else 1,
             max_grad_norm=config.grad_clip,
+            prediction=config.delayed_prediction,
         )
         self.dense_traffic = self.simulation.traffic
 
