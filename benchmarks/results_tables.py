@@ -89,6 +89,7 @@ COMMIT_DATES = {
     "593393d": "2026-12-04",
     "6e0a975": "2026-12-05",
     "916556b": "2026-12-05",
+    "24d5ed9": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -127,6 +128,7 @@ RECORDED_IN = {
     "docs/convergence/variance-guard/zero-one-adam": "94bcbc4",
     "docs/main-job/diloco": "dc88f59",
     "docs/main-job/diloco-outer": "5ca0ad9",
+    "docs/main-job/longer": "24d5ed9",
     "docs/convergence/diloco-study": "ae839b0",
     "docs/convergence/diloco-study/link-choice.json": "593393d",
     "docs/convergence/diloco-study/link-choice-bert-base.json": "593393d",
@@ -702,6 +704,16 @@ MAIN_JOB_RUNS = {
     "lamb": ("LAMB", "python3 run.py train --optimizer lamb"),
     "default": ("1-bit LAMB, frozen after step 100 (the default)", "python3 run.py train"),
     "freeze-50": ("1-bit LAMB, frozen after step 50", "python3 run.py train --freeze-step 50"),
+    "longer/lamb": (
+        "LAMB, 500 steps of 128 sequences (simulated)",
+        f"{RUN} simulate --optimizer lamb --steps 500 --batch-size 128 --eval-every 250 "
+        "--threads 1",
+    ),
+    "longer/onebit-lamb-freeze-100": (
+        "1-bit LAMB, 500 steps of 128 sequences, frozen after step 100 (simulated)",
+        f"{RUN} simulate --steps 500 --batch-size 128 --freeze-step 100 --eval-every 250 "
+        "--threads 1",
+    ),
 }
 
 
@@ -1396,22 +1408,36 @@ def table_variance_guard() -> Table:
     )
 
 
+def _guard_cells(s: dict[str, Any], lamb: dict[str, Any]) -> list[str]:
+    loss, first = s["final_validation_loss"], s is lamb
+    return [
+        f"{loss:.4f}",
+        "" if first else _pct(loss / lamb["final_validation_loss"] - 1),
+        "" if first else str(_refresh_steps(s)),
+        _mib(s["bytes_sent"]["total"]),
+        _x(s["reduction_vs_lamb"]),
+    ]
+
+
+GUARD_HEADER = [
+    "final validation loss",
+    "vs LAMB",
+    "refresh steps",
+    "bytes per worker",
+    "fewer than LAMB",
+]
+
+
 def table_main_job_guard() -> Table:
     """The main job frozen at its default and earlier, with the guard, beside LAMB."""
+    runs = ["lamb", "default", "freeze-50"]
+    return _main_job_table("main-job-guard", runs, GUARD_HEADER, _guard_cells)
 
-    def cells(s: dict[str, Any], lamb: dict[str, Any]) -> list[str]:
-        loss, first = s["final_validation_loss"], s is lamb
-        return [
-            f"{loss:.4f}",
-            "" if first else _pct(loss / lamb["final_validation_loss"] - 1),
-            "" if first else str(_refresh_steps(s)),
-            _mib(s["bytes_sent"]["total"]),
-            _x(s["reduction_vs_lamb"]),
-        ]
 
-    header = ["final validation loss", "vs LAMB", "refresh steps", "bytes per worker"]
-    header.append("fewer than LAMB")
-    return _main_job_table("main-job-guard", ["lamb", "default", "freeze-50"], header, cells)
+def table_main_job_longer() -> Table:
+    """The main job's compute spread over twice the steps of half the batch, simulated."""
+    runs = ["longer/lamb", "longer/onebit-lamb-freeze-100"]
+    return _main_job_table("main-job-longer", runs, GUARD_HEADER, _guard_cells)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1609,6 +1635,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "estimate-summary": table_estimate_summary,
     "variance-guard": table_variance_guard,
     "main-job-guard": table_main_job_guard,
+    "main-job-longer": table_main_job_longer,
     "readiness-trajectory": table_readiness_trajectory,
     "plateau-readiness": table_plateau_readiness,
     "seed-study": table_seed_study,
