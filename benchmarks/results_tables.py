@@ -89,6 +89,7 @@ COMMIT_DATES = {
     "593393d": "2026-12-04",
     "6e0a975": "2026-12-05",
     "916556b": "2026-12-05",
+    "eb43f95": "2026-12-05",
     "24d5ed9": "2026-12-05",
 }
 
@@ -131,6 +132,7 @@ RECORDED_IN = {
     "docs/main-job/longer": "24d5ed9",
     "docs/convergence/diloco-study": "ae839b0",
     "docs/convergence/diloco-study/link-choice.json": "593393d",
+    "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
     "docs/convergence/diloco-study/link-choice-bert-base.json": "593393d",
 }
 
@@ -900,6 +902,7 @@ DILOCO_STUDY_ARMS = [
     (f"{DILOCO_STUDY}/lamb", "LAMB"),
     (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
     (f"{DILOCO_STUDY}/adam-n4", "AdamW, every step (DDP)"),
+    (f"{DILOCO_STUDY}/lamb-powersgd-r4", "LAMB, PowerSGD rank 4 (DDP)"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense", "DiLoCo over AdamW, H = 20, dense"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit"),
 ]
