@@ -90,6 +90,7 @@ COMMIT_DATES = {
     "6e0a975": "2026-12-05",
     "916556b": "2026-12-05",
     "eb43f95": "2026-12-05",
+    "43079ad": "2026-12-05",
     "24d5ed9": "2026-12-05",
 }
 
@@ -120,6 +121,7 @@ RECORDED_IN = {
     "docs/convergence/zero-one-adam-n4-auto": "8ac4669",
     "docs/convergence/delayed/onebit-lamb-n4-delayed": "95bcdd9",
     "docs/convergence/delayed/prediction": "6e0a975",
+    "docs/convergence/delayed/oracle": "24d5ed9",
     "docs/convergence/per-tensor/onebit-lamb-n4-per-tensor": "ae35092",
     "docs/main-job": "294793a",
     "docs/zero-one-adam": "1354b52",
@@ -131,9 +133,11 @@ RECORDED_IN = {
     "docs/main-job/diloco-outer": "5ca0ad9",
     "docs/main-job/longer": "24d5ed9",
     "docs/convergence/diloco-study": "ae839b0",
-    "docs/convergence/diloco-study/link-choice.json": "593393d",
+    "docs/convergence/diloco-study/link-choice.json": "43079ad",
     "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
-    "docs/convergence/diloco-study/link-choice-bert-base.json": "593393d",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
+    "docs/convergence/diloco-study/link-choice-bert-base.json": "43079ad",
 }
 
 RUN = "python3 run.py onebit"
@@ -905,6 +909,8 @@ DILOCO_STUDY_ARMS = [
     (f"{DILOCO_STUDY}/lamb-powersgd-r4", "LAMB, PowerSGD rank 4 (DDP)"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense", "DiLoCo over AdamW, H = 20, dense"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit"),
+    (f"{DILOCO_STUDY}/diloco-adam-n4-h60-dense", "DiLoCo over AdamW, H = 60, dense"),
+    (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit", "DiLoCo over AdamW, H = 60, 1-bit"),
 ]
 
 
@@ -951,7 +957,8 @@ def _link_choice(name: str, path: str) -> Table:
     )
     commits, dates = _stamp([path])
     runs = " ".join(f"{DILOCO_STUDY}/{name}" for name in choice["runs"])
-    model = f" --model {choice['parameters']} --compute {choice['compute_seconds']}"
+    model = f" --model {choice['parameters']}" if choice["parameters"] else ""
+    model += f" --compute {choice['compute_seconds']:g}"
     return Table(
         name,
         ["run", "steps to the target", "bytes to the target", *links],
@@ -962,7 +969,7 @@ def _link_choice(name: str, path: str) -> Table:
         dates,
         [
             f".venv/bin/python benchmarks/link_choice.py {runs} --target {choice['target']:.4f}"
-            + (model if choice["parameters"] else "")
+            + model
         ],
     )
 
@@ -988,6 +995,48 @@ DELAYED_RUNS = [
     ("docs/main-job/default", "main job (another tokenizer)", "1-bit LAMB"),
     ("docs/main-job/delayed", "main job (another tokenizer)", "delayed, one update behind"),
 ]
+
+
+#: The simulated main job at W workers, each worker's micro-batch 256 / W sequences: without
+#: the delay, delayed at each worker's own prediction, and at the oracle's (the workers' mean).
+DELAYED_ORACLE = "docs/convergence/delayed/oracle"
+DELAYED_ORACLE_WORKERS = (4, 16)
+DELAYED_ORACLE_ARMS = [
+    ("undelayed", "not delayed", ""),
+    ("own", "delayed, each worker at its own prediction", " --delayed-exchange"),
+    (
+        "mean",
+        "delayed, every worker at the mean prediction (oracle)",
+        " --delayed-exchange --delayed-prediction mean",
+    ),
+]
+
+
+def table_delayed_oracle() -> Table:
+    """Final validation losses of the simulated main job with and without the delay, and
+    with the oracle prediction, per number of workers (each group on the same inputs)."""
+    rows, paths = [], []
+    for workers in DELAYED_ORACLE_WORKERS:
+        runs = [f"{DELAYED_ORACLE}/w{workers}-{arm}" for arm, _, _ in DELAYED_ORACLE_ARMS]
+        _first_losses_agree(runs)
+        summaries = [_summary(run) for run in runs]
+        plain = summaries[0]["final_validation_loss"]
+        for (_, label, _), summary in zip(DELAYED_ORACLE_ARMS, summaries, strict=True):
+            loss = summary["final_validation_loss"]
+            versus = "" if summary is summaries[0] else _pct(loss / plain - 1)
+            rows.append([str(workers), str(256 // workers), label, f"{loss:.4f}", versus])
+        paths += [f"{run}/summary.json" for run in runs]
+    commits, dates = _stamp(paths)
+    return Table(
+        "delayed-oracle",
+        ["workers", "sequences per worker", "gradients", "final validation loss", "vs not delayed"],
+        "rrlrr",
+        rows,
+        paths,
+        commits,
+        dates,
+        [f"{RUN} simulate --workers W --threads 1{flags}" for _, _, flags in DELAYED_ORACLE_ARMS],
+    )
 
 
 def table_delayed_convergence() -> Table:
@@ -1630,6 +1679,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "convergence-defaults": table_convergence_defaults,
     "main-job": table_main_job,
     "delayed-convergence": table_delayed_convergence,
+    "delayed-oracle": table_delayed_oracle,
     "onebit-adam-convergence": table_onebit_adam_convergence,
     "zero-one-adam-study": table_zero_one_adam_study,
     "zero-one-adam-cluster": table_zero_one_adam_cluster,
