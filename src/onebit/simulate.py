@@ -121,6 +121,11 @@ class SimulatedDataParallel:
     ) -> None:
         if prediction not in PREDICTIONS:
             raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
+        if prediction != "own" and not getattr(optimizer, "delayed_exchange", False):
+            raise ValueError(
+                f"prediction={prediction!r} chooses the predictions of delayed_exchange=True, "
+                f"which {type(optimizer).__name__} does not have"
+            )
         per_tensor = (
             isinstance(optimizer, OneBitOptimizer) and optimizer.compression == "per_tensor"
         )

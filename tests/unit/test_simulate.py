@@ -161,6 +161,10 @@ def test_bad_input_is_named() -> None:
         SimulatedDataParallel(
             build_optimizer("onebit-lamb", model.parameters(), "numba"), 2, prediction="oracle"
         )
+    with pytest.raises(ValueError, match="of delayed_exchange=True, which OneBitLamb does not"):
+        SimulatedDataParallel(
+            build_optimizer("onebit-lamb", model.parameters(), "numba"), 2, prediction="mean"
+        )
     with pytest.raises(ValueError, match="already simulated"):
         SimulatedDataParallel(optimizer, 2)
     exchange = SimulatedExchange(2)
