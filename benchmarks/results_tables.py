@@ -86,7 +86,6 @@ COMMIT_DATES = {
     "dc88f59": "2026-12-04",
     "5ca0ad9": "2026-12-04",
     "ae839b0": "2026-12-04",
-    "593393d": "2026-12-04",
     "6e0a975": "2026-12-05",
     "916556b": "2026-12-05",
     "eb43f95": "2026-12-05",
@@ -957,8 +956,8 @@ def _link_choice(name: str, path: str) -> Table:
     )
     commits, dates = _stamp([path])
     runs = " ".join(f"{DILOCO_STUDY}/{name}" for name in choice["runs"])
-    model = f" --model {choice['parameters']}" if choice["parameters"] else ""
-    model += f" --compute {choice['compute_seconds']:g}"
+    options = f" --model {choice['parameters']}" if choice["parameters"] else ""
+    options += f" --compute {choice['compute_seconds']:g}"
     return Table(
         name,
         ["run", "steps to the target", "bytes to the target", *links],
@@ -969,7 +968,7 @@ def _link_choice(name: str, path: str) -> Table:
         dates,
         [
             f".venv/bin/python benchmarks/link_choice.py {runs} --target {choice['target']:.4f}"
-            + model
+            + options
         ],
     )
 
@@ -997,8 +996,9 @@ DELAYED_RUNS = [
 ]
 
 
-#: The simulated main job at W workers, each worker's micro-batch 256 / W sequences: without
-#: the delay, delayed at each worker's own prediction, and at the oracle's (the workers' mean).
+#: The simulated main job at W workers, each worker's micro-batch 1/W of the global batch:
+#: without the delay, delayed at each worker's own prediction, and at the oracle's (the
+#: workers' mean).
 DELAYED_ORACLE = "docs/convergence/delayed/oracle"
 DELAYED_ORACLE_WORKERS = (4, 16)
 DELAYED_ORACLE_ARMS = [
@@ -1021,10 +1021,11 @@ def table_delayed_oracle() -> Table:
         _first_losses_agree(runs)
         summaries = [_summary(run) for run in runs]
         plain = summaries[0]["final_validation_loss"]
+        per_worker = _read(f"{runs[0]}/config.json")["train"]["batch_size"] // workers
         for (_, label, _), summary in zip(DELAYED_ORACLE_ARMS, summaries, strict=True):
             loss = summary["final_validation_loss"]
             versus = "" if summary is summaries[0] else _pct(loss / plain - 1)
-            rows.append([str(workers), str(256 // workers), label, f"{loss:.4f}", versus])
+            rows.append([str(workers), str(per_worker), label, f"{loss:.4f}", versus])
         paths += [f"{run}/summary.json" for run in runs]
     commits, dates = _stamp(paths)
     return Table(
