@@ -10,16 +10,18 @@ highest final validation loss of the runs, so that every run reaches it), and th
 reach it on W workers, one per node, behind links of each rate: the sum over those steps of
 the model's time of each step's kind (docs/ALGORITHM.md, "Cost model of a step"):
 
-* a dense step (LAMB, AdamW under DDP, the 1-bit optimizers' warm-up): ``t_c + T_dense(4)``;
-* a compression step of 1-bit LAMB or 1-bit Adam: ``t_c + t_local + T_flat``;
-* DiLoCo's inner step ``t_c``; the last step of a round ``t_c + T_outer``.
+* a dense step (LAMB, AdamW under DDP, the 1-bit optimizers' warm-up and refreshes, 0/1
+  Adam's variance updates): ``t_c + T_dense(4)``;
+* a compression step of 1-bit LAMB or 1-bit Adam, 0/1 Adam's 1-bit gradient step and its
+  synchronisation: ``t_c + t_local + T_flat``;
+* 0/1 Adam's local step and DiLoCo's inner step ``t_c``; the last step of a round
+  ``t_c + T_outer``.
 
 ``t_c`` (``--compute``) defaults to the median inner step of the DiLoCo runs given: a step
 with no communication at all, as measured where the runs ran. ``--model`` times the steps of
 another model (a name or a count such as ``110M``, as ``onebit estimate --model`` takes;
 give its ``--compute`` too): the runs' steps to the target with that model's step times, an
-extrapolation stated as such. Methods the model does not time (PowerSGD, 0/1 Adam's local
-steps) are refused by name. Then, per link, the method that reaches the target first and its
+extrapolation stated as such. PowerSGD, which the model does not time, is refused by name. Then, per link, the method that reaches the target first and its
 lead over the next (runs whose times agree share the first place; the validation losses come
 every ``eval_every`` steps, so steps to the target are multiples of it). ``--record`` writes
 it all as JSON; ``--plot`` draws each run's final
@@ -40,8 +42,9 @@ from onebit.estimate.model import Cluster, Machine, estimate
 from onebit.estimate.models import model_parameters
 from onebit.units import parse_bandwidth
 
-#: The step kinds of ``metrics.jsonl`` the model times, and the estimate row of each.
-DENSE_STAGES = ("dense", "warmup")
+#: The step kinds of ``metrics.jsonl`` timed as a dense step, and as a 1-bit exchange's.
+DENSE_STAGES = ("dense", "warmup", "refresh", "variance_update")
+ONEBIT_STAGES = ("compression", "gradient_1bit", "sync")
 
 
 def read_run(run_dir: Path) -> dict[str, Any]:
@@ -77,11 +80,20 @@ def method_of(run: dict[str, Any]) -> str:
     train = run["train"]
     if train.get("powersgd_rank"):
         raise ValueError(f"{run['name']}: the cost model does not time PowerSGD")
-    if train["optimizer"] == "zero-one-adam":
-        raise ValueError(f"{run['name']}: the cost model does not time 0/1 Adam's local steps")
     if train.get("sync_every"):
         return f"diloco-{train['outer_exchange']}-h{train['sync_every']}"
-    return "onebit" if train["optimizer"] in ("onebit-lamb", "onebit-adam") else "lamb"
+    onebit = ("onebit-lamb", "onebit-adam", "zero-one-adam")
+    return "onebit" if train["optimizer"] in onebit else "lamb"
+
+
+def check_stages(run: dict[str, Any]) -> None:
+    """``ValueError`` naming the kinds of step of ``run`` that the model does not time."""
+    timed = {*DENSE_STAGES, *ONEBIT_STAGES, "local"}
+    if method_of(run).startswith("diloco"):
+        timed |= {"inner", "outer"}
+    unknown = sorted(set(run["stages"]) - timed)
+    if unknown:
+        raise ValueError(f"{run['name']}: the cost model does not time its steps of kind {unknown}")
 
 
 def steps_to(run: dict[str, Any], target: float) -> int | None:
@@ -96,7 +108,8 @@ def stage_seconds(run: dict[str, Any], cluster: Cluster, machine: Machine) -> di
         cluster = dataclasses.replace(cluster, sync_every=(int(run["train"]["sync_every"]),))
     rows = {row.method: row for row in estimate(cluster, machine)}
     seconds = {stage: rows["lamb"].compression_step for stage in DENSE_STAGES}
-    seconds["compression"] = rows["onebit"].compression_step
+    seconds |= {stage: rows["onebit"].compression_step for stage in ONEBIT_STAGES}
+    seconds["local"] = cluster.compute_seconds
     if method.startswith("diloco"):
         seconds |= {"inner": rows[method].warmup_step, "outer": rows[method].compression_step}
     return seconds
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = [read_run(path) for path in args.runs]
         for run in runs:
-            method_of(run)
+            check_stages(run)
         for link in args.links:
             parse_bandwidth(link)
         parameters = None if args.model is None else model_parameters(args.model)

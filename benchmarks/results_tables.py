@@ -1280,8 +1280,8 @@ def _predictions(folder: str) -> list[Any]:
     return validate(load_results([ROOT / folder]), emulated_machine(Machine()))
 
 
-def table_estimate_validation() -> Table:
-    folder = "docs/bench/pipelined"
+def _estimate_validation(name: str, folder: str) -> Table:
+    """Every step time of the result files in ``folder`` beside the model's prediction."""
     predictions = _predictions(folder)
     rows = []
     for p in predictions:
@@ -1299,7 +1299,7 @@ def table_estimate_validation() -> Table:
     results = [_read(f) for f in files]
     commits, dates = _stamp(files, results)
     return Table(
-        "estimate-validation",
+        name,
         ["run", "method", "stage", "measured", "predicted", "predicted / measured"],
         "lllrrr",
         rows,
@@ -1308,6 +1308,14 @@ def table_estimate_validation() -> Table:
         dates,
         [f"{RUN} estimate --validate {folder}"],
     )
+
+
+def table_estimate_validation() -> Table:
+    return _estimate_validation("estimate-validation", "docs/bench/pipelined")
+
+
+def table_estimate_zero_one_adam() -> Table:
+    return _estimate_validation("estimate-zero-one-adam", "docs/bench/zero-one-adam")
 
 
 def table_estimate_summary() -> Table:
@@ -1686,6 +1694,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "zero-one-adam-cluster": table_zero_one_adam_cluster,
     "zero-one-adam-main-job": table_zero_one_adam_main_job,
     "estimate-validation": table_estimate_validation,
+    "estimate-zero-one-adam": table_estimate_zero_one_adam,
     "estimate-summary": table_estimate_summary,
     "variance-guard": table_variance_guard,
     "main-job-guard": table_main_job_guard,

@@ -354,6 +354,13 @@ def test_link_choice_times_each_step_by_its_kind(tmp_path, monkeypatch):
     fastest = result["fastest"]["8kbit"]
     assert (fastest["runs"], fastest["next"]) == (["diloco"], "dense")
     assert fastest["lead"] == pytest.approx(6 * dense_step / (4.0 + outer_step))
+    kinds = ["variance_update", "gradient_1bit", "local", "sync", "refresh", "local"]
+    zero_one = _fake_run(tmp_path, "zero-one", {"optimizer": "zero-one-adam"}, kinds, [(6, 1.7)])
+    timed = tool.choose([tool.read_run(zero_one)], 1.8, 2.0, ["8kbit"], machine)
+    onebit_step = 2.0 + local_compression_seconds(cluster, machine)
+    onebit_step += flat_exchange(cluster, machine).seconds
+    expected = 2 * dense_step + 2 * onebit_step + 2 * 2.0
+    assert timed["runs"]["zero-one"]["seconds"]["8kbit"] == pytest.approx(expected)
     never = tool.choose(runs, 1.0, 2.0, ["8kbit"], machine)
     assert never["runs"]["dense"]["steps"] is None and never["fastest"] == {}
     twin = _fake_run(tmp_path, "twin", {}, ["dense"] * 6, [(3, 2.0), (6, 1.5)])
@@ -370,6 +377,10 @@ def test_link_choice_refuses_what_the_model_does_not_time(tmp_path, monkeypatch,
     with pytest.raises(SystemExit):
         tool.main([str(from_powersgd)])
     assert "does not time PowerSGD" in capsys.readouterr().err
+    strange = _fake_run(tmp_path, "strange", {}, ["dense", "inner"], [(2, 2.0)])
+    with pytest.raises(SystemExit):
+        tool.main([str(strange)])
+    assert "does not time its steps of kind ['inner']" in capsys.readouterr().err
     dense = _fake_run(tmp_path, "dense", {}, ["dense"], [(1, 2.0)])
     with pytest.raises(SystemExit):
         tool.main([str(dense), "--model", "bert-base"])

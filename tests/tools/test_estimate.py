@@ -364,6 +364,21 @@ def test_the_pipelined_overlap_runs_are_predicted_within_tolerance():
     ]
 
 
+def test_zero_one_adams_steps_are_timed_by_their_exchange():
+    # a variance update is LAMB's dense step, a 1-bit gradient step and a synchronisation the
+    # 1-bit exchange's step (1-bit Adam's compression step), a local step the compute alone
+    results = load_results([BENCH / "zero-one-adam"])
+    predictions = validate(results, emulated_machine(Machine()))
+    for name, result in results:
+        predicted = {(p.method, p.stage): p.predicted for p in predictions if p.run == name}
+        compute = result["summary"]["lamb-compute"]["stages"]["steady"]["step_seconds"]
+        assert predicted[("zero-one-adam", "variance_update")] == predicted[("lamb", "steady")]
+        onebit_step = predicted[("onebit-adam", "compression")]
+        assert predicted[("zero-one-adam", "gradient_1bit")] == onebit_step
+        assert predicted[("zero-one-adam", "sync")] == onebit_step
+        assert predicted[("zero-one-adam", "local")] == pytest.approx(compute)
+
+
 def test_the_stated_emulation_constants_are_the_fit():
     results = load_results([BENCH])
     machine = emulated_machine(Machine())

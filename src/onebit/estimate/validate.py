@@ -71,6 +71,10 @@ _PREDICTED = {
     **{(m, "compression"): "overlapped" for m in _OVERLAP_METHODS},
     ("onebit-lamb-delayed", "warmup"): "dense",
     ("onebit-lamb-delayed", "compression"): "delayed",
+    ("zero-one-adam", "variance_update"): "dense",
+    ("zero-one-adam", "gradient_1bit"): "flat",
+    ("zero-one-adam", "sync"): "flat",
+    ("zero-one-adam", "local"): "local",
 }
 
 
@@ -142,7 +146,9 @@ def _cluster_and_machine(result: dict[str, Any], machine: Machine) -> tuple[Clus
 
 def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[Prediction]:
     """A prediction for every step time of ``result`` the model covers (not ``lamb-compute``,
-    its input, nor PowerSGD or 0/1 Adam, which it does not model)."""
+    its input, nor PowerSGD, which it does not model). 0/1 Adam's steps are timed by their
+    exchange: a variance update as LAMB's dense step, a 1-bit gradient step and a
+    synchronisation as the 1-bit exchange with its local work, a local step as ``t_c``."""
     cluster, run_machine = _cluster_and_machine(result, machine)
     local = local_compression_seconds(cluster, run_machine)
     costs: dict[str, tuple[Exchange, float]] = {
@@ -152,6 +158,7 @@ def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[
         "hierarchical": (hierarchical_exchange(cluster, run_machine), local),
         "overlapped": (overlapped_exchange(cluster, run_machine), local),
         "delayed": (delayed_exchange(cluster, run_machine), local),
+        "local": (Exchange(0.0, 0, 0), 0.0),
     }
     predictions = []
     for method, summary in result["summary"].items():
