@@ -21,10 +21,11 @@ the model's time of each step's kind (docs/ALGORITHM.md, "Cost model of a step")
 with no communication at all, as measured where the runs ran. ``--model`` times the steps of
 another model (a name or a count such as ``110M``, as ``onebit estimate --model`` takes;
 give its ``--compute`` too): the runs' steps to the target with that model's step times, an
-extrapolation stated as such. PowerSGD, which the model does not time, is refused by name. Then, per link, the method that reaches the target first and its
-lead over the next (runs whose times agree share the first place; the validation losses come
-every ``eval_every`` steps, so steps to the target are multiples of it). ``--record`` writes
-it all as JSON; ``--plot`` draws each run's final
+extrapolation stated as such. A PowerSGD run, which the model does not time, has its steps and
+bytes to the target and its place in the plot, but no times. Then, per link, the method that
+reaches the target first and its lead over the next (runs whose times agree share the first
+place; the validation losses come every ``eval_every`` steps, so steps to the target are
+multiples of it). ``--record`` writes it all as JSON; ``--plot`` draws each run's final
 validation loss against its bytes per worker.
 """
 
@@ -76,10 +77,10 @@ def _group(rows: list[dict[str, Any]], key: str, value: str) -> dict[str, list[f
 
 
 def method_of(run: dict[str, Any]) -> str:
-    """What the model times the run as; ``ValueError`` for what it does not time."""
+    """What the model times the run as (``"powersgd"``: nothing, the model does not time it)."""
     train = run["train"]
     if train.get("powersgd_rank"):
-        raise ValueError(f"{run['name']}: the cost model does not time PowerSGD")
+        return "powersgd"
     if train.get("sync_every"):
         return f"diloco-{train['outer_exchange']}-h{train['sync_every']}"
     onebit = ("onebit-lamb", "onebit-adam", "zero-one-adam")
@@ -133,15 +134,17 @@ def choose(
     }
     for run in runs:
         steps = steps_to(run, target)
+        timed = method_of(run) != "powersgd"
         entry: dict[str, Any] = {
             "steps": steps,
             "final": run["final"],
             "total_bytes": sum(run["bytes"]),
+            "timed": timed,
             "seconds": {},
         }
         if steps is not None:
             entry["bytes"] = sum(run["bytes"][:steps])
-        for link in links:
+        for link in links if timed else []:
             cluster = Cluster(
                 parameters=parameters or run["parameters"],
                 compute_seconds=compute,
@@ -204,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target validation loss {target:.4f}, t_c {compute:.3f} s")
     for name, entry in results["runs"].items():
         times = ", ".join(f"{link} {s:.0f} s" for link, s in entry["seconds"].items())
+        if not entry["timed"]:
+            times = "not timed by the cost model"
         print(f"  {name}: {entry['steps']} steps; {times or 'never reached'}")
     for link, best in results["fastest"].items():
         lead = f", {best['lead']:.2f}x ahead of {best['next']}" if "next" in best else ""

@@ -934,12 +934,16 @@ def _link_choice(name: str, path: str) -> Table:
     rows = []
     for name, entry in choice["runs"].items():
         reached = entry["steps"] is not None
+        timed = reached and entry.get("timed", True)
         rows.append(
             [
                 labels.get(name, name),
                 str(entry["steps"]) if reached else "not reached",
                 _mib(entry["bytes"]) if reached else "",
-                *(f"{entry['seconds'][link]:.0f} s" if reached else "" for link in links),
+                *(
+                    f"{entry['seconds'][link]:.0f} s" if timed else "not timed" if reached else ""
+                    for link in links
+                ),
             ]
         )
     rows.append(

@@ -371,17 +371,25 @@ def test_link_choice_times_each_step_by_its_kind(tmp_path, monkeypatch):
     }
 
 
-def test_link_choice_refuses_what_the_model_does_not_time(tmp_path, monkeypatch, capsys):
+def test_link_choice_leaves_powersgd_untimed_and_names_what_it_cannot_time(
+    tmp_path, monkeypatch, capsys
+):
     from_powersgd = _fake_run(tmp_path, "psgd", {"powersgd_rank": 4}, ["dense"], [(1, 2.0)])
+    dense = _fake_run(tmp_path, "dense", {}, ["dense"], [(1, 2.0)])
     tool = _tool("link_choice", monkeypatch)
-    with pytest.raises(SystemExit):
-        tool.main([str(from_powersgd)])
-    assert "does not time PowerSGD" in capsys.readouterr().err
+    record = tmp_path / "choice.json"
+    arguments = [str(from_powersgd), str(dense), "--compute", "2", "--record", str(record)]
+    assert tool.main(arguments) == 0
+    assert "psgd: 1 steps; not timed by the cost model" in capsys.readouterr().out
+    written = json.loads(record.read_text())
+    psgd, dense_entry = written["runs"]["psgd"], written["runs"]["dense"]
+    assert (psgd["timed"], psgd["seconds"], psgd["bytes"]) == (False, {}, 8)
+    assert dense_entry["timed"] and set(dense_entry["seconds"]) == {"100mbit", "1gbit", "10gbit"}
+    assert written["fastest"]["1gbit"]["runs"] == ["dense"]
     strange = _fake_run(tmp_path, "strange", {}, ["dense", "inner"], [(2, 2.0)])
     with pytest.raises(SystemExit):
         tool.main([str(strange)])
     assert "does not time its steps of kind ['inner']" in capsys.readouterr().err
-    dense = _fake_run(tmp_path, "dense", {}, ["dense"], [(1, 2.0)])
     with pytest.raises(SystemExit):
         tool.main([str(dense), "--model", "bert-base"])
     assert "--model needs --compute" in capsys.readouterr().err
