@@ -91,6 +91,7 @@ COMMIT_DATES = {
     "eb43f95": "2026-12-05",
     "43079ad": "2026-12-05",
     "24d5ed9": "2026-12-05",
+    "5de40a3": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -137,6 +138,7 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
     "docs/convergence/diloco-study/link-choice-bert-base.json": "43079ad",
+    "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
 }
 
 RUN = "python3 run.py onebit"
@@ -905,6 +907,7 @@ DILOCO_STUDY_ARMS = [
     (f"{DILOCO_STUDY}/lamb", "LAMB"),
     (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
     (f"{DILOCO_STUDY}/adam-n4", "AdamW, every step (DDP)"),
+    (f"{DILOCO_STUDY}/onebit-adam-n4-per-tensor", "1-bit Adam"),
     (f"{DILOCO_STUDY}/lamb-powersgd-r4", "LAMB, PowerSGD rank 4 (DDP)"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense", "DiLoCo over AdamW, H = 20, dense"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit"),
