@@ -782,7 +782,8 @@ DILOCO_RUNS = {
     **{
         f"h{h}-{x}": (
             f"DiLoCo, H = {h}, {'1-bit' if x == '1bit' else x} outer exchange",
-            f"python3 run.py train --optimizer adam --sync-every {h} --outer-exchange {x}",
+            f"python3 run.py train --optimizer adam --sync-every {h} --outer-exchange {x}"
+            + (" --outer-lr 0.7 --outer-momentum 0.9" if x == "1bit" else ""),
         )
         for h in (10, 25)
         for x in ("dense", "1bit")

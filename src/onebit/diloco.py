@@ -3,8 +3,9 @@ exchange").
 
 Each worker takes ``sync_every`` steps of its own inner optimizer; then the workers average
 their pseudo-gradients ``Δ_i = θ_r - θ_{r,i}`` (densely, or through onebit's 1-bit exchange
-with error feedback that persists from round to round) and an outer optimizer (DiLoCo's
-Nesterov SGD by default) applies the average to the round's start weights::
+with error feedback that persists from round to round) and an outer optimizer (by default
+DiLoCo's Nesterov SGD after the dense exchange, plain SGD at lr 1 after the 1-bit one)
+applies the average to the round's start weights::
 
     model = ...
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -36,12 +37,19 @@ from onebit.exchange import (
     world_size,
 )
 
-__all__ = ["DILOCO_OUTER", "DiLoCo", "EXCHANGES", "outer_sgd"]
+__all__ = ["DILOCO_OUTER", "DiLoCo", "EXCHANGES", "ONEBIT_OUTER", "OUTER_DEFAULTS", "outer_sgd"]
 
 #: The outer exchanges: a mean allreduce, or the 1-bit exchange with error feedback.
 EXCHANGES = ("dense", "1bit")
-#: DiLoCo's outer optimizer: SGD with Nesterov momentum (Douillard et al.).
+#: DiLoCo's outer optimizer: SGD with Nesterov momentum (Douillard et al.), the dense
+#: exchange's default.
 DILOCO_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+#: The 1-bit exchange's default outer optimizer: plain SGD at lr 1, the workers' weights
+#: averaged through the exchange; outer momentum would carry the compression's error over
+#: several rounds (ALGORITHM.md, "DiLoCo with a 1-bit outer exchange").
+ONEBIT_OUTER: dict[str, Any] = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+#: Each outer exchange's default outer optimizer.
+OUTER_DEFAULTS: dict[str, dict[str, Any]] = {"dense": DILOCO_OUTER, "1bit": ONEBIT_OUTER}
 _COMPRESSIONS = ("per_tensor", "fused")
 
 
@@ -59,8 +67,9 @@ class DiLoCo:
     ``inner_optimizer`` trains: every ``sync_every`` inner steps, a round's outer exchange
     (``exchange``: ``"dense"`` or ``"1bit"``, the latter each tensor alone or fused by
     ``compression``, on the backend ``kernels`` selects) and the step of
-    ``outer_optimizer`` (built over the same parameters; default: SGD with DiLoCo's
-    :data:`DILOCO_OUTER`). A step post-hook on the inner optimizer ends the rounds
+    ``outer_optimizer`` (built over the same parameters; default: the exchange's
+    :data:`OUTER_DEFAULTS`, DiLoCo's Nesterov SGD for the dense exchange and plain SGD at
+    lr 1 for the 1-bit one). A step post-hook on the inner optimizer ends the rounds
     (:meth:`close` removes it); :meth:`sync` ends one at once.
     """
 
@@ -94,7 +103,8 @@ class DiLoCo:
             )
         _check_covers("inner_optimizer", inner_optimizer, self.params)
         if outer_optimizer is None:
-            outer_optimizer = outer_sgd(self.params)
+            default = OUTER_DEFAULTS[exchange]
+            outer_optimizer = outer_sgd(self.params, default["lr"], default["momentum"])
         _check_covers("outer_optimizer", outer_optimizer, self.params)
         devices = {p.device for p in self.params}
         if len(devices) > 1:

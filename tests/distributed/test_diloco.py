@@ -1,8 +1,8 @@
 """DiLoCo (ALGORITHM.md, "DiLoCo with a 1-bit outer exchange") on 2 gloo ranks against a
 single-process model of both workers written here from the text: AdamW inner steps on each
 worker's own batches, the mean of the pseudo-gradients (or the per-tensor 1-bit oracle with
-errors that persist from round to round) and DiLoCo's Nesterov SGD written out; ranks
-bit-identical after every round; exact resume from a save in the middle of a round; the
+errors that persist from round to round) and each exchange's default outer SGD written out;
+ranks bit-identical after every round; exact resume from a save in the middle of a round; the
 bytes of each exchange; bad arguments named before anything changes."""
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from onebit.testing import spawn_workers
 
 WORLD, H, ROUNDS = 2, 3, 4
 SHAPES = [(6, 5), (6,), (2, 6), (2,)]
-LR, MOMENTUM = 0.7, 0.9
+#: Each outer exchange's default outer SGD (lr, Nesterov momentum), from the text: DiLoCo's
+#: after the dense exchange, plain SGD at lr 1 after the 1-bit one.
+OUTER = {"dense": (0.7, 0.9), "1bit": (1.0, 0.0)}
 
 
 def _train(rank: int, world: int, exchange: str, save_at: int | None = None):
@@ -85,11 +87,12 @@ def _model_of_both_workers(exchange: str, node_size: int = 1) -> list[list[torch
                 per_tensor, worker_errors, server_errors, kernels="torch"
             )
         grads = [a.view_as(t) for a, t in zip(average, theta, strict=True)]
+        lr, momentum = OUTER[exchange]
         if buffers is None:
             buffers = [g.clone() for g in grads]
         else:
-            buffers = [MOMENTUM * b + g for b, g in zip(buffers, grads, strict=True)]
-        theta = [t - LR * (g + MOMENTUM * b) for t, g, b in zip(theta, grads, buffers, strict=True)]
+            buffers = [momentum * b + g for b, g in zip(buffers, grads, strict=True)]
+        theta = [t - lr * (g + momentum * b) for t, g, b in zip(theta, grads, buffers, strict=True)]
         for model in replicas:
             for p, t in zip(model.parameters(), theta, strict=True):
                 p.data.copy_(t)

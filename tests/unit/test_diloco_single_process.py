@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import onebit
+from onebit.train.config import TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -64,3 +65,21 @@ def test_the_outer_sgd_steps_by_nesterovs_rule_and_plainly_without_momentum(mome
         buf = momentum * buf + param.grad
         theta -= 0.7 * (param.grad + momentum * buf)
         torch.testing.assert_close(param.detach(), theta, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("exchange", "lr", "momentum", "nesterov"),
+    [("dense", 0.7, 0.9, True), ("1bit", 1.0, 0.0, False)],
+)
+def test_each_exchange_has_its_own_default_outer_sgd(exchange, lr, momentum, nesterov):
+    # DiLoCo's Nesterov SGD after the dense exchange; plain SGD at lr 1 after the 1-bit one,
+    # whose error outer momentum would carry over several rounds (ALGORITHM.md)
+    model = torch.nn.Linear(4, 3)
+    inner = torch.optim.AdamW(model.parameters())
+    diloco = onebit.DiLoCo(model.parameters(), inner, sync_every=2, exchange=exchange)
+    group = diloco.outer_optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (lr, momentum, nesterov)
+    config = TrainConfig(optimizer="adam", sync_every=2, outer_exchange=exchange).resolved()
+    assert (config.outer_lr, config.outer_momentum) == (lr, momentum)
+    given = TrainConfig(optimizer="adam", sync_every=2, outer_exchange=exchange, outer_lr=0.5)
+    assert (given.resolved().outer_lr, given.resolved().outer_momentum) == (0.5, momentum)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from onebit.cli import check_choice, check_positive_int_option, int_or_auto, option
-from onebit.diloco import DILOCO_OUTER
 from onebit.diloco import EXCHANGES as DILOCO_EXCHANGES
+from onebit.diloco import OUTER_DEFAULTS
 from onebit.optim import AUTO, COMPRESSIONS, registry
 from onebit.optim.checks import (
     check_betas,
@@ -76,7 +76,8 @@ class TrainConfig:
 
     Each field is also an option of ``onebit train`` (``--field-name``). ``lr`` (per optimizer
     family), ``freeze_step``, ``lr_warmup_steps``, ``eval_every`` and ``checkpoint_every``
-    (from ``steps``) may be left ``None``; :meth:`resolved` fills them in.
+    (from ``steps``), ``outer_lr`` and ``outer_momentum`` (from ``outer_exchange``) may be
+    left ``None``; :meth:`resolved` fills them in.
     """
 
     optimizer: str = option(
@@ -282,8 +283,9 @@ class TrainConfig:
         "each worker (with --node-size L > 1: each node of L workers, DDP inside it) takes "
         "this many steps on its own gradients (nothing sent between nodes), then the workers "
         "(nodes) average how far they moved (the pseudo-gradient) through --outer-exchange "
-        "and DiLoCo's outer Nesterov SGD steps from the round's start; validation reads the "
-        "last round's weights; default: off",
+        "and an outer SGD (--outer-lr, --outer-momentum) steps from the round's start; "
+        "validation reads the last round's weights",
+        default_help="off",
     )
     outer_exchange: str = option(
         "1bit",
@@ -292,13 +294,19 @@ class TrainConfig:
         help="with --sync-every: the pseudo-gradients' exchange, 1-bit per tensor with error "
         "feedback kept from round to round, or a dense mean allreduce",
     )
-    outer_lr: float = option(
-        DILOCO_OUTER["lr"], group=_SYSTEM, help="with --sync-every: the outer SGD's learning rate"
+    outer_lr: float | None = option(
+        None,
+        group=_SYSTEM,
+        help="with --sync-every: the outer SGD's learning rate",
+        default_help=f"DiLoCo's {OUTER_DEFAULTS['dense']['lr']:g} with --outer-exchange dense, "
+        f"{OUTER_DEFAULTS['1bit']['lr']:g} with 1bit",
     )
-    outer_momentum: float = option(
-        DILOCO_OUTER["momentum"],
+    outer_momentum: float | None = option(
+        None,
         group=_SYSTEM,
         help="with --sync-every: the outer SGD's Nesterov momentum (0: plain SGD)",
+        default_help=f"DiLoCo's {OUTER_DEFAULTS['dense']['momentum']:g} with --outer-exchange "
+        f"dense, {OUTER_DEFAULTS['1bit']['momentum']:g} with 1bit",
     )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
@@ -343,6 +351,11 @@ class TrainConfig:
                 config.local_step_scaler = max(1, local_steps // DEFAULT_LOCAL_INTERVAL_DOUBLINGS)
         if config.lr_warmup_steps is None:
             config.lr_warmup_steps = round(DEFAULT_LR_WARMUP_FRACTION * config.steps)
+        outer = OUTER_DEFAULTS[config.outer_exchange]
+        if config.outer_lr is None:
+            config.outer_lr = outer["lr"]
+        if config.outer_momentum is None:
+            config.outer_momentum = outer["momentum"]
         if config.eval_every is None:
             config.eval_every = max(1, config.steps // DEFAULT_EVALS)
         if config.checkpoint_every is None:

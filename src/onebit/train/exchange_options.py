@@ -122,5 +122,7 @@ def _check_diloco(config: TrainConfig) -> None:
     ):
         if value:
             raise ValueError(f"--sync-every (DiLoCo) is not offered with {flag}")
-    check_positive("--outer-lr", config.outer_lr)
-    check_unit_interval("--outer-momentum", config.outer_momentum)
+    if config.outer_lr is not None:  # None: the outer exchange's default
+        check_positive("--outer-lr", config.outer_lr)
+    if config.outer_momentum is not None:
+        check_unit_interval("--outer-momentum", config.outer_momentum)
