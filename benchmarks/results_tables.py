@@ -139,6 +139,7 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
     "docs/convergence/diloco-study/link-choice-bert-base.json": "43079ad",
     "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
+    "docs/convergence/diloco-study/zero-one-adam-n4-auto": "5de40a3",
 }
 
 RUN = "python3 run.py onebit"
@@ -909,6 +910,7 @@ DILOCO_STUDY_ARMS = [
     (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
     (f"{DILOCO_STUDY}/adam-n4", "AdamW, every step (DDP)"),
     (f"{DILOCO_STUDY}/onebit-adam-n4-per-tensor", "1-bit Adam"),
+    (f"{DILOCO_STUDY}/zero-one-adam-n4-auto", "0/1 Adam"),
     (f"{DILOCO_STUDY}/lamb-powersgd-r4", "LAMB, PowerSGD rank 4 (DDP)"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense", "DiLoCo over AdamW, H = 20, dense"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit"),
