@@ -92,6 +92,7 @@ COMMIT_DATES = {
     "43079ad": "2026-12-05",
     "24d5ed9": "2026-12-05",
     "5de40a3": "2026-12-05",
+    "ebdf454": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -140,6 +141,7 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/link-choice-bert-base.json": "43079ad",
     "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
     "docs/convergence/diloco-study/zero-one-adam-n4-auto": "5de40a3",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
 }
 
 RUN = "python3 run.py onebit"
@@ -913,9 +915,10 @@ DILOCO_STUDY_ARMS = [
     (f"{DILOCO_STUDY}/zero-one-adam-n4-auto", "0/1 Adam"),
     (f"{DILOCO_STUDY}/lamb-powersgd-r4", "LAMB, PowerSGD rank 4 (DDP)"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense", "DiLoCo over AdamW, H = 20, dense"),
-    (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit"),
+    (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit, Nesterov 0.9"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h60-dense", "DiLoCo over AdamW, H = 60, dense"),
-    (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit", "DiLoCo over AdamW, H = 60, 1-bit"),
+    (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit", "DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.9"),
+    (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit-sgd", "DiLoCo over AdamW, H = 60, 1-bit, SGD lr 1"),
 ]
 
 
