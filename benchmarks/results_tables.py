@@ -134,14 +134,15 @@ RECORDED_IN = {
     "docs/main-job/diloco-outer": "5ca0ad9",
     "docs/main-job/longer": "24d5ed9",
     "docs/convergence/diloco-study": "ae839b0",
-    "docs/convergence/diloco-study/link-choice.json": "43079ad",
+    "docs/convergence/diloco-study/link-choice.json": "ebdf454",
     "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
-    "docs/convergence/diloco-study/link-choice-bert-base.json": "43079ad",
+    "docs/convergence/diloco-study/link-choice-bert-base.json": "ebdf454",
     "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
     "docs/convergence/diloco-study/zero-one-adam-n4-auto": "5de40a3",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-m05": "ebdf454",
 }
 
 RUN = "python3 run.py onebit"
@@ -918,6 +919,10 @@ DILOCO_STUDY_ARMS = [
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit, Nesterov 0.9"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h60-dense", "DiLoCo over AdamW, H = 60, dense"),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit", "DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.9"),
+    (
+        f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit-m05",
+        "DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.5",
+    ),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit-sgd", "DiLoCo over AdamW, H = 60, 1-bit, SGD lr 1"),
 ]
 

@@ -4,8 +4,8 @@ exchange").
 Each worker takes ``sync_every`` steps of its own inner optimizer; then the workers average
 their pseudo-gradients ``Δ_i = θ_r - θ_{r,i}`` (densely, or through onebit's 1-bit exchange
 with error feedback that persists from round to round) and an outer optimizer (by default
-DiLoCo's Nesterov SGD after the dense exchange, plain SGD at lr 1 after the 1-bit one)
-applies the average to the round's start weights::
+DiLoCo's Nesterov SGD, with momentum 0.5 instead of 0.9 after the 1-bit exchange) applies the
+average to the round's start weights::
 
     model = ...
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -44,10 +44,10 @@ EXCHANGES = ("dense", "1bit")
 #: DiLoCo's outer optimizer: SGD with Nesterov momentum (Douillard et al.), the dense
 #: exchange's default.
 DILOCO_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-#: The 1-bit exchange's default outer optimizer: plain SGD at lr 1, the workers' weights
-#: averaged through the exchange; outer momentum would carry the compression's error over
-#: several rounds (ALGORITHM.md, "DiLoCo with a 1-bit outer exchange").
-ONEBIT_OUTER: dict[str, Any] = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+#: The 1-bit exchange's default outer optimizer: SGD with Nesterov momentum 0.5, not 0.9,
+#: since outer momentum multiplies the compression's error by up to 1/(1 - momentum)
+#: (ALGORITHM.md, "DiLoCo with a 1-bit outer exchange").
+ONEBIT_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.5, "nesterov": True}
 #: Each outer exchange's default outer optimizer.
 OUTER_DEFAULTS: dict[str, dict[str, Any]] = {"dense": DILOCO_OUTER, "1bit": ONEBIT_OUTER}
 _COMPRESSIONS = ("per_tensor", "fused")
@@ -68,8 +68,8 @@ class DiLoCo:
     (``exchange``: ``"dense"`` or ``"1bit"``, the latter each tensor alone or fused by
     ``compression``, on the backend ``kernels`` selects) and the step of
     ``outer_optimizer`` (built over the same parameters; default: the exchange's
-    :data:`OUTER_DEFAULTS`, DiLoCo's Nesterov SGD for the dense exchange and plain SGD at
-    lr 1 for the 1-bit one). A step post-hook on the inner optimizer ends the rounds
+    :data:`OUTER_DEFAULTS`, DiLoCo's Nesterov SGD for the dense exchange, with momentum 0.5
+    for the 1-bit one). A step post-hook on the inner optimizer ends the rounds
     (:meth:`close` removes it); :meth:`sync` ends one at once.
     """
 

@@ -22,8 +22,8 @@ from onebit.testing import spawn_workers
 WORLD, H, ROUNDS = 2, 3, 4
 SHAPES = [(6, 5), (6,), (2, 6), (2,)]
 #: Each outer exchange's default outer SGD (lr, Nesterov momentum), from the text: DiLoCo's
-#: after the dense exchange, plain SGD at lr 1 after the 1-bit one.
-OUTER = {"dense": (0.7, 0.9), "1bit": (1.0, 0.0)}
+#: after the dense exchange, momentum 0.5 after the 1-bit one.
+OUTER = {"dense": (0.7, 0.9), "1bit": (0.7, 0.5)}
 
 
 def _train(rank: int, world: int, exchange: str, save_at: int | None = None):

@@ -298,15 +298,15 @@ class TrainConfig:
         None,
         group=_SYSTEM,
         help="with --sync-every: the outer SGD's learning rate",
-        default_help=f"DiLoCo's {OUTER_DEFAULTS['dense']['lr']:g} with --outer-exchange dense, "
+        default_help=f"{OUTER_DEFAULTS['dense']['lr']:g} with --outer-exchange dense (DiLoCo's), "
         f"{OUTER_DEFAULTS['1bit']['lr']:g} with 1bit",
     )
     outer_momentum: float | None = option(
         None,
         group=_SYSTEM,
         help="with --sync-every: the outer SGD's Nesterov momentum (0: plain SGD)",
-        default_help=f"DiLoCo's {OUTER_DEFAULTS['dense']['momentum']:g} with --outer-exchange "
-        f"dense, {OUTER_DEFAULTS['1bit']['momentum']:g} with 1bit",
+        default_help=f"{OUTER_DEFAULTS['dense']['momentum']:g} with --outer-exchange dense "
+        f"(DiLoCo's), {OUTER_DEFAULTS['1bit']['momentum']:g} with 1bit",
     )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
