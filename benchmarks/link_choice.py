@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -222,16 +223,32 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot_loss_against_bytes(results: dict[str, Any], path: Path) -> None:
     """Each run's final validation loss against the bytes a worker sent, bytes on a log
-    scale, the target as a line."""
+    scale, the target as a line; a name goes below its point where another point sits just
+    above it, else above, so that neighbours' names do not cover each other."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for name, entry in results["runs"].items():
-        axes.scatter(entry["total_bytes"], entry["final"])
-        axes.annotate(name, (entry["total_bytes"], entry["final"]), fontsize=8)
+    points = {
+        name: (entry["total_bytes"], entry["final"]) for name, entry in results["runs"].items()
+    }
+    losses = [loss for _, loss in points.values()]
+    near = 0.025 * (max(losses) - min(losses))
+    for name, point in points.items():
+        axes.scatter(*point)
+        below = any(
+            0 < loss - point[1] < near and abs(math.log10(sent / point[0])) < 0.7
+            for sent, loss in points.values()
+        )
+        axes.annotate(
+            name,
+            point,
+            xytext=(4, -9 if below else 3),
+            textcoords="offset points",
+            fontsize=7,
+        )
     axes.axhline(results["target"], color="grey", linestyle=":", label="target")
     axes.set_xscale("log")
     axes.set_xlabel("bytes sent per worker, whole run")
