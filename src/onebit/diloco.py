@@ -5,7 +5,8 @@ Each worker takes ``sync_every`` steps of its own inner optimizer; then the work
 their pseudo-gradients ``Δ_i = θ_r - θ_{r,i}`` (densely, or through onebit's 1-bit exchange
 with error feedback that persists from round to round) and an outer optimizer (by default
 DiLoCo's Nesterov SGD, with momentum 0.5 instead of 0.9 after the 1-bit exchange) applies the
-average to the round's start weights::
+average to the round's start weights. Optionally the model is exchanged in ``fragments`` that
+take turns, each exchange running behind ``delay`` later inner steps (Streaming DiLoCo)::
 
     model = ...
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -19,7 +20,9 @@ average to the round's start weights::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -37,7 +40,15 @@ from onebit.exchange import (
     world_size,
 )
 
-__all__ = ["DILOCO_OUTER", "DiLoCo", "EXCHANGES", "ONEBIT_OUTER", "OUTER_DEFAULTS", "outer_sgd"]
+__all__ = [
+    "DILOCO_OUTER",
+    "DiLoCo",
+    "EXCHANGES",
+    "Fragment",
+    "ONEBIT_OUTER",
+    "OUTER_DEFAULTS",
+    "outer_sgd",
+]
 
 #: The outer exchanges: a mean allreduce, or the 1-bit exchange with error feedback.
 EXCHANGES = ("dense", "1bit")
@@ -62,6 +73,61 @@ def outer_sgd(
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
+class Fragment:
+    """One fragment of the parameters DiLoCo exchanges together: its parameters (their
+    indices into :attr:`DiLoCo.params`), its round's start weights, its outer exchange (the
+    1-bit one with its own error buffers; ``None``: dense) and its pseudo-gradient buffer."""
+
+    def __init__(
+        self,
+        indices: list[int],
+        params: list[Tensor],
+        starts: list[Tensor],
+        exchange: Exchange | None,
+        traffic: TrafficCounter,
+        backend: backends.Backend,
+    ) -> None:
+        self.indices, self.params, self.starts = indices, params, starts
+        self.numels = [p.numel() for p in params]
+        self.exchange = exchange
+        size = sum(self.numels)
+        if exchange is not None:
+            exchange.bind(self.numels, torch.float32, params[0].device, backend, traffic)
+            size = exchange.buffer_size(self.numels)
+        self.buffer = torch.zeros(size, dtype=torch.float32, device=params[0].device)
+
+    @torch.no_grad()
+    def pseudo_gradient(self, out: Tensor) -> None:
+        """``out`` (:attr:`buffer`'s size, fp32) = this worker's pseudo-gradient ``θ_f - θ``,
+        tensor after tensor, the padding zero."""
+        total = sum(self.numels)
+        for delta, start, param in zip(
+            out[:total].split(self.numels), self.starts, self.params, strict=True
+        ):
+            delta.copy_((start - param.detach()).reshape(-1))
+        out[total:].zero_()
+
+    def use_exchange(self, exchange: Exchange) -> None:
+        """Exchange through ``exchange`` (bound here to this fragment's tensors) instead."""
+        assert self.exchange is not None
+        exchange.bind(
+            self.numels,
+            torch.float32,
+            self.buffer.device,
+            self.exchange.backend,
+            self.exchange.traffic,
+        )
+        self.exchange = exchange
+        self.buffer = self.buffer.new_zeros(exchange.buffer_size(self.numels))
+
+    def errors(self) -> tuple[Tensor | None, Tensor | None]:
+        """This rank's worker and server errors (``None`` before the first 1-bit exchange,
+        and for the dense exchange)."""
+        if self.exchange is None:
+            return None, None
+        return self.exchange.worker_error, self.exchange.server_error
+
+
 class DiLoCo:
     """DiLoCo over ``process_group`` (``None``: the world) for ``params``, which
     ``inner_optimizer`` trains: every ``sync_every`` inner steps, a round's outer exchange
@@ -71,6 +137,13 @@ class DiLoCo:
     :data:`OUTER_DEFAULTS`, DiLoCo's Nesterov SGD for the dense exchange, with momentum 0.5
     for the 1-bit one). A step post-hook on the inner optimizer ends the rounds
     (:meth:`close` removes it); :meth:`sync` ends one at once.
+
+    Streaming (ALGORITHM.md, "Streaming fragments and the delayed outer exchange"):
+    ``fragments`` (an int K, the parameters cut in order into K runs of about equal size, or
+    K lists of the parameters) take turns, one every ``sync_every / K`` inner steps, each
+    fragment's exchange starting ``delay`` inner steps before its outer step and running
+    behind them; at the outer step each worker keeps ``local_share`` of what those steps did
+    to the fragment's weights.
     """
 
     def __init__(
@@ -84,11 +157,14 @@ class DiLoCo:
         outer_optimizer: Optimizer | None = None,
         process_group: dist.ProcessGroup | None = None,
         kernels: str | None = None,
+        fragments: int | Sequence[Iterable[Tensor]] = 1,
+        delay: int = 0,
+        local_share: float = 0.0,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("DiLoCo needs parameters that require gradients")
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        if not _is_int(sync_every) or sync_every < 1:
             raise ValueError(
                 f"sync_every must be an int >= 1 (inner steps per round), got {sync_every!r}"
             )
@@ -102,6 +178,24 @@ class DiLoCo:
                 f"{type(inner_optimizer).__name__}"
             )
         _check_covers("inner_optimizer", inner_optimizer, self.params)
+        groups = _fragment_indices(fragments, self.params)
+        if sync_every % len(groups):
+            raise ValueError(
+                f"sync_every={sync_every} must be a multiple of the {len(groups)} fragments "
+                "(each fragment's turn is sync_every / fragments inner steps)"
+            )
+        turn_steps = sync_every // len(groups)
+        if not _is_int(delay) or not 0 <= delay < turn_steps:
+            raise ValueError(
+                f"delay must be an int in [0, {turn_steps}) (inner steps, less than a "
+                f"fragment's turn of sync_every / fragments = {turn_steps}), got {delay!r}"
+            )
+        if delay and exchange == "1bit" and compression != "per_tensor":
+            raise ValueError(
+                "a delayed 1-bit exchange is the per-tensor one: compression='per_tensor'"
+            )
+        if isinstance(local_share, bool) or not 0.0 <= float(local_share) <= 1.0:
+            raise ValueError(f"local_share must be a float in [0, 1], got {local_share!r}")
         if outer_optimizer is None:
             default = OUTER_DEFAULTS[exchange]
             outer_optimizer = outer_sgd(self.params, default["lr"], default["momentum"])
@@ -111,60 +205,138 @@ class DiLoCo:
             raise ValueError(
                 f"all parameters must be on one device, got {sorted(map(str, devices))}"
             )
-        self.sync_every = sync_every
+        self.sync_every, self.turn_steps = sync_every, turn_steps
+        self.delay, self.local_share = delay, float(local_share)
         self.exchange_kind = exchange
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
         self.process_group = process_group
         self.traffic = TrafficCounter()
-        self.local_step = 0  # inner steps of the current round
-        self.rounds = 0
+        self.local_step = 0  # inner steps of the current turn
+        self.rounds = 0  # turns ended (with one fragment: rounds)
         self._round_start = [p.detach().clone() for p in self.params]
-        numels = [p.numel() for p in self.params]
-        self._exchange: Exchange | None = None
-        if exchange == "1bit":
-            group_exchange = PerTensorExchange if compression == "per_tensor" else FlatExchange
-            self._exchange = group_exchange(process_group)
-            device = next(iter(devices))
-            backend = _backend_for(device, kernels)
-            self._exchange.bind(numels, torch.float32, device, backend, self.traffic)
-            size = self._exchange.buffer_size(numels)
-        else:
-            size = sum(numels)
-        self._buffer = torch.zeros(size, dtype=torch.float32, device=next(iter(devices)))
-        self._numels = numels
+        # the delayed exchange runs in a thread, over a group of its own
+        self._exchange_group = process_group
+        if delay and world_size(process_group) > 1:
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            self._exchange_group = dist.new_group(ranks, use_local_synchronization=True)
+        backend = _backend_for(next(iter(devices)), kernels)
+        one_bit = PerTensorExchange if compression == "per_tensor" else FlatExchange
+        self.fragments = [
+            Fragment(
+                indices,
+                [self.params[i] for i in indices],
+                [self._round_start[i] for i in indices],
+                one_bit(self._exchange_group) if exchange == "1bit" else None,
+                self.traffic,
+                backend,
+            )
+            for indices in groups
+        ]
+        self._executor: ThreadPoolExecutor | None = None
+        if delay:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit-diloco")
+            weakref.finalize(self, self._executor.shutdown, wait=False)
+        self._in_flight: Future | None = None  # the turn's exchange, once started
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
-    # ----------------------------------------------------------------- rounds
+    # ----------------------------------------------------------------- turns
+    @property
+    def fragment(self) -> int:
+        """The fragment whose turn it is."""
+        return self.rounds % len(self.fragments)
+
     def _after_inner_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self.local_step += 1
-        if self.local_step >= self.sync_every:
-            self.sync()
+        if self.local_step == self.turn_steps - self.delay:
+            self._start_exchange()
+        if self.local_step >= self.turn_steps:
+            self._end_turn(self.local_share)
+
+    def _start_exchange(self) -> None:
+        """This worker's pseudo-gradient of the turn's fragment into its buffer, and the
+        exchange that averages it there: in the thread with a delay, at once without."""
+        fragment = self.fragments[self.fragment]
+        fragment.pseudo_gradient(fragment.buffer)
+        if self._executor is None:
+            self._in_flight = Future()
+            try:
+                self._average(fragment)
+            except BaseException as error:
+                self._in_flight = None
+                raise error
+            self._in_flight.set_result(None)
+        else:
+            self._in_flight = self._executor.submit(_without_grad, self._average, fragment)
+
+    def _average(self, fragment: Fragment) -> None:
+        """In place, the ranks' mean of ``fragment``'s buffer: densely (a non-finite mean
+        raises), or the 1-bit exchange's (its ``NonFiniteError``)."""
+        if fragment.exchange is None:
+            allreduce_mean_(fragment.buffer, self._exchange_group, traffic=self.traffic)
+            self.check_finite(fragment.buffer)
+        else:
+            fragment.exchange.exchange(fragment.buffer).decode(fragment.buffer)
+
+    @property
+    def exchange_started(self) -> bool:
+        """Whether the current turn's exchange has started (and not yet been applied)."""
+        return self._in_flight is not None
+
+    def hold(self, average: Tensor) -> None:
+        """Take ``average`` (:meth:`buffer_size` elements), the turn's averaged
+        pseudo-gradient computed by the caller (the simulation), as its exchange's result."""
+        self.fragments[self.fragment].buffer.copy_(average)
+        self._in_flight = Future()
+        self._in_flight.set_result(None)
+
+    def wait_exchange(self) -> Tensor:
+        """The turn's averaged pseudo-gradient once its exchange has completed (its
+        fragment's buffer); raises what the exchange raised. Nothing is pending afterwards."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            raise RuntimeError("no outer exchange has started in this turn")
+        in_flight.result()
+        return self.fragments[self.fragment].buffer
+
+    @torch.no_grad()
+    def _end_turn(self, local_share: float) -> None:
+        """The turn's exchange completed and its fragment's outer step; each worker keeps
+        ``local_share`` of its own move since the exchange started."""
+        index = self.fragment
+        fragment = self.fragments[index]
+        if self._in_flight is None:
+            self._start_exchange()
+        average = self.wait_exchange()
+        own = None
+        if local_share and self.delay:
+            own = [p.detach().clone() for p in fragment.params]
+        self.outer_step(average, index)
+        if own is not None:
+            for param, mine in zip(fragment.params, own, strict=True):
+                param.lerp_(mine, local_share)
+        self.local_step = 0
+        self.rounds += 1
 
     @torch.no_grad()
     def sync(self) -> None:
-        """End the round now: the pseudo-gradients through the outer exchange, then the
-        outer step from the round's start weights; the next round starts from its result."""
-        self.pseudo_gradient(self._buffer)
-        if self._exchange is None:
-            allreduce_mean_(self._buffer, self.process_group, traffic=self.traffic)
-            self.check_finite(self._buffer)
-        else:
-            self._exchange.exchange(self._buffer).decode(self._buffer)
-        self.outer_step(self._buffer)
+        """End the current turn now, and with it every fragment's round: the turn's exchange
+        completes (or runs now) and its outer step runs, then every other fragment's exchange
+        and outer step; every rank then holds the start weights."""
+        index = self.fragment
+        self._end_turn(local_share=0.0)
+        for other, fragment in enumerate(self.fragments):
+            if other != index:
+                fragment.pseudo_gradient(fragment.buffer)
+                self._average(fragment)
+                self.outer_step(fragment.buffer, other)
 
-    @torch.no_grad()
-    def pseudo_gradient(self, out: Tensor) -> None:
-        """``out`` (:attr:`buffer_size` fp32 elements) = this worker's pseudo-gradient
-        ``θ_r - θ``, tensor after tensor, the padding zero."""
-        total = sum(self._numels)
-        for delta, start, param in zip(
-            out[:total].split(self._numels), self._round_start, self.params, strict=True
-        ):
-            delta.copy_((start - param.detach()).reshape(-1))
-        out[total:].zero_()
+    def pseudo_gradient(self, out: Tensor, fragment: int = 0) -> None:
+        """``out`` (:meth:`buffer_size` fp32 elements) = this worker's pseudo-gradient
+        ``θ_f - θ`` of ``fragment``, tensor after tensor, the padding zero."""
+        self.fragments[fragment].pseudo_gradient(out)
 
     def check_finite(self, average: Tensor) -> None:
-        """``FloatingPointError`` naming the round if the averaged pseudo-gradient is not
+        """``FloatingPointError`` naming the turn if the averaged pseudo-gradient is not
         finite (the 1-bit exchange raises its own ``NonFiniteError``)."""
         if not bool(torch.isfinite(average).all()):
             raise FloatingPointError(
@@ -173,47 +345,46 @@ class DiLoCo:
             )
 
     @torch.no_grad()
-    def outer_step(self, average: Tensor) -> None:
-        """The round's outer step from ``average``, the workers' averaged pseudo-gradient
-        (laid out as :meth:`pseudo_gradient`'s): the weights set back to the round's start,
-        each parameter's gradient to its part of ``average``, the outer optimizer's step;
-        the next round starts from its result, and the inner loop's gradients are put back."""
-        pseudo = average[: sum(self._numels)].split(self._numels)
+    def outer_step(self, average: Tensor, fragment: int = 0) -> None:
+        """``fragment``'s outer step from ``average``, the workers' averaged pseudo-gradient
+        (laid out as :meth:`pseudo_gradient`'s): its weights set back to its round's start,
+        their gradients to their parts of ``average`` (the other parameters' to ``None``), the
+        outer optimizer's step; the fragment's next round starts from its result, and the
+        inner loop's gradients are put back."""
+        part = self.fragments[fragment]
         grads = [param.grad for param in self.params]
-        for delta, start, param in zip(pseudo, self._round_start, self.params, strict=True):
+        for param in self.params:
+            param.grad = None
+        pseudo = average[: sum(part.numels)].split(part.numels)
+        for delta, start, param in zip(pseudo, part.starts, part.params, strict=True):
             param.copy_(start)
             param.grad = delta.view_as(param).to(param.dtype, copy=True)
         self.outer_optimizer.step()
-        for param, grad, start in zip(self.params, grads, self._round_start, strict=True):
+        for param, grad in zip(self.params, grads, strict=True):
             param.grad = grad
+        for param, start in zip(part.params, part.starts, strict=True):
             start.copy_(param)
-        self.local_step = 0
-        self.rounds += 1
 
-    @property
-    def buffer_size(self) -> int:
-        """Elements of the pseudo-gradient buffer the outer exchange takes."""
-        return self._buffer.numel()
+    def buffer_size(self, fragment: int = 0) -> int:
+        """Elements of ``fragment``'s pseudo-gradient buffer, which its exchange takes."""
+        return self.fragments[fragment].buffer.numel()
 
-    def use_exchange(self, exchange: Exchange) -> None:
-        """Average the pseudo-gradients of a 1-bit DiLoCo through ``exchange`` (a simulated
-        one, :mod:`onebit.simulate`) instead of over the process group; before the first
-        round only."""
-        if self._exchange is None:
+    def use_exchange(self, exchange: Exchange, fragment: int = 0) -> None:
+        """Average the pseudo-gradients of a 1-bit DiLoCo's ``fragment`` through
+        ``exchange`` (a simulated one, :mod:`onebit.simulate`) instead of over the process
+        group; before the first round only."""
+        part = self.fragments[fragment]
+        if part.exchange is None:
             raise ValueError("use_exchange replaces the 1-bit exchange; this DiLoCo is dense")
-        if self.rounds or self._exchange.worker_error is not None:
+        if self.rounds or self.local_step or part.exchange.worker_error is not None:
             raise ValueError("use_exchange must come before the first round")
-        exchange.bind(
-            self._numels, torch.float32, self._buffer.device, self._exchange.backend, self.traffic
-        )
-        self._exchange = exchange
-        self._buffer = self._buffer.new_zeros(exchange.buffer_size(self._numels))
+        part.use_exchange(exchange)
 
     # ----------------------------------------------------------------- what users see
     @contextlib.contextmanager
     def round_start_weights(self) -> Iterator[None]:
         """Inside the block the parameters hold the current round's start weights (the outer
-        step's result, the same on every rank: what to evaluate or export in the middle of a
+        steps' results, the same on every rank: what to evaluate or export in the middle of a
         round); this rank's own weights are put back after it."""
         own = [p.detach().clone() for p in self.params]
         with torch.no_grad():
@@ -236,8 +407,16 @@ class DiLoCo:
         return world_size(self.process_group)
 
     def close(self) -> None:
-        """Remove the hook on the inner optimizer: its steps no longer end rounds."""
+        """Remove the hook on the inner optimizer: its steps no longer end rounds. An
+        exchange in flight is waited for and its result dropped (:meth:`sync` applies it)."""
         self._hook.remove()
+        self._drop_in_flight()
+
+    def _drop_in_flight(self) -> None:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            with contextlib.suppress(Exception):
+                in_flight.result()
 
     def __enter__(self) -> DiLoCo:
         return self
@@ -247,21 +426,27 @@ class DiLoCo:
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The inner step within the round, the rounds, the round's start weights, the outer
-        optimizer's state, this rank's error buffers and the bytes sent (the model and the
-        inner optimizer are saved by the caller)."""
-        errors: tuple[Tensor | None, Tensor | None] = (None, None)
-        if self._exchange is not None:
-            errors = self._exchange.worker_error, self._exchange.server_error
+        """The inner step within the turn, the turns ended, the round's start weights, the
+        outer optimizer's state, this rank's error buffers of every fragment, the average of
+        an exchange in flight (waited for: every rank saves at the same inner step) and the
+        bytes sent (the model and the inner optimizer are saved by the caller)."""
+        pending = None
+        if self._in_flight is not None:
+            self._in_flight.result()
+            pending = self.fragments[self.fragment].buffer.clone()
+        errors = [fragment.errors() for fragment in self.fragments]
         return {
             "local_step": self.local_step,
             "rounds": self.rounds,
             "sync_every": self.sync_every,
             "exchange": self.exchange_kind,
+            "fragments": [list(fragment.indices) for fragment in self.fragments],
+            "delay": self.delay,
             "round_start": [start.clone() for start in self._round_start],
             "outer_optimizer": self.outer_optimizer.state_dict(),
-            "worker_error": None if errors[0] is None else errors[0].clone(),
-            "server_error": None if errors[1] is None else errors[1].clone(),
+            "worker_error": [None if w is None else w.clone() for w, _ in errors],
+            "server_error": [None if s is None else s.clone() for _, s in errors],
+            "pending_average": pending,
             "bytes_sent": dict(self.traffic.bytes_sent),
         }
 
@@ -273,6 +458,14 @@ class DiLoCo:
                 f"checkpoint of a DiLoCo with exchange={state.get('exchange')!r}; this one has "
                 f"exchange={self.exchange_kind!r}"
             )
+        layout = [list(f.indices) for f in self.fragments]
+        saved_layout = state.get("fragments", [list(range(len(self.params)))])
+        if saved_layout != layout or state.get("delay", 0) != self.delay:
+            raise ValueError(
+                f"checkpoint of a DiLoCo with fragments {saved_layout} and delay "
+                f"{state.get('delay', 0)}; this one has fragments {layout} and delay "
+                f"{self.delay}"
+            )
         starts = state["round_start"]
         shapes = [tuple(t.shape) for t in starts]
         if shapes != [tuple(p.shape) for p in self.params]:
@@ -280,34 +473,108 @@ class DiLoCo:
                 f"checkpoint's round start weights have shapes {shapes}; the parameters "
                 f"{[tuple(p.shape) for p in self.params]}"
             )
-        if not 0 <= int(state["local_step"]) < self.sync_every:
+        local_step = int(state["local_step"])
+        if not 0 <= local_step < self.turn_steps:
             raise ValueError(
-                f"checkpoint is at inner step {state['local_step']} of a round; this DiLoCo has "
+                f"checkpoint is at inner step {local_step} of a round; this DiLoCo has "
                 f"sync_every={self.sync_every}"
+                + (f" in {len(self.fragments)} fragments" if len(self.fragments) > 1 else "")
             )
-        if self._exchange is not None and state["worker_error"] is not None:
-            sizes = self._exchange.error_sizes(self._numels)
-            found = (state["worker_error"].numel(), state["server_error"].numel())
-            if found != sizes:
-                raise ValueError(
-                    f"checkpoint's error buffers hold {found} elements; this exchange over "
-                    f"{self.world_size} ranks needs {sizes}"
-                )
+        pending = state.get("pending_average")
+        in_flight = self.delay > 0 and local_step >= self.turn_steps - self.delay
+        if (pending is not None) != in_flight:
+            raise ValueError(
+                f"checkpoint at inner step {local_step} of a turn "
+                f"{'lacks' if in_flight else 'holds'} the average of an exchange in flight"
+            )
+        workers, servers = (_per_fragment(state[key]) for key in ("worker_error", "server_error"))
+        for fragment, worker, server in zip(self.fragments, workers, servers, strict=True):
+            if fragment.exchange is not None and worker is not None:
+                sizes = fragment.exchange.error_sizes(fragment.numels)
+                if (worker.numel(), server.numel()) != sizes:
+                    raise ValueError(
+                        f"checkpoint's error buffers hold {(worker.numel(), server.numel())} "
+                        f"elements; this exchange over {self.world_size} ranks needs {sizes}"
+                    )
+        self._drop_in_flight()
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         for start, saved in zip(self._round_start, starts, strict=True):
             start.copy_(saved)
-        self.local_step, self.rounds = int(state["local_step"]), int(state["rounds"])
+        self.local_step, self.rounds = local_step, int(state["rounds"])
         self.traffic.reset()
         for kind, nbytes in state["bytes_sent"].items():
             self.traffic.bytes_sent[kind] = int(nbytes)
-        if self._exchange is not None and state["worker_error"] is not None:
-            self._exchange.carry_errors(
-                self._numels,
-                state["worker_error"].to(self._buffer.device).clone(),
-                state["server_error"].to(self._buffer.device).clone(),
-                self._exchange.backend,
-                self.traffic,
+        for fragment, worker, server in zip(self.fragments, workers, servers, strict=True):
+            if fragment.exchange is not None and worker is not None:
+                fragment.exchange.carry_errors(
+                    fragment.numels,
+                    worker.to(fragment.buffer.device).clone(),
+                    server.to(fragment.buffer.device).clone(),
+                    fragment.exchange.backend,
+                    self.traffic,
+                )
+        if pending is not None:
+            self.hold(pending.to(self.fragments[self.fragment].buffer.device))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _per_fragment(saved: Tensor | list | None) -> list[Tensor | None]:
+    """Saved error buffers, one per fragment (a save of one fragment may hold the tensor)."""
+    return list(saved) if isinstance(saved, list) else [saved]
+
+
+def _fragment_indices(
+    fragments: int | Sequence[Iterable[Tensor]], params: list[Tensor]
+) -> list[list[int]]:
+    """Each fragment's parameters as indices into ``params``: for an int K, K runs of
+    consecutive parameters, each cut at the parameter boundary nearest to its share of the
+    elements; else the given lists, which must hold each parameter once."""
+    if _is_int(fragments):
+        count = int(fragments)  # type: ignore[arg-type]
+        if not 1 <= count <= len(params):
+            raise ValueError(
+                f"fragments must be between 1 and the {len(params)} parameters, got {count}"
             )
+        ends = torch.tensor([p.numel() for p in params]).cumsum(0).tolist()
+        cuts = [0]
+        for j in range(1, count):
+            target = ends[-1] * j / count
+            candidates = range(cuts[-1] + 1, len(params) - (count - j) + 1)
+            cuts.append(min(candidates, key=lambda cut: abs(ends[cut - 1] - target)))
+        cuts.append(len(params))
+        return [list(range(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    if isinstance(fragments, (str, bytes)) or not isinstance(fragments, Sequence):
+        raise TypeError(
+            f"fragments must be an int or a list of lists of parameters, got {fragments!r}"
+        )
+    where = {id(p): i for i, p in enumerate(params)}
+    groups = []
+    for number, group in enumerate(fragments):
+        members = [p for p in group if p.requires_grad]
+        unknown = [i for i, p in enumerate(members) if id(p) not in where]
+        if unknown or not members:
+            raise ValueError(
+                f"fragment {number} is empty or holds tensors not among DiLoCo's parameters "
+                f"(its entries {unknown[:5]})"
+            )
+        groups.append([where[id(p)] for p in members])
+    counts = torch.bincount(torch.tensor([i for g in groups for i in g]), minlength=len(params))
+    if not bool((counts == 1).all()):
+        twice = (counts > 1).nonzero().flatten().tolist()
+        missing = (counts == 0).nonzero().flatten().tolist()
+        raise ValueError(
+            f"fragments must hold each parameter once: parameters {missing[:5]} are in none, "
+            f"{twice[:5]} in more than one"
+        )
+    return groups
+
+
+def _without_grad(run: Any, *args: Any) -> Any:
+    with torch.no_grad():  # grad mode is per thread
+        return run(*args)
 
 
 def _backend_for(device: torch.device, name: str | None) -> backends.Backend:

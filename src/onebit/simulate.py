@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -301,15 +301,16 @@ class SimulatedDiLoCo:
         inner_optimizer: the inner optimizer over ``params``; each worker has its own state
             of it (its ``state`` is swapped per worker), the hyper-parameters are shared.
         workers: ``W``.
-        sync_every, exchange, compression, outer_optimizer, kernels: as
-            :class:`onebit.DiLoCo`'s.
+        sync_every, exchange, compression, outer_optimizer, kernels, fragments, delay,
+            local_share: as :class:`onebit.DiLoCo`'s.
 
     Use: ``results = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
     worker ``rank``'s forward and backward pass at its own weights (which the parameters hold
     then; gradients zeroed before each call), clipping if the job clips, and returns what the
-    caller wants back; ``step`` then takes every worker's inner step and, every
-    ``sync_every`` steps, ends the round (:meth:`sync`). :attr:`diloco` holds the round's
-    start weights, the outer optimizer and the bytes, as a distributed DiLoCo does.
+    caller wants back; ``step`` then takes every worker's inner step and ends the turns as
+    DiLoCo does (the exchange, instantaneous here, taken where the distributed one starts and
+    applied where it completes). :attr:`diloco` holds the start weights, the outer optimizer,
+    the pending average and the bytes, as a distributed DiLoCo does.
     """
 
     def __init__(
@@ -323,6 +324,9 @@ class SimulatedDiLoCo:
         compression: str = "per_tensor",
         outer_optimizer: torch.optim.Optimizer | None = None,
         kernels: str | None = None,
+        fragments: int | Sequence[Iterable[Tensor]] = 1,
+        delay: int = 0,
+        local_share: float = 0.0,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
@@ -334,15 +338,20 @@ class SimulatedDiLoCo:
             compression=compression,
             outer_optimizer=outer_optimizer,
             kernels=kernels,
+            fragments=fragments,
+            delay=delay,
+            local_share=local_share,
         )
-        self.diloco.close()  # every worker's inner step runs here: the rounds are ended below
-        self.exchange: SimulatedExchange | PerTensorSimulatedExchange | None = None
+        self.diloco.close()  # every worker's inner step runs here: the turns are ended below
+        self.exchanges: list[SimulatedExchange | PerTensorSimulatedExchange] = []
         if exchange == "1bit":
             per_tensor = compression == "per_tensor"
-            self.exchange = (PerTensorSimulatedExchange if per_tensor else SimulatedExchange)(
-                workers
-            )
-            self.diloco.use_exchange(self.exchange)
+            for index in range(len(self.diloco.fragments)):
+                simulated = (PerTensorSimulatedExchange if per_tensor else SimulatedExchange)(
+                    workers
+                )
+                self.diloco.use_exchange(simulated, index)
+                self.exchanges.append(simulated)
         self.inner_optimizer = inner_optimizer
         self.workers = workers
         self.params = self.diloco.params
@@ -350,7 +359,8 @@ class SimulatedDiLoCo:
         self._states: list[defaultdict[Tensor, Any]] = [defaultdict(dict) for _ in range(workers)]
 
     def step(self, worker_backward: Callable[[int], Result]) -> list[Result]:
-        """One inner step of every worker, in rank order; the round's end after the last."""
+        """One inner step of every worker, in rank order; the turn's exchange taken after the
+        last where it starts, applied where it completes."""
         results = []
         for rank in range(self.workers):
             with self._worker(rank):
@@ -358,22 +368,36 @@ class SimulatedDiLoCo:
                 with torch.enable_grad():
                     results.append(worker_backward(rank))
                 self.inner_optimizer.step()
-        self.diloco.local_step += 1
-        if self.diloco.local_step >= self.diloco.sync_every:
-            self.sync()
+        diloco = self.diloco
+        diloco.local_step += 1
+        if diloco.local_step == diloco.turn_steps - diloco.delay:
+            diloco.hold(self._average(diloco.fragment))
+        if diloco.local_step >= diloco.turn_steps:
+            self._end_turn(diloco.local_share)
         return results
 
     @torch.no_grad()
     def sync(self) -> None:
-        """End the round now: every worker's pseudo-gradient in rank order, averaged as the
-        outer exchange averages them, then DiLoCo's outer step; every worker starts the next
-        round from its result."""
-        diloco, exchange = self.diloco, self.exchange
-        work = torch.zeros(diloco.buffer_size, dtype=torch.float32, device=self.params[0].device)
+        """End the current turn now, and with it every fragment's round (as
+        :meth:`onebit.DiLoCo.sync`); every worker then holds the start weights."""
+        index = self.diloco.fragment
+        self._end_turn(local_share=0.0)
+        for other in range(len(self.diloco.fragments)):
+            if other != index:
+                self._apply(self._average(other), other, local_share=0.0)
+
+    @torch.no_grad()
+    def _average(self, fragment: int) -> Tensor:
+        """Every worker's pseudo-gradient of ``fragment`` in rank order, averaged as the
+        outer exchange averages them."""
+        diloco = self.diloco
+        exchange = self.exchanges[fragment] if self.exchanges else None
+        size = diloco.buffer_size(fragment)
+        work = torch.zeros(size, dtype=torch.float32, device=self.params[0].device)
         average = torch.zeros_like(work)
         for rank in range(self.workers):
             _copy_into(self.params, self._weights[rank])
-            diloco.pseudo_gradient(work)
+            diloco.pseudo_gradient(work, fragment)
             if exchange is None:
                 average.add_(work)
             elif rank < self.workers - 1:
@@ -385,9 +409,29 @@ class SimulatedDiLoCo:
             if self.workers > 1:
                 diloco.traffic.record("allreduce", allreduce_bytes(average, self.workers))
             diloco.check_finite(average)
-        diloco.outer_step(average)
+        _copy_into(self.params, self._weights[-1])
+        return average
+
+    @torch.no_grad()
+    def _end_turn(self, local_share: float) -> None:
+        diloco = self.diloco
+        if not diloco.exchange_started:
+            diloco.hold(self._average(diloco.fragment))
+        self._apply(diloco.wait_exchange(), diloco.fragment, local_share)
+        diloco.local_step = 0
+        diloco.rounds += 1
+
+    def _apply(self, average: Tensor, fragment: int, local_share: float) -> None:
+        """``fragment``'s outer step from ``average``; every worker's weights of it set to
+        the result, plus ``local_share`` of the worker's own move since the exchange started
+        (where there is a delay)."""
+        self.diloco.outer_step(average, fragment)
+        keep = local_share if self.diloco.delay else 0.0
         for weights in self._weights:
-            _copy_into(weights, self.params)
+            for i in self.diloco.fragments[fragment].indices:
+                result = self.params[i].detach()
+                weights[i].copy_(result.lerp(weights[i], keep) if keep else result)
+        _copy_into(self.params, self._weights[-1])
 
     @contextlib.contextmanager
     def _worker(self, rank: int) -> Iterator[None]:
@@ -408,14 +452,13 @@ class SimulatedDiLoCo:
         def size(tensors: Iterable[Any]) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
 
-        exchange = self.exchange
-        errors = [] if exchange is None else [exchange.worker_error, exchange.server_error]
+        errors = [e for ex in self.exchanges for e in (ex.worker_error, ex.server_error)]
         entries = [entry for state in self._states for entry in state.values()]
         return {
             "worker_weights": size(w for weights in self._weights for w in weights),
             "worker_optimizer_states": size(v for entry in entries for v in entry.values()),
             "errors": size(errors),
-            "exchange_scratch": 0 if exchange is None else exchange.nbytes(),
+            "exchange_scratch": sum(ex.nbytes() for ex in self.exchanges),
         }
 
     def state_dict(self) -> dict[str, Any]:
