@@ -76,7 +76,8 @@ def outer_sgd(
 class Fragment:
     """One fragment of the parameters DiLoCo exchanges together: its parameters (their
     indices into :attr:`DiLoCo.params`), its round's start weights, its outer exchange (the
-    1-bit one with its own error buffers; ``None``: dense) and its pseudo-gradient buffer."""
+    1-bit one with its own error buffers; ``None``: dense), its pseudo-gradient buffer and
+    the bytes of its exchange not yet applied (:attr:`traffic`)."""
 
     def __init__(
         self,
@@ -84,15 +85,15 @@ class Fragment:
         params: list[Tensor],
         starts: list[Tensor],
         exchange: Exchange | None,
-        traffic: TrafficCounter,
         backend: backends.Backend,
     ) -> None:
         self.indices, self.params, self.starts = indices, params, starts
         self.numels = [p.numel() for p in params]
         self.exchange = exchange
+        self.traffic = TrafficCounter()
         size = sum(self.numels)
         if exchange is not None:
-            exchange.bind(self.numels, torch.float32, params[0].device, backend, traffic)
+            exchange.bind(self.numels, torch.float32, params[0].device, backend, self.traffic)
             size = exchange.buffer_size(self.numels)
         self.buffer = torch.zeros(size, dtype=torch.float32, device=params[0].device)
 
@@ -111,11 +112,7 @@ class Fragment:
         """Exchange through ``exchange`` (bound here to this fragment's tensors) instead."""
         assert self.exchange is not None
         exchange.bind(
-            self.numels,
-            torch.float32,
-            self.buffer.device,
-            self.exchange.backend,
-            self.exchange.traffic,
+            self.numels, torch.float32, self.buffer.device, self.exchange.backend, self.traffic
         )
         self.exchange = exchange
         self.buffer = self.buffer.new_zeros(exchange.buffer_size(self.numels))
@@ -227,7 +224,6 @@ class DiLoCo:
                 [self.params[i] for i in indices],
                 [self._round_start[i] for i in indices],
                 one_bit(self._exchange_group) if exchange == "1bit" else None,
-                self.traffic,
                 backend,
             )
             for indices in groups
@@ -272,7 +268,7 @@ class DiLoCo:
         """In place, the ranks' mean of ``fragment``'s buffer: densely (a non-finite mean
         raises), or the 1-bit exchange's (its ``NonFiniteError``)."""
         if fragment.exchange is None:
-            allreduce_mean_(fragment.buffer, self._exchange_group, traffic=self.traffic)
+            allreduce_mean_(fragment.buffer, self._exchange_group, traffic=fragment.traffic)
             self.check_finite(fragment.buffer)
         else:
             fragment.exchange.exchange(fragment.buffer).decode(fragment.buffer)
@@ -350,8 +346,10 @@ class DiLoCo:
         (laid out as :meth:`pseudo_gradient`'s): its weights set back to its round's start,
         their gradients to their parts of ``average`` (the other parameters' to ``None``), the
         outer optimizer's step; the fragment's next round starts from its result, and the
-        inner loop's gradients are put back."""
+        inner loop's gradients are put back. The bytes of the exchange that gave ``average``
+        are counted now (:attr:`bytes_sent`), where every rank applies it."""
         part = self.fragments[fragment]
+        self.traffic.take(part.traffic)
         grads = [param.grad for param in self.params]
         for param in self.params:
             param.grad = None
@@ -398,6 +396,13 @@ class DiLoCo:
                     param.copy_(mine)
 
     @property
+    def weights_shared(self) -> bool:
+        """Whether the parameters hold the start weights, the same on every rank: at the
+        start of a turn, with one fragment, where no local share was kept."""
+        kept = self.delay and self.local_share and self.rounds
+        return self.local_step == 0 and len(self.fragments) == 1 and not kept
+
+    @property
     def bytes_sent(self) -> int:
         """Bytes this rank has sent in the outer exchanges so far."""
         return self.traffic.total()
@@ -430,10 +435,11 @@ class DiLoCo:
         outer optimizer's state, this rank's error buffers of every fragment, the average of
         an exchange in flight (waited for: every rank saves at the same inner step) and the
         bytes sent (the model and the inner optimizer are saved by the caller)."""
-        pending = None
+        pending, pending_bytes = None, None
         if self._in_flight is not None:
             self._in_flight.result()
-            pending = self.fragments[self.fragment].buffer.clone()
+            fragment = self.fragments[self.fragment]
+            pending, pending_bytes = fragment.buffer.clone(), dict(fragment.traffic.bytes_sent)
         errors = [fragment.errors() for fragment in self.fragments]
         return {
             "local_step": self.local_step,
@@ -447,6 +453,7 @@ class DiLoCo:
             "worker_error": [None if w is None else w.clone() for w, _ in errors],
             "server_error": [None if s is None else s.clone() for _, s in errors],
             "pending_average": pending,
+            "pending_bytes": pending_bytes,
             "bytes_sent": dict(self.traffic.bytes_sent),
         }
 
@@ -511,10 +518,14 @@ class DiLoCo:
                     worker.to(fragment.buffer.device).clone(),
                     server.to(fragment.buffer.device).clone(),
                     fragment.exchange.backend,
-                    self.traffic,
+                    fragment.traffic,
                 )
+        for fragment in self.fragments:
+            fragment.traffic.reset()
         if pending is not None:
             self.hold(pending.to(self.fragments[self.fragment].buffer.device))
+            for kind, nbytes in state["pending_bytes"].items():
+                self.fragments[self.fragment].traffic.bytes_sent[kind] = int(nbytes)
 
 
 def _is_int(value: object) -> bool:

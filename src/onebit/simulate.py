@@ -407,7 +407,8 @@ class SimulatedDiLoCo:
         if exchange is None:
             average.div_(self.workers)
             if self.workers > 1:
-                diloco.traffic.record("allreduce", allreduce_bytes(average, self.workers))
+                traffic = diloco.fragments[fragment].traffic
+                traffic.record("allreduce", allreduce_bytes(average, self.workers))
             diloco.check_finite(average)
         _copy_into(self.params, self._weights[-1])
         return average

@@ -102,16 +102,29 @@ def test_cli_simulation_equals_onebit_train_and_resumes(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "diloco",
+    [
+        ["--sync-every", "5"],
+        ["--sync-every", "6", "--fragments", "2", "--fragment-delay", "1", "--local-share", "0.5"],
+    ],
+    ids=["rounds", "streaming"],
+)
 def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    diloco: list[str],
 ) -> None:
     """``onebit simulate --sync-every 5`` (DiLoCo over AdamW, the 1-bit outer exchange, 2
     workers): the weights, losses and bytes of ``onebit train`` with 2 worker processes, and
     a simulation resumed from its checkpoint of step 8 (inside the second round, where the
-    workers' weights differ) ends where the uninterrupted one does."""
+    workers' weights differ) ends where the uninterrupted one does. Likewise streaming, in two
+    fragments of 3-step turns with a delay of 1 step, where the checkpoint of step 8 holds
+    the exchange that started at step 8."""
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
     corpus = str(write_corpus(tmp_path / "corpus.txt"))
-    options = [*TINY, "--corpus", corpus, "--optimizer", "adam", "--sync-every", "5"]
+    options = [*TINY, "--corpus", corpus, "--optimizer", "adam", *diloco]
     _train_simulate_and_resume(tmp_path, options)
     simulated = final_model(tmp_path / "sim")
     for run in ("real", "partial"):

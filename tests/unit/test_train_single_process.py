@@ -87,6 +87,28 @@ from onebit.train.run_dir import prepare_run_dir
             ["--optimizer", "adam", "--sync-every", "5", "--outer-momentum", "1"],
             "Invalid --outer-momentum=1.0: it must be in [0, 1)",
         ),
+        (["--optimizer", "adam", "--fragments", "2"], "--fragments is an option of DiLoCo"),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--fragments", "2"],
+            "--sync-every 5 must be a multiple of --fragments 2",
+        ),
+        (
+            [
+                "--optimizer",
+                "adam",
+                "--sync-every",
+                "6",
+                "--fragments",
+                "2",
+                "--fragment-delay",
+                "3",
+            ],
+            "--fragment-delay must be in [0, 3)",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "6", "--local-share", "1.5"],
+            "Invalid --local-share=1.5: it must be in [0, 1]",
+        ),
     ],
 )
 def test_bad_options_are_named(

@@ -308,6 +308,24 @@ class TrainConfig:
         default_help=f"{OUTER_DEFAULTS['dense']['momentum']:g} with --outer-exchange dense "
         f"(DiLoCo's), {OUTER_DEFAULTS['1bit']['momentum']:g} with 1bit",
     )
+    fragments: int = option(
+        1,
+        group=_SYSTEM,
+        help="with --sync-every: Streaming DiLoCo's fragments, runs of consecutive parameters "
+        "of about equal size that take turns, one exchanged every --sync-every/N steps",
+    )
+    fragment_delay: int = option(
+        0,
+        group=_SYSTEM,
+        help="with --sync-every: inner steps each fragment's outer exchange runs behind, "
+        "started that many steps before its outer step (less than --sync-every/--fragments)",
+    )
+    local_share: float = option(
+        0.0,
+        group=_SYSTEM,
+        help="with --fragment-delay: the share of its own move during the delay each worker "
+        "keeps at the fragment's outer step (0: the outer step's result alone)",
+    )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
     eval_every: int | None = option(

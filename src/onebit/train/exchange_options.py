@@ -106,10 +106,33 @@ DILOCO_INNER = ("lamb", "adam")
 
 
 def _check_diloco(config: TrainConfig) -> None:
-    """``--sync-every``: DiLoCo over a dense inner optimizer, between workers or nodes."""
+    """``--sync-every``: DiLoCo over a dense inner optimizer, between workers or nodes,
+    optionally streaming (``--fragments``, ``--fragment-delay``, ``--local-share``)."""
     if config.sync_every is None:
+        given = {
+            "--fragments": config.fragments != 1,
+            "--fragment-delay": config.fragment_delay != 0,
+            "--local-share": config.local_share != 0.0,
+        }
+        for flag, is_given in given.items():
+            if is_given:
+                raise ValueError(f"{flag} is an option of DiLoCo: give --sync-every too")
         return
     check_positive_int_option("sync_every", config.sync_every)
+    check_positive_int_option("fragments", config.fragments)
+    if config.sync_every % config.fragments:
+        raise ValueError(
+            f"--sync-every {config.sync_every} must be a multiple of --fragments "
+            f"{config.fragments} (each fragment's turn is --sync-every/--fragments steps)"
+        )
+    turn = config.sync_every // config.fragments
+    if not 0 <= config.fragment_delay < turn:
+        raise ValueError(
+            f"--fragment-delay must be in [0, {turn}) (less than --sync-every/--fragments), "
+            f"got {config.fragment_delay}"
+        )
+    if not 0.0 <= config.local_share <= 1.0:
+        raise ValueError(f"Invalid --local-share={config.local_share}: it must be in [0, 1]")
     if config.optimizer not in DILOCO_INNER:
         raise ValueError(
             f"--sync-every runs DiLoCo over an inner optimizer that steps on each worker's own "

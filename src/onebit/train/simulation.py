@@ -62,6 +62,9 @@ class SimulatedTrainer(Trainer):
                 sync_every=config.sync_every,
                 exchange=config.outer_exchange,
                 outer_optimizer=outer,
+                fragments=config.fragments,
+                delay=config.fragment_delay,
+                local_share=config.local_share,
             )
             self.diloco = self.simulation.diloco
             self.dense_traffic = TrafficCounter()  # DiLoCo's inner steps send nothing

@@ -176,12 +176,12 @@ class Trainer:
         """What :meth:`_restore_rounds` takes back: DiLoCo's state, and inside a round (where
         the ranks' weights differ) this rank's own weights."""
         state: dict[str, Any] = {"diloco": self.diloco.state_dict()}
-        if self.diloco.local_step:
+        if not self.diloco.weights_shared:
             state["own_weights"] = [p.detach().clone() for p in self.params]
         return state
 
     def _end_round(self) -> None:
-        """End DiLoCo's round now (the run's last step ends the round it is in)."""
+        """End every DiLoCo round now (the run's last step ends the rounds it is in)."""
         self.diloco.sync()
 
     def _parallelize(self) -> None:
@@ -204,6 +204,9 @@ class Trainer:
                 sync_every=config.sync_every,
                 exchange=config.outer_exchange,
                 outer_optimizer=outer,
+                fragments=config.fragments,
+                delay=config.fragment_delay,
+                local_share=config.local_share,
                 process_group=inter,
             )
         if config.ddp and (config.diloco_nodes or not config.diloco):
@@ -235,11 +238,12 @@ class Trainer:
 
     def _stage(self, step: int) -> str:
         """The kind of step ``step``: the 1-bit optimizer's stage; DiLoCo's ``"outer"`` at
-        the end of a round (and at the last step, which ends the round it is in), else
-        ``"inner"``; else dense."""
+        the end of a turn and in the steps its exchange runs behind (and at the last step,
+        which ends the turn it is in), else ``"inner"``; else dense."""
         if self.diloco is not None:
-            ends = self.diloco.local_step + 1 == self.diloco.sync_every or step == self.config.steps
-            return OUTER if ends else INNER
+            diloco = self.diloco  # the steps an outer exchange runs behind, and its end
+            exchanging = diloco.local_step + 1 >= diloco.turn_steps - diloco.delay
+            return OUTER if exchanging or step == self.config.steps else INNER
         return self.optimizer.stage if self.config.uses_onebit else DENSE
 
     def _bytes_sent(self) -> int:
@@ -340,7 +344,7 @@ class Trainer:
         loss_sum, masked = self._gradient_step(step, inputs, labels)
         if step == config.steps and isinstance(self.optimizer, onebit.OneBitOptimizer):
             self.optimizer.finish_exchange()  # a delayed exchange's last update lands
-        if step == config.steps and self.diloco is not None and self.diloco.local_step:
+        if step == config.steps and self.diloco is not None and not self.diloco.weights_shared:
             self._end_round()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
