@@ -1,6 +1,7 @@
 """onebit's dense DiLoCo against torchft 0.2.0's ``torchft.local_sgd.DiLoCo``, round by round.
 
     .venv/bin/python benchmarks/diloco_vs_torchft.py [--rounds 5] [--sync-every 4] [--workers 2]
+        [--fragments 1|2] [--delay TAU] [--local-share A]
 
 (``RUST_LOG=info`` shows torchft's quorum log, quiet by default.)
 
@@ -23,6 +24,15 @@ onebit's weights on worker 0, that difference over the largest |weight|, whether
 equal bit for bit, and whether the workers of each implementation agree bit for bit. Exits 0 if
 every round's relative difference is below 1e-5 and every torchft round committed, 1 otherwise,
 77 when torchft is not installed.
+
+Streaming DiLoCo: ``--fragments 2`` makes the two linear layers the fragments (torchft's
+``model_fragments``, each with its own outer SGD; onebit's ``fragments`` lists of their
+parameters under one outer SGD, whose state is per parameter), ``--delay`` is torchft's
+``fragment_sync_delay`` and onebit's ``delay``, ``--local-share`` torchft's
+``fragment_update_alpha`` and onebit's ``local_share``. The weights are then recorded after
+every turn (every H/K-th inner step), a "round" of the table being one turn; the workers'
+weights then differ (each holds its own weights of the fragments not just exchanged), in both
+implementations alike.
 
 What had to match torchft's semantics (torchft/local_sgd.py and manager.py, 0.2.0):
 
@@ -51,6 +61,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from importlib.metadata import version
 from typing import Any
@@ -60,6 +71,31 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 THRESHOLD = 1e-5
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The schedule: H, the fragments K, the delay and the local share; a turn of H/K steps."""
+
+    sync_every: int
+    fragments: int
+    delay: int
+    local_share: float
+    rounds: int
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Stream:
+        return cls(args.sync_every, args.fragments, args.delay, args.local_share, args.rounds)
+
+    @property
+    def turn(self) -> int:
+        return self.sync_every // self.fragments
+
+    @property
+    def turns(self) -> int:
+        return self.rounds * self.fragments
+
+
 DIMS = (8, 16, 4)
 BATCH = 16
 
@@ -88,23 +124,28 @@ def flat(model: torch.nn.Module) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
+def fragments(model: torch.nn.Module, count: int) -> list[torch.nn.Module]:
+    """The model's fragments: the whole model, or its two linear layers."""
+    return [model] if count == 1 else [model[0], model[2]]
+
+
 def train(
-    worker: int, model: torch.nn.Module, inner: torch.optim.Optimizer, rounds: int, h: int
+    worker: int, model: torch.nn.Module, inner: torch.optim.Optimizer, turns: int, turn: int
 ) -> list[list[float]]:
-    """``rounds * h`` inner steps; the weights after every ``h``-th."""
+    """``turns * turn`` inner steps; the weights after every ``turn``-th."""
     history = []
-    for step in range(rounds * h):
+    for step in range(turns * turn):
         x, y = batch(worker, step)
         inner.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
-        inner.step()  # every h-th step ends a round (both implementations hook the step)
-        if (step + 1) % h == 0:
+        inner.step()  # every turn-th step ends a turn (both implementations hook the step)
+        if (step + 1) % turn == 0:
             history.append(flat(model))
     return history
 
 
 def run_torchft(
-    worker: int, workers: int, rounds: int, h: int, lighthouse: str, timeout: float
+    worker: int, workers: int, stream: Stream, lighthouse: str, timeout: float
 ) -> dict[str, Any]:
     """torchft's DiLoCo: this worker is a replica group of one rank."""
     from torchft.local_sgd import DiLoCo
@@ -112,6 +153,13 @@ def run_torchft(
     from torchft.process_group import ProcessGroupGloo
 
     model, inner, outer = build()
+    parts = fragments(model, stream.fragments)
+    outers: torch.optim.Optimizer | list[torch.optim.Optimizer] = outer
+    if stream.fragments > 1:
+        outers = [
+            torch.optim.SGD(part.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+            for part in parts
+        ]
     heals = []
 
     def load_state_dict(state: dict[str, Any]) -> None:
@@ -143,16 +191,24 @@ def run_torchft(
         connect_timeout=wait,
     )
     try:
-        with DiLoCo(manager, [model], inner, outer, sync_every=h):
-            history = train(worker, model, inner, rounds, h)
-        committed = manager.current_step()  # one step per committed round
+        with DiLoCo(
+            manager,
+            parts,
+            inner,
+            outers,
+            sync_every=stream.sync_every,
+            fragment_sync_delay=stream.delay,
+            fragment_update_alpha=stream.local_share,
+        ):
+            history = train(worker, model, inner, stream.turns, stream.turn)
+        committed = manager.current_step()  # one step per committed turn
     finally:
         manager.shutdown(wait=False)
     return {"history": history, "committed": committed, "heals": len(heals)}
 
 
 def run_onebit(
-    worker: int, workers: int, rounds: int, h: int, store_port: int, timeout: float
+    worker: int, workers: int, stream: Stream, store_port: int, timeout: float
 ) -> dict[str, Any]:
     """onebit's dense DiLoCo over a gloo group of the workers."""
     import onebit
@@ -164,9 +220,16 @@ def run_onebit(
     try:
         model, inner, outer = build()
         with onebit.DiLoCo(
-            model.parameters(), inner, sync_every=h, exchange="dense", outer_optimizer=outer
+            model.parameters(),
+            inner,
+            sync_every=stream.sync_every,
+            exchange="dense",
+            outer_optimizer=outer,
+            fragments=[list(part.parameters()) for part in fragments(model, stream.fragments)],
+            delay=stream.delay,
+            local_share=stream.local_share,
         ) as diloco:
-            history = train(worker, model, inner, rounds, h)
+            history = train(worker, model, inner, stream.turns, stream.turn)
             done = diloco.rounds
     finally:
         dist.destroy_process_group()
@@ -176,8 +239,7 @@ def run_onebit(
 def worker_main(
     worker: int,
     workers: int,
-    rounds: int,
-    h: int,
+    stream: Stream,
     lighthouse: str,
     store_port: int,
     timeout: float,
@@ -186,8 +248,8 @@ def worker_main(
     torch.set_num_threads(1)
     # torchft warns on CPU that it cannot reset NCCL's flight recorder; errors still show
     logging.getLogger("torchft.manager").setLevel(logging.ERROR)
-    ft = run_torchft(worker, workers, rounds, h, lighthouse, timeout)
-    ob = run_onebit(worker, workers, rounds, h, store_port, timeout)
+    ft = run_torchft(worker, workers, stream, lighthouse, timeout)
+    ob = run_onebit(worker, workers, stream, store_port, timeout)
     queue.put((worker, ft, ob))
 
 
@@ -205,8 +267,7 @@ def run_workers(args: argparse.Namespace) -> dict[int, tuple[dict[str, Any], dic
             worker_main,
             args=(
                 args.workers,
-                args.rounds,
-                args.sync_every,
+                Stream.of(args),
                 lighthouse.address(),
                 store.port,
                 args.timeout,
@@ -243,12 +304,13 @@ def run_workers(args: argparse.Namespace) -> dict[int, tuple[dict[str, Any], dic
 def report(args: argparse.Namespace, results: dict[int, tuple[dict, dict]]) -> bool:
     """Print the table; whether every round is within the threshold."""
     ft0, ob0 = results[0]
+    turns = Stream.of(args).turns
     ok = True
     for worker, (ft, ob) in sorted(results.items()):
-        if ft["committed"] != args.rounds or ob["committed"] != args.rounds:
+        if ft["committed"] != turns or ob["committed"] != turns:
             print(
-                f"worker {worker}: torchft committed {ft['committed']} rounds, onebit "
-                f"completed {ob['committed']}, of {args.rounds}"
+                f"worker {worker}: torchft committed {ft['committed']} turns, onebit "
+                f"completed {ob['committed']}, of {turns}"
             )
             ok = False
         if ft["heals"]:
@@ -257,7 +319,7 @@ def report(args: argparse.Namespace, results: dict[int, tuple[dict, dict]]) -> b
         f"{'round':>5} {'max |diff|':>12} {'rel diff':>12} {'bitwise':>8} "
         f"{'torchft workers':>16} {'onebit workers':>15}"
     )
-    for r in range(args.rounds):
+    for r in range(turns):
         a = torch.tensor(ft0["history"][r])
         b = torch.tensor(ob0["history"][r])
         diff = (a - b).abs().max().item()
@@ -283,11 +345,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument(
+        "--fragments", type=int, default=1, choices=(1, 2), help="fragments, K (default 1)"
+    )
+    parser.add_argument(
+        "--delay", type=int, default=0, help="inner steps an exchange runs behind (default 0)"
+    )
+    parser.add_argument(
+        "--local-share",
+        type=float,
+        default=0.0,
+        help="share of the local move kept at a delayed outer step (default 0)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds before giving up (default 120)"
     )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.sync_every < 1 or args.workers < 1:
         parser.error("--rounds, --sync-every and --workers must be >= 1")
+    if args.sync_every % args.fragments or not 0 <= args.delay < args.sync_every // args.fragments:
+        parser.error("--sync-every must be a multiple of --fragments, --delay in [0, H/K)")
+    if not 0.0 <= args.local_share <= 1.0:
+        parser.error("--local-share must be in [0, 1]")
     try:
         torchft_version = version("torchft")
     except Exception:
@@ -296,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
     print(
         f"torch {torch.__version__}, torchft {torchft_version}: {args.workers} workers, "
-        f"{args.rounds} rounds of H={args.sync_every} inner steps"
+        f"{args.rounds} rounds of H={args.sync_every} inner steps, {args.fragments} "
+        f"fragment(s), delay {args.delay}, local share {args.local_share:g}"
     )
     results = run_workers(args)
     ok = report(args, results)

@@ -185,11 +185,17 @@ def test_simulation_cost_measures_each_worker_count(tmp_path):
 
 
 @pytest.mark.slow
-def test_diloco_matches_torchft_round_by_round():
+@pytest.mark.parametrize(
+    ("streaming", "turns"),
+    [([], 2), (["--fragments", "2", "--delay", "1", "--local-share", "0.5"], 4)],
+    ids=["rounds", "streaming"],
+)
+def test_diloco_matches_torchft_round_by_round(streaming, turns):
     pytest.importorskip("torchft")
-    printed = _run("diloco_vs_torchft", "--rounds", "2", "--sync-every", "2")
+    printed = _run("diloco_vs_torchft", "--rounds", "2", "--sync-every", "4", *streaming)
     rounds = [line.split() for line in printed.splitlines() if re.match(r"\s+\d+ ", line)]
-    assert [row[0] for row in rounds] == ["1", "2"]
+    assert [row[0] for row in rounds] == [str(t + 1) for t in range(turns)]
+    assert all(row[3] == "yes" for row in rounds)  # bit for bit at 2 workers
     assert printed.rstrip().splitlines()[-1].startswith("PASS")
 
 
