@@ -301,8 +301,9 @@ class SimulatedDiLoCo:
         inner_optimizer: the inner optimizer over ``params``; each worker has its own state
             of it (its ``state`` is swapped per worker), the hyper-parameters are shared.
         workers: ``W``.
-        sync_every, exchange, compression, outer_optimizer, kernels, fragments, delay,
-            local_share: as :class:`onebit.DiLoCo`'s.
+        sync_every, exchange, compression, outer_optimizer, kernels: as
+            :class:`onebit.DiLoCo`'s.
+        fragments, delay, local_share: Streaming DiLoCo's, as :class:`onebit.DiLoCo`'s.
 
     Use: ``results = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
     worker ``rank``'s forward and backward pass at its own weights (which the parameters hold
