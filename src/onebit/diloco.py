@@ -494,9 +494,10 @@ class DiLoCo:
                 f"checkpoint at inner step {local_step} of a turn "
                 f"{'lacks' if in_flight else 'holds'} the average of an exchange in flight"
             )
-        workers, servers = (_per_fragment(state[key]) for key in ("worker_error", "server_error"))
-        for fragment, worker, server in zip(self.fragments, workers, servers, strict=True):
-            if fragment.exchange is not None and worker is not None:
+        errors = _saved_errors(state)
+        for fragment, saved_errors in zip(self.fragments, errors, strict=True):
+            if fragment.exchange is not None and saved_errors is not None:
+                worker, server = saved_errors
                 sizes = fragment.exchange.error_sizes(fragment.numels)
                 if (worker.numel(), server.numel()) != sizes:
                     raise ValueError(
@@ -511,8 +512,9 @@ class DiLoCo:
         self.traffic.reset()
         for kind, nbytes in state["bytes_sent"].items():
             self.traffic.bytes_sent[kind] = int(nbytes)
-        for fragment, worker, server in zip(self.fragments, workers, servers, strict=True):
-            if fragment.exchange is not None and worker is not None:
+        for fragment, saved_errors in zip(self.fragments, errors, strict=True):
+            if fragment.exchange is not None and saved_errors is not None:
+                worker, server = saved_errors
                 fragment.exchange.carry_errors(
                     fragment.numels,
                     worker.to(fragment.buffer.device).clone(),
@@ -532,9 +534,13 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _per_fragment(saved: Tensor | list | None) -> list[Tensor | None]:
-    """Saved error buffers, one per fragment (a save of one fragment may hold the tensor)."""
-    return list(saved) if isinstance(saved, list) else [saved]
+def _saved_errors(state: dict[str, Any]) -> list[tuple[Tensor, Tensor] | None]:
+    """A checkpoint's worker and server errors, per fragment (``None``: none yet); a save of
+    one fragment may hold the two tensors themselves."""
+    workers, servers = state["worker_error"], state["server_error"]
+    if not isinstance(workers, list):
+        workers, servers = [workers], [servers]
+    return [None if w is None else (w, s) for w, s in zip(workers, servers, strict=True)]
 
 
 def _fragment_indices(
