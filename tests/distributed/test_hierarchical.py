@@ -131,6 +131,7 @@ def _plain_ddp_and_resumed(rank: int, world: int, directory: str):
     ]
 
 
+@pytest.mark.slow  # four processes, three runs
 def test_optimizer_on_two_nodes_of_two_ranks_plain_ddp_and_resume_agree(tmp_path):
     runs = spawn_workers(_plain_ddp_and_resumed, 4, args=(str(tmp_path),), timeout_s=240)
     plain, ddp, resumed = ([runs[rank][kind] for rank in range(4)] for kind in range(3))

@@ -11,6 +11,7 @@ from onebit.cli import main as onebit_main
 from onebit.train.finetune import task_rows
 
 
+@pytest.mark.slow  # a tiny training run to probe first
 def test_probe_command_on_a_tiny_run(
     run_dir: Path,
     capsys: pytest.CaptureFixture[str],

@@ -218,6 +218,7 @@ def test_the_anatomy_names_the_path_from_step_to_the_first_collective(
 # ------------------------------------------------------------------ variance_guard
 
 
+@pytest.mark.slow  # trains every arm of the guard study
 def test_the_guard_study_runs_each_arm_and_summarizes_them(tmp_path):
     """A tiny study on simulated workers: the dense counterpart and the 1-bit optimizer at both
     freeze points with the guard off and on, one JSON line each, and the summary of them;
@@ -304,6 +305,7 @@ def test_variance_readiness_records_every_arm(tmp_path):
     assert runs["zero-one-adam never"]["froze_after"] == 30
 
 
+@pytest.mark.slow  # trains until the freeze
 def test_the_readiness_trajectory_records_each_check_until_the_freeze(tmp_path):
     record = tmp_path / "trajectory.json"
     printed = _run("readiness_trajectory", "plateau", "--record", str(record))

@@ -427,6 +427,7 @@ def test_train_tokenizer_specials_and_cache(
     assert data.train_tokenizer(documents, vocab_size=300).to_str() == tok.to_str()
 
 
+@pytest.mark.slow  # a second process trains the tokenizer
 def test_a_tokenizer_trained_in_another_process_is_the_same(
     documents: list[str], tmp_path: Path
 ) -> None:
