@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     if not compute > 0:
         parser.error(f"--compute must be > 0 seconds, got {compute}")
     results = choose(runs, target, compute, args.links, Machine(), parameters)
+    silent = [name for name, entry in results["runs"].items() if entry["total_bytes"] <= 0]
+    if args.plot and silent:
+        parser.error(f"--plot draws bytes on a log scale; {silent} sent none (one worker?)")
     print(f"target validation loss {target:.4f}, t_c {compute:.3f} s")
     for name, entry in results["runs"].items():
         times = ", ".join(f"{link} {s:.0f} s" for link, s in entry["seconds"].items())

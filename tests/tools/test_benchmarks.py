@@ -401,6 +401,12 @@ def test_link_choice_leaves_powersgd_untimed_and_names_what_it_cannot_time(
     with pytest.raises(SystemExit):
         tool.main([str(dense), "--model", "bert-base"])
     assert "--model needs --compute" in capsys.readouterr().err
+    metrics = dense / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"bytes": 8', '"bytes": 0'))
+    plot = tmp_path / "plot.png"
+    with pytest.raises(SystemExit):
+        tool.main([str(dense), "--compute", "2", "--plot", str(plot)])
+    assert "['dense'] sent none" in capsys.readouterr().err and not plot.exists()
 
 
 def test_link_choice_on_the_main_jobs_diloco_runs(tmp_path):
