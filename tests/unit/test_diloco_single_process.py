@@ -1,6 +1,8 @@
-"""DiLoCo in one process (a world of one worker): a non-finite pseudo-gradient raises before
-any weight changes, with either exchange (ALGORITHM.md, "DiLoCo with a 1-bit outer
-exchange"); the distributed behaviour is tested on ranks in distributed/test_diloco.py."""
+"""DiLoCo in one process (a world of one worker, ALGORITHM.md, "DiLoCo with a 1-bit outer
+exchange"): a non-finite pseudo-gradient raises before any weight changes, with either
+exchange; the round's start weights inside a round; the outer SGD's rule; each exchange's
+default outer SGD, in the optimizer and the job. The distributed behaviour is tested on
+ranks in distributed/test_diloco.py and distributed/test_streaming_diloco.py."""
 
 from __future__ import annotations
 

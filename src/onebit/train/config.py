@@ -70,6 +70,12 @@ _HYPER = "optimizer hyper-parameters (defaults: the 1-bit LAMB paper's BERT sett
 _SYSTEM = "system"
 
 
+def _outer_default(setting: str) -> str:
+    """The help's default of an outer SGD ``setting``: each outer exchange's own."""
+    dense, one_bit = (OUTER_DEFAULTS[x][setting] for x in ("dense", "1bit"))
+    return f"{dense:g} with --outer-exchange dense (DiLoCo's), {one_bit:g} with 1bit"
+
+
 @dataclass
 class TrainConfig:
     """Everything that determines a training run's trajectory (and so must match on resume).
@@ -298,21 +304,20 @@ class TrainConfig:
         None,
         group=_SYSTEM,
         help="with --sync-every: the outer SGD's learning rate",
-        default_help=f"{OUTER_DEFAULTS['dense']['lr']:g} with --outer-exchange dense (DiLoCo's), "
-        f"{OUTER_DEFAULTS['1bit']['lr']:g} with 1bit",
+        default_help=_outer_default("lr"),
     )
     outer_momentum: float | None = option(
         None,
         group=_SYSTEM,
         help="with --sync-every: the outer SGD's Nesterov momentum (0: plain SGD)",
-        default_help=f"{OUTER_DEFAULTS['dense']['momentum']:g} with --outer-exchange dense "
-        f"(DiLoCo's), {OUTER_DEFAULTS['1bit']['momentum']:g} with 1bit",
+        default_help=_outer_default("momentum"),
     )
     fragments: int = option(
         1,
         group=_SYSTEM,
         help="with --sync-every: Streaming DiLoCo's fragments, runs of consecutive parameters "
-        "of about equal size that take turns, one exchanged every --sync-every/N steps",
+        "of about equal size that take turns, one exchanged every --sync-every/--fragments "
+        "steps",
     )
     fragment_delay: int = option(
         0,
