@@ -254,13 +254,8 @@ class DiLoCo:
         fragment = self.fragments[self.fragment]
         fragment.pseudo_gradient(fragment.buffer)
         if self._executor is None:
-            self._in_flight = Future()
-            try:
-                self._average(fragment)
-            except BaseException as error:
-                self._in_flight = None
-                raise error
-            self._in_flight.set_result(None)
+            self._average(fragment)  # raises with nothing pending
+            self._in_flight = _completed()
         else:
             self._in_flight = self._executor.submit(_without_grad, self._average, fragment)
 
@@ -282,8 +277,7 @@ class DiLoCo:
         """Take ``average`` (:meth:`buffer_size` elements), the turn's averaged
         pseudo-gradient computed by the caller (the simulation), as its exchange's result."""
         self.fragments[self.fragment].buffer.copy_(average)
-        self._in_flight = Future()
-        self._in_flight.set_result(None)
+        self._in_flight = _completed()
 
     def wait_exchange(self) -> Tensor:
         """The turn's averaged pseudo-gradient once its exchange has completed (its
@@ -587,6 +581,13 @@ def _fragment_indices(
             f"{twice[:5]} in more than one"
         )
     return groups
+
+
+def _completed() -> Future:
+    """An exchange that has completed."""
+    done: Future = Future()
+    done.set_result(None)
+    return done
 
 
 def _without_grad(run: Any, *args: Any) -> Any:
