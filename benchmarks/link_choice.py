@@ -21,8 +21,9 @@ the model's time of each step's kind (docs/ALGORITHM.md, "Cost model of a step")
 with no communication at all, as measured where the runs ran. ``--model`` times the steps of
 another model (a name or a count such as ``110M``, as ``onebit estimate --model`` takes;
 give its ``--compute`` too): the runs' steps to the target with that model's step times, an
-extrapolation stated as such. A PowerSGD run, which the model does not time, has its steps and
-bytes to the target and its place in the plot, but no times. Then, per link, the method that
+extrapolation stated as such. A PowerSGD run and a streaming DiLoCo run (fragments, a
+delayed outer exchange), which the model does not time, have their steps and bytes to the
+target and their place in the plot, but no times. Then, per link, the method that
 reaches the target first and its lead over the next (runs whose times agree share the first
 place; the validation losses come every ``eval_every`` steps, so steps to the target are
 multiples of it). ``--record`` writes it all as JSON; ``--plot`` draws each run's final
@@ -77,11 +78,20 @@ def _group(rows: list[dict[str, Any]], key: str, value: str) -> dict[str, list[f
     return grouped
 
 
+#: The methods the cost model does not time: PowerSGD, and streaming DiLoCo (whose fragments'
+#: exchanges run behind later inner steps).
+UNTIMED = ("powersgd", "streaming")
+
+
 def method_of(run: dict[str, Any]) -> str:
-    """What the model times the run as (``"powersgd"``: nothing, the model does not time it)."""
+    """What the model times the run as (one of :data:`UNTIMED`: nothing)."""
     train = run["train"]
     if train.get("powersgd_rank"):
         return "powersgd"
+    if train.get("sync_every") and (
+        train.get("fragments", 1) > 1 or train.get("fragment_delay", 0) > 0
+    ):
+        return "streaming"
     if train.get("sync_every"):
         return f"diloco-{train['outer_exchange']}-h{train['sync_every']}"
     onebit = ("onebit-lamb", "onebit-adam", "zero-one-adam")
@@ -91,7 +101,7 @@ def method_of(run: dict[str, Any]) -> str:
 def check_stages(run: dict[str, Any]) -> None:
     """``ValueError`` naming the kinds of step of ``run`` that the model does not time."""
     timed = {*DENSE_STAGES, *ONEBIT_STAGES, "local"}
-    if method_of(run).startswith("diloco"):
+    if run["train"].get("sync_every"):
         timed |= {"inner", "outer"}
     unknown = sorted(set(run["stages"]) - timed)
     if unknown:
@@ -135,7 +145,7 @@ def choose(
     }
     for run in runs:
         steps = steps_to(run, target)
-        timed = method_of(run) != "powersgd"
+        timed = method_of(run) not in UNTIMED
         entry: dict[str, Any] = {
             "steps": steps,
             "final": run["final"],

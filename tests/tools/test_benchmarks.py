@@ -394,6 +394,10 @@ def test_link_choice_leaves_powersgd_untimed_and_names_what_it_cannot_time(
     assert (psgd["timed"], psgd["seconds"], psgd["bytes"]) == (False, {}, 8)
     assert dense_entry["timed"] and set(dense_entry["seconds"]) == {"100mbit", "1gbit", "10gbit"}
     assert written["fastest"]["1gbit"]["runs"] == ["dense"]
+    streaming = {"sync_every": 2, "outer_exchange": "1bit", "fragments": 2}
+    stream = _fake_run(tmp_path, "stream", streaming, ["inner", "outer"], [(2, 2.0)])
+    untimed = tool.choose([tool.read_run(stream)], 2.0, 2.0, ["8kbit"], tool.Machine())
+    assert untimed["runs"]["stream"]["timed"] is False and untimed["fastest"] == {}
     strange = _fake_run(tmp_path, "strange", {}, ["dense", "inner"], [(2, 2.0)])
     with pytest.raises(SystemExit):
         tool.main([str(strange)])
