@@ -43,6 +43,7 @@ def test_exchange_alone_on_emulated_hosts(hosts: int, buckets: int, tmp_path: Pa
 @needs_cluster
 def test_two_worker_comparison_on_emulated_cluster() -> None:
     methods = ["lamb", "lamb-compute", "onebit-lamb-ddp", "onebit-lamb", "zero-one-adam"]
+    methods += ["diloco-dense", "diloco-1bit"]
     result = comparison.run_comparison(
         ComparisonSettings(
             workers=2,
@@ -91,6 +92,15 @@ def test_two_worker_comparison_on_emulated_cluster() -> None:
     for kind in ("gradient_1bit", "sync"):
         assert 0 < zero_one[kind]["wire_tx_bytes_per_step"] < dense / 10
     assert summary["zero-one-adam"]["vs"]["lamb"]["whole_run_bytes_reduction"] > 1
+    for name in ("diloco-dense", "diloco-1bit"):  # inner steps send nothing (barriers only)
+        diloco = summary[name]
+        assert diloco["stages"]["inner"]["wire_tx_bytes_per_step"] < dense / 100
+        assert diloco["stages"]["inner"]["library_bytes_per_step"] == 0
+        assert diloco["mean_step_seconds"] > 0 and diloco["mean_step_speedup"] > 0
+    outer = {name: summary[name]["stages"]["outer"] for name in ("diloco-dense", "diloco-1bit")}
+    assert outer["diloco-dense"]["wire_tx_bytes_per_step"] == pytest.approx(dense, rel=0.1)
+    assert 0 < outer["diloco-1bit"]["wire_tx_bytes_per_step"] < dense / 10
+    assert "DiLoCo over LAMB, rounds of H = 4" in report.format_report(result)
     assert result["derived"]["comm_share"] is not None
     assert "compression_bytes_30x" in result["targets"]
 

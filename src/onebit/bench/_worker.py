@@ -41,6 +41,8 @@ import torch.distributed as dist
 from onebit.bench.settings import (
     ADAM_LR_SHARE,
     DELAYED_METHOD,
+    DILOCO_METHODS,
+    DILOCO_SYNC_EVERY,
     FUSED_OVERLAP_METHODS,
     HIERARCHICAL_METHOD,
     HSDP_METHODS,
@@ -49,6 +51,7 @@ from onebit.bench.settings import (
     PLAIN_METHODS,
     ZERO_ONE_ADAM_METHOD,
     ZERO_ONE_ADAM_SCHEDULE,
+    diloco_step_kinds,
     zero_one_adam_arm,
 )
 from onebit.exchange.transport import TrafficCounter, all_gather_into
@@ -112,7 +115,8 @@ class _Method:
 
         self.name = name
         self.freeze_step: int | None = None
-        self.step_kinds: list[str] | None = None  # 0/1 Adam: the kind of each step
+        self.step_kinds: list[str] | None = None  # 0/1 Adam, DiLoCo: the kind of each step
+        self.diloco: onebit.DiLoCo | None = None
         self.untimed_before_steady = cfg["skip_steps"]
         model = copy.deepcopy(template)
         params = list(model.parameters())
@@ -137,7 +141,12 @@ class _Method:
         if name in HSDP_METHODS:
             params, values["process_group"] = _shard_in_nodes(model, cfg, spec.compresses)
         optimizer = spec.build(params, values)
-        if name not in (*PLAIN_METHODS, *HSDP_METHODS):
+        if name in DILOCO_METHODS:  # each worker's inner steps on its own gradients
+            self.step_kinds = diloco_step_kinds(cfg["skip_steps"] + cfg["steps"])
+            self.diloco = onebit.DiLoCo(
+                params, optimizer, sync_every=DILOCO_SYNC_EVERY, exchange=DILOCO_METHODS[name]
+            )
+        elif name not in (*PLAIN_METHODS, *HSDP_METHODS):
             ddp_kwargs: dict[str, Any] = {}
             if name.startswith("powersgd-"):
                 ddp_kwargs.update(one_bucket(params))
@@ -178,12 +187,16 @@ class _Method:
         return middle - start, end - middle
 
     def library_bytes(self) -> int:
-        """Bytes onebit's optimizer counted as sent (0 for the other methods)."""
+        """Bytes onebit's optimizer or DiLoCo counted as sent (0 for the other methods)."""
+        if self.diloco is not None:
+            return self.diloco.bytes_sent
         bytes_sent = getattr(self.optimizer, "bytes_sent", None)
         return sum(bytes_sent.values()) if bytes_sent is not None else 0
 
     def close(self) -> None:
-        del self.model, self.optimizer  # with them, the optimizer's compression workspace
+        if self.diloco is not None:
+            self.diloco.close()
+        del self.model, self.optimizer, self.diloco  # with them, compression workspaces
         gc.collect()
 
 
@@ -323,6 +336,7 @@ def run(cfg: dict[str, Any]) -> None:
             2 * cfg["skip_steps"] + cfg["warm_steps"] + cfg["steps"],
             POWERSGD_START_ITER + cfg["skip_steps"] + cfg["steps"],
             len(zero_one_adam_arm(cfg["skip_steps"] + cfg["steps"])[1]),
+            len(diloco_step_kinds(cfg["skip_steps"] + cfg["steps"])),
         )
         runner.batches = synthetic_batches(
             cfg["model"], cfg["batch_size"], cfg["seq_len"], per_method, runner.rank, cfg["seed"]

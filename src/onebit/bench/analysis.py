@@ -29,6 +29,8 @@ from typing import Any
 from onebit.bench.node_analysis import compare_nodes, node_targets, target
 from onebit.bench.settings import (
     DELAYED_METHOD,
+    DILOCO_METHODS,
+    DILOCO_SYNC_EVERY,
     ONEBIT_LAMB_METHODS,
     ONEBIT_METHODS,
     OVERLAP_METHODS,
@@ -168,6 +170,14 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                 "peak_rss_bytes": peak_rss,
             }
             continue
+        if name in DILOCO_METHODS:
+            summary[name] = {
+                "label": entry["label"],
+                "stages": stages,
+                **_diloco_summary(stages),
+                "peak_rss_bytes": peak_rss,
+            }
+            continue
         if "steady" in stages:
             warm = comp = stages["steady"]
         else:
@@ -210,7 +220,9 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
         derived["ideal_compression_stage_speedup"] = ideal_speedup(s)
         derived["ideal_end_to_end_speedup"] = ideal_speedup(s, w=w)
     for name, item in summary.items():
-        if lamb and name != ZERO_ONE_ADAM_METHOD:
+        if lamb and name in DILOCO_METHODS:
+            item["mean_step_speedup"] = lamb["t_comp"] / item["mean_step_seconds"]
+        elif lamb and name != ZERO_ONE_ADAM_METHOD:
             item["compression_stage_speedup"] = lamb["t_comp"] / item["t_comp"]
             item["warmup_stage_speedup"] = lamb["t_comp"] / item["t_warm"]
             item["end_to_end_speedup"] = lamb["end_to_end_seconds"] / item["end_to_end_seconds"]
@@ -228,6 +240,20 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
     raw["derived"] = derived
     raw["targets"] = {**_targets(raw), **node_targets(raw)}
     return raw
+
+
+def _diloco_summary(stages: dict[str, Any]) -> dict[str, Any]:
+    """DiLoCo's round of :data:`DILOCO_SYNC_EVERY` steps: its mean step, ``H - 1`` inner steps
+    and the outer one, and the bytes a worker sends per step on average."""
+    inner, outer = stages["inner"], stages["outer"]
+    h = DILOCO_SYNC_EVERY
+    summary: dict[str, Any] = {
+        "sync_every": h,
+        "mean_step_seconds": ((h - 1) * inner["step_seconds"] + outer["step_seconds"]) / h,
+    }
+    if "wire_tx_bytes_per_step" in outer:
+        summary["wire_bytes_per_step"] = outer["wire_tx_bytes_per_step"] / h
+    return summary
 
 
 def _compare_zero_one_adam(summary: dict[str, Any]) -> None:

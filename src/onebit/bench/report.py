@@ -10,6 +10,8 @@ from typing import Any
 
 from onebit.bench.settings import (
     BASELINE_METHODS,
+    DILOCO_METHODS,
+    DILOCO_SYNC_EVERY,
     HSDP_METHODS,
     METHODS,
     ZERO_ONE_ADAM_METHOD,
@@ -17,7 +19,9 @@ from onebit.bench.settings import (
 )
 
 #: The methods compared against LAMB, in table (and plot) order.
-COMPARED_METHODS = tuple(name for name in METHODS if name not in (*BASELINE_METHODS, *HSDP_METHODS))
+COMPARED_METHODS = tuple(
+    name for name in METHODS if name not in (*BASELINE_METHODS, *HSDP_METHODS, *DILOCO_METHODS)
+)
 
 
 def bandwidth_label(bandwidth: str | None) -> str:
@@ -84,7 +88,7 @@ def format_report(result: dict[str, Any]) -> str:
             error = "; ".join(errors)
             out.append(f"| {name} | skipped: {error} |  |  |  |  |  |  |  |  |")
             continue
-        if name == ZERO_ONE_ADAM_METHOD:
+        if name == ZERO_ONE_ADAM_METHOD or name in DILOCO_METHODS:
             out.append(f"| {name} | by kind of step: below |  |  |  |  |  |  |  |  |")
             continue
         item = summary[name]
@@ -114,6 +118,8 @@ def format_report(result: dict[str, Any]) -> str:
         )
     if ZERO_ONE_ADAM_METHOD in summary:
         out += ["", *_zero_one_adam_tables(summary, settings, derived, host)]
+    if any(name in summary for name in DILOCO_METHODS):
+        out += ["", *_diloco_table(summary, host)]
     out += ["", "| target | met | detail |", "|---|---|---|"]
     for name, target in result["targets"].items():
         if isinstance(target, dict):
@@ -128,6 +134,30 @@ def format_report(result: dict[str, Any]) -> str:
             *[f"    {line}" for e in result["errors"] for line in e.splitlines()],
         ]
     return "\n".join(out)
+
+
+def _diloco_table(summary: dict[str, Any], host: str) -> list[str]:
+    """DiLoCo's kinds of step, its mean step over a round and its speedup over LAMB's step."""
+    out = [
+        f"DiLoCo over LAMB, rounds of H = {DILOCO_SYNC_EVERY} steps (each worker's inner steps "
+        "on its own gradients, the outer exchange at the round's last):",
+        "",
+        f"| method | inner step | outer step | mean step | vs LAMB's step | wire MB/step/{host} "
+        "(outer step) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in DILOCO_METHODS:
+        item = summary.get(name)
+        if item is None:
+            continue
+        stages = item["stages"]
+        out.append(
+            f"| {name} | {stages['inner']['step_seconds']:.3f} s | "
+            f"{stages['outer']['step_seconds']:.3f} s | {item['mean_step_seconds']:.3f} s | "
+            f"{_num(item.get('mean_step_speedup'), '{:.2f}x')} | "
+            f"{_mb(stages['outer'].get('wire_tx_bytes_per_step'))} |"
+        )
+    return out
 
 
 def _zero_one_adam_tables(

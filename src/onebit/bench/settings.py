@@ -80,6 +80,12 @@ METHODS: dict[str, Method] = {
         "onebit-lamb",
     ),
     "zero-one-adam": Method("0/1 Adam, DDP hook path", "0/1 Adam (whole run)", "zero-one-adam"),
+    "diloco-dense": Method(
+        "DiLoCo over LAMB, H = 4, dense outer exchange (plain path)", "DiLoCo dense", "lamb"
+    ),
+    "diloco-1bit": Method(
+        "DiLoCo over LAMB, H = 4, 1-bit outer exchange (plain path)", "DiLoCo 1-bit", "lamb"
+    ),
     "fp16": Method("LAMB + DDP fp16_compress_hook", "fp16 hook", "lamb"),
     "powersgd-1": Method("LAMB + DDP PowerSGD rank 1", "PowerSGD r1", "lamb"),
     "powersgd-4": Method("LAMB + DDP PowerSGD rank 4", "PowerSGD r4", "lamb"),
@@ -128,6 +134,11 @@ ZERO_ONE_ADAM_SCHEDULE = {"var_update_scaler": 2, "local_step_scaler": 1, "local
 a few steps: two variance updates at each interval (steps 1, 2, 4, 6, 8, 12, ... before the
 freeze, 1-bit gradients in between), and after the freeze a local interval that doubles at
 every step up to 4 (a synchronisation, then three local steps and a synchronisation)."""
+#: DiLoCo over LAMB, method -> outer exchange; its inner steps and the last step of each
+#: round, with the outer exchange, are timed apart.
+DILOCO_METHODS = {"diloco-dense": "dense", "diloco-1bit": "1bit"}
+#: DiLoCo's round in the comparison, short so that every kind of step occurs within a few.
+DILOCO_SYNC_EVERY = 4
 #: The learning rate of the Adam methods, as a share of the LAMB methods' ``lr``.
 ADAM_LR_SHARE = 0.1
 #: Workers when neither ``workers`` nor ``nodes`` is given.
@@ -149,6 +160,13 @@ def zero_one_adam_arm(occurrences: int) -> tuple[int, list[str]]:
     freeze = len(schedule)
     extend_until(schedule, (LOCAL, SYNC), freeze)
     return freeze, schedule
+
+
+def diloco_step_kinds(occurrences: int) -> list[str]:
+    """DiLoCo's kinds of its steps 1, 2, ... in the comparison: rounds of
+    :data:`DILOCO_SYNC_EVERY` steps, ``"inner"`` steps and a last ``"outer"`` one, until the
+    outer step has occurred ``occurrences`` times."""
+    return (["inner"] * (DILOCO_SYNC_EVERY - 1) + ["outer"]) * occurrences
 
 
 def _check_methods(methods: tuple[str, ...]) -> None:

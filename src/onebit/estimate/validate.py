@@ -75,6 +75,9 @@ _PREDICTED = {
     ("zero-one-adam", "gradient_1bit"): "flat",
     ("zero-one-adam", "sync"): "flat",
     ("zero-one-adam", "local"): "local",
+    **{(m, "inner"): "local" for m in ("diloco-dense", "diloco-1bit")},
+    ("diloco-dense", "outer"): "dense",
+    ("diloco-1bit", "outer"): "flat",
 }
 
 
@@ -148,7 +151,9 @@ def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[
     """A prediction for every step time of ``result`` the model covers (not ``lamb-compute``,
     its input, nor PowerSGD, which it does not model). 0/1 Adam's steps are timed by their
     exchange: a variance update as LAMB's dense step, a 1-bit gradient step and a
-    synchronisation as the 1-bit exchange with its local work, a local step as ``t_c``."""
+    synchronisation as the 1-bit exchange with its local work, a local step as ``t_c``.
+    DiLoCo's inner step is ``t_c``, the last of a round adds its outer exchange: the dense
+    allreduce of fp32 pseudo-gradients, or the 1-bit exchange with its local work."""
     cluster, run_machine = _cluster_and_machine(result, machine)
     local = local_compression_seconds(cluster, run_machine)
     costs: dict[str, tuple[Exchange, float]] = {
