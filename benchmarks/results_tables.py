@@ -1319,19 +1319,20 @@ def _estimate_validation(name: str, folder: str) -> Table:
                 f"{p.predicted / p.measured:.2f}",
             ]
         )
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).glob("cluster-*.json"))
-    results = [_read(f) for f in files]
-    commits, dates = _stamp(files, results)
     return Table(
         name,
         ["run", "method", "stage", "measured", "predicted", "predicted / measured"],
         "lllrrr",
         rows,
-        [f"{folder}/cluster-*.json"],
-        commits,
-        dates,
-        [f"{RUN} estimate --validate {folder}"],
+        *_validation_stamp(folder),
     )
+
+
+def _validation_stamp(folder: str) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The sources, commits, dates and command of a validation of ``folder``'s results."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).glob("cluster-*.json"))
+    commits, dates = _stamp(files, [_read(f) for f in files])
+    return [f"{folder}/cluster-*.json"], commits, dates, [f"{RUN} estimate --validate {folder}"]
 
 
 def table_estimate_validation() -> Table:
@@ -1355,16 +1356,12 @@ def table_estimate_summary() -> Table:
             f"{max(ratios):.2f}",
         ]
     ]
-    base = table_estimate_validation()
     return Table(
         "estimate-summary",
         ["step times", "within 20 %", "lowest predicted / measured", "highest"],
         "rrrr",
         rows,
-        base.sources,
-        base.commits,
-        base.dates,
-        base.commands,
+        *_validation_stamp(folder),
     )
 
 
