@@ -16,14 +16,17 @@ starts) and runs, in one run, with the same model, data and per-worker batch, th
 ``onebit-lamb-hier``      1-bit LAMB, hierarchical exchange over the nodes, DDP hook path
 ``onebit-adam``           1-bit Adam, DDP communication-hook path
 ``zero-one-adam``         0/1 Adam, DDP communication-hook path, each kind of step timed
+``diloco-dense``          DiLoCo over LAMB, rounds of 4 steps, dense outer exchange; its
+                          inner steps and the outer step timed apart
+``diloco-1bit``           the same with the 1-bit outer exchange
 ``fp16``                  LAMB under DDP with PyTorch's ``fp16_compress_hook``
 ``powersgd-1``/``-4``     LAMB under DDP with PyTorch's PowerSGD hook, rank 1 / 4
 ========================  =====================================================
 
 Each method starts from the same initial weights and sees the same batches. After untimed
 steps, timed blocks of steps measure the step time of each stage (warm-up and compression for
-the 1-bit methods, each kind of step for 0/1 Adam, a steady state for the others), and the
-bytes sent and received by every node's interface during the block, read from the kernel's
+the 1-bit methods, each kind of step for 0/1 Adam and DiLoCo, a steady state for the others),
+and the bytes sent and received by every node's interface during the block, read from the kernel's
 interface counters (:meth:`~onebit.bench.cluster.EmulatedCluster.interface_bytes`) at barriers
 around the block; the 1-bit methods also report onebit's own accounting.
 :mod:`onebit.bench.analysis` derives the speedups and targets from these measurements.
