@@ -263,6 +263,8 @@ METHODS = {
     "onebit-lamb-delayed": "1-bit LAMB, delayed exchange",
     "onebit-adam": "1-bit Adam (DDP hook, fused exchange)",
     "zero-one-adam": "0/1 Adam (DDP hook)",
+    "diloco-dense": "DiLoCo over LAMB, H = 4, dense",
+    "diloco-1bit": "DiLoCo over LAMB, H = 4, 1-bit",
     "fp16": "LAMB + DDP fp16 hook",
     "powersgd-1": "LAMB + PowerSGD rank 1",
     "powersgd-4": "LAMB + PowerSGD rank 4",
@@ -1343,6 +1345,10 @@ def table_estimate_zero_one_adam() -> Table:
     return _estimate_validation("estimate-zero-one-adam", "docs/bench/zero-one-adam")
 
 
+def table_estimate_diloco() -> Table:
+    return _estimate_validation("estimate-diloco", "docs/bench/diloco")
+
+
 def table_estimate_summary() -> Table:
     folder = "docs/bench/pipelined"
     predictions = _predictions(folder)
@@ -1716,6 +1722,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "zero-one-adam-main-job": table_zero_one_adam_main_job,
     "estimate-validation": table_estimate_validation,
     "estimate-zero-one-adam": table_estimate_zero_one_adam,
+    "estimate-diloco": table_estimate_diloco,
     "estimate-summary": table_estimate_summary,
     "variance-guard": table_variance_guard,
     "main-job-guard": table_main_job_guard,
