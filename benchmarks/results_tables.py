@@ -1722,7 +1722,6 @@ TABLES: dict[str, Callable[[], Table]] = {
     "zero-one-adam-main-job": table_zero_one_adam_main_job,
     "estimate-validation": table_estimate_validation,
     "estimate-zero-one-adam": table_estimate_zero_one_adam,
-    "estimate-diloco": table_estimate_diloco,
     "estimate-summary": table_estimate_summary,
     "variance-guard": table_variance_guard,
     "main-job-guard": table_main_job_guard,
