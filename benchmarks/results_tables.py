@@ -94,6 +94,7 @@ COMMIT_DATES = {
     "5de40a3": "2026-12-05",
     "ebdf454": "2026-12-05",
     "343f88f": "2026-12-05",
+    "e6ab329": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -145,6 +146,7 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-m05": "ebdf454",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05": "343f88f",
+    "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-m05": "e6ab329",
 }
 
 RUN = "python3 run.py onebit"
@@ -919,13 +921,23 @@ DILOCO_STUDY_ARMS = [
     (f"{DILOCO_STUDY}/onebit-adam-n4-per-tensor", "1-bit Adam"),
     (f"{DILOCO_STUDY}/zero-one-adam-n4-auto", "0/1 Adam"),
     (f"{DILOCO_STUDY}/lamb-powersgd-r4", "LAMB, PowerSGD rank 4 (DDP)"),
-    (f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense", "DiLoCo over AdamW, H = 20, dense"),
+    (
+        f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense",
+        "DiLoCo over AdamW, H = 20, dense, Nesterov 0.9",
+    ),
+    (
+        f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense-m05",
+        "DiLoCo over AdamW, H = 20, dense, Nesterov 0.5",
+    ),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit, Nesterov 0.9"),
     (
         f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit-m05",
         "DiLoCo over AdamW, H = 20, 1-bit, Nesterov 0.5",
     ),
-    (f"{DILOCO_STUDY}/diloco-adam-n4-h60-dense", "DiLoCo over AdamW, H = 60, dense"),
+    (
+        f"{DILOCO_STUDY}/diloco-adam-n4-h60-dense",
+        "DiLoCo over AdamW, H = 60, dense, Nesterov 0.9",
+    ),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit", "DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.9"),
     (
         f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit-m05",
