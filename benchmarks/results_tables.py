@@ -147,6 +147,7 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-m05": "ebdf454",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05": "343f88f",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-m05": "e6ab329",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-m05": "e6ab329",
 }
 
 RUN = "python3 run.py onebit"
@@ -937,6 +938,10 @@ DILOCO_STUDY_ARMS = [
     (
         f"{DILOCO_STUDY}/diloco-adam-n4-h60-dense",
         "DiLoCo over AdamW, H = 60, dense, Nesterov 0.9",
+    ),
+    (
+        f"{DILOCO_STUDY}/diloco-adam-n4-h60-dense-m05",
+        "DiLoCo over AdamW, H = 60, dense, Nesterov 0.5",
     ),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit", "DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.9"),
     (
