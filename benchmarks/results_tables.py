@@ -148,6 +148,7 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05": "343f88f",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-m05": "e6ab329",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-k3-d5": "e6ab329",
 }
 
 RUN = "python3 run.py onebit"
@@ -949,6 +950,10 @@ DILOCO_STUDY_ARMS = [
         "DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.5",
     ),
     (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit-sgd", "DiLoCo over AdamW, H = 60, 1-bit, SGD lr 1"),
+    (
+        f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit-k3-d5",
+        "Streaming DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.5, 3 fragments, delay 5",
+    ),
 ]
 
 
