@@ -379,6 +379,20 @@ def test_zero_one_adams_steps_are_timed_by_their_exchange():
         assert predicted[("zero-one-adam", "local")] == pytest.approx(compute)
 
 
+def test_dilocos_steps_are_the_compute_and_the_rounds_outer_exchange():
+    # an inner step is the compute alone; the last of a round adds the dense allreduce of the
+    # fp32 pseudo-gradients (LAMB's step) or the 1-bit exchange with its local work
+    results = load_results([BENCH / "diloco"])
+    predictions = validate(results, emulated_machine(Machine()))
+    for name, result in results:
+        predicted = {(p.method, p.stage): p.predicted for p in predictions if p.run == name}
+        compute = result["summary"]["lamb-compute"]["stages"]["steady"]["step_seconds"]
+        for method in ("diloco-dense", "diloco-1bit"):
+            assert predicted[(method, "inner")] == pytest.approx(compute)
+        assert predicted[("diloco-dense", "outer")] == predicted[("lamb", "steady")]
+        assert compute < predicted[("diloco-1bit", "outer")] < predicted[("lamb", "steady")]
+
+
 def test_the_stated_emulation_constants_are_the_fit():
     results = load_results([BENCH])
     machine = emulated_machine(Machine())
