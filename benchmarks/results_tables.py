@@ -94,6 +94,8 @@ COMMIT_DATES = {
     "5de40a3": "2026-12-05",
     "ebdf454": "2026-12-05",
     "343f88f": "2026-12-05",
+    "751acb1": "2026-12-05",
+    "cc08567": "2026-12-05",
     "e6ab329": "2026-12-05",
 }
 
@@ -1744,6 +1746,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "zero-one-adam-main-job": table_zero_one_adam_main_job,
     "estimate-validation": table_estimate_validation,
     "estimate-zero-one-adam": table_estimate_zero_one_adam,
+    "estimate-diloco": table_estimate_diloco,
     "estimate-summary": table_estimate_summary,
     "variance-guard": table_variance_guard,
     "main-job-guard": table_main_job_guard,
