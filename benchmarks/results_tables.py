@@ -96,6 +96,7 @@ COMMIT_DATES = {
     "343f88f": "2026-12-05",
     "751acb1": "2026-12-05",
     "cc08567": "2026-12-05",
+    "8307ca6": "2026-12-05",
     "e6ab329": "2026-12-05",
 }
 
@@ -138,11 +139,11 @@ RECORDED_IN = {
     "docs/main-job/diloco-outer": "5ca0ad9",
     "docs/main-job/longer": "24d5ed9",
     "docs/convergence/diloco-study": "ae839b0",
-    "docs/convergence/diloco-study/link-choice.json": "ebdf454",
+    "docs/convergence/diloco-study/link-choice.json": "8307ca6",
     "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
-    "docs/convergence/diloco-study/link-choice-bert-base.json": "ebdf454",
+    "docs/convergence/diloco-study/link-choice-bert-base.json": "8307ca6",
     "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
     "docs/convergence/diloco-study/zero-one-adam-n4-auto": "5de40a3",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
