@@ -32,16 +32,13 @@ OUTER = {"dense": (0.7, 0.9), "1bit": (0.7, 0.5)}
 CASES = [("dense", 0.0), ("dense", 0.5), ("1bit", 0.0), ("1bit", 0.5)]
 
 
+#: The streaming schedule of every run here.
+STREAMING = dict(sync_every=H, kernels="torch", fragments=K, delay=DELAY)
+
+
 def _streaming(model, inner, exchange: str, share: float) -> onebit.DiLoCo:
     return onebit.DiLoCo(
-        model.parameters(),
-        inner,
-        sync_every=H,
-        exchange=exchange,
-        kernels="torch",
-        fragments=K,
-        delay=DELAY,
-        local_share=share,
+        model.parameters(), inner, exchange=exchange, local_share=share, **STREAMING
     )
 
 
@@ -211,15 +208,7 @@ def _simulated(exchange: str, share: float):
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), **INNER)
     simulation = SimulatedDiLoCo(
-        model.parameters(),
-        inner,
-        WORLD,
-        sync_every=H,
-        exchange=exchange,
-        kernels="torch",
-        fragments=K,
-        delay=DELAY,
-        local_share=share,
+        model.parameters(), inner, WORLD, exchange=exchange, local_share=share, **STREAMING
     )
     turns = []
     for step in range(H // K * TURNS):

@@ -364,14 +364,20 @@ def test_the_pipelined_overlap_runs_are_predicted_within_tolerance():
     ]
 
 
-def test_zero_one_adams_steps_are_timed_by_their_exchange():
-    # a variance update is LAMB's dense step, a 1-bit gradient step and a synchronisation the
-    # 1-bit exchange's step (1-bit Adam's compression step), a local step the compute alone
-    results = load_results([BENCH / "zero-one-adam"])
+def _predicted_by_run(folder: str):
+    """For each result file of docs/bench/``folder``: its predicted step time of each
+    (method, stage) and its compute-only step."""
+    results = load_results([BENCH / folder])
     predictions = validate(results, emulated_machine(Machine()))
     for name, result in results:
         predicted = {(p.method, p.stage): p.predicted for p in predictions if p.run == name}
-        compute = result["summary"]["lamb-compute"]["stages"]["steady"]["step_seconds"]
+        yield predicted, result["summary"]["lamb-compute"]["stages"]["steady"]["step_seconds"]
+
+
+def test_zero_one_adams_steps_are_timed_by_their_exchange():
+    # a variance update is LAMB's dense step, a 1-bit gradient step and a synchronisation the
+    # 1-bit exchange's step (1-bit Adam's compression step), a local step the compute alone
+    for predicted, compute in _predicted_by_run("zero-one-adam"):
         assert predicted[("zero-one-adam", "variance_update")] == predicted[("lamb", "steady")]
         onebit_step = predicted[("onebit-adam", "compression")]
         assert predicted[("zero-one-adam", "gradient_1bit")] == onebit_step
@@ -382,11 +388,7 @@ def test_zero_one_adams_steps_are_timed_by_their_exchange():
 def test_dilocos_steps_are_the_compute_and_the_rounds_outer_exchange():
     # an inner step is the compute alone; the last of a round adds the dense allreduce of the
     # fp32 pseudo-gradients (LAMB's step) or the 1-bit exchange with its local work
-    results = load_results([BENCH / "diloco"])
-    predictions = validate(results, emulated_machine(Machine()))
-    for name, result in results:
-        predicted = {(p.method, p.stage): p.predicted for p in predictions if p.run == name}
-        compute = result["summary"]["lamb-compute"]["stages"]["steady"]["step_seconds"]
+    for predicted, compute in _predicted_by_run("diloco"):
         for method in ("diloco-dense", "diloco-1bit"):
             assert predicted[(method, "inner")] == pytest.approx(compute)
         assert predicted[("diloco-dense", "outer")] == predicted[("lamb", "steady")]
