@@ -257,7 +257,8 @@ class DiLoCo:
             self._average(fragment)  # raises with nothing pending
             self._in_flight = _completed()
         else:
-            self._in_flight = self._executor.submit(_without_grad, self._average, fragment)
+            # grad mode is per thread: the thread's exchange runs without autograd too
+            self._in_flight = self._executor.submit(torch.no_grad()(self._average), fragment)
 
     def _average(self, fragment: Fragment) -> None:
         """In place, the ranks' mean of ``fragment``'s buffer: densely (a non-finite mean
@@ -588,11 +589,6 @@ def _completed() -> Future:
     done: Future = Future()
     done.set_result(None)
     return done
-
-
-def _without_grad(run: Any, *args: Any) -> Any:
-    with torch.no_grad():  # grad mode is per thread
-        return run(*args)
 
 
 def _backend_for(device: torch.device, name: str | None) -> backends.Backend:

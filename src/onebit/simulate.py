@@ -411,8 +411,7 @@ class SimulatedDiLoCo:
                 traffic = diloco.fragments[fragment].traffic
                 traffic.record("allreduce", allreduce_bytes(average, self.workers))
             diloco.check_finite(average)
-        _copy_into(self.params, self._weights[-1])
-        return average
+        return average  # the parameters hold the last worker's weights, as after a step
 
     @torch.no_grad()
     def _end_turn(self, local_share: float) -> None:
