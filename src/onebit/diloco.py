@@ -39,6 +39,7 @@ from onebit.exchange import (
     TrafficCounter,
     world_size,
 )
+from onebit.optim._parameters import holding_weights
 
 __all__ = [
     "DILOCO_OUTER",
@@ -379,16 +380,8 @@ class DiLoCo:
         """Inside the block the parameters hold the current round's start weights (the outer
         steps' results, the same on every rank: what to evaluate or export in the middle of a
         round); this rank's own weights are put back after it."""
-        own = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for param, start in zip(self.params, self._round_start, strict=True):
-                param.copy_(start)
-        try:
+        with holding_weights(self.params, self._round_start):
             yield
-        finally:
-            with torch.no_grad():
-                for param, mine in zip(self.params, own, strict=True):
-                    param.copy_(mine)
 
     @property
     def weights_shared(self) -> bool:

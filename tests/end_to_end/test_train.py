@@ -293,6 +293,30 @@ def test_diloco_job_sends_at_round_ends_only_and_resumes_inside_a_round(
 
 
 @pytest.mark.slow
+def test_torchfts_diloco_in_the_job_follows_onebits_dense_diloco_bit_for_bit(
+    workspace: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``--outer-implementation torchft``: torchft's DiLoCo on the same model, data and
+    schedule as onebit's dense DiLoCo (2 workers, so each mean is one addition): the same
+    weights, validation losses (read at the round's start weights mid-round) and bytes. A
+    restart from a checkpoint is refused by name."""
+    pytest.importorskip("torchft")
+    options = ("--optimizer", "adam", "--sync-every", "6", "--outer-exchange", "dense")
+    ours, theirs = workspace / "diloco-onebit", workspace / "diloco-torchft"
+    assert train(*tiny(workspace, ours, *options)) == 0
+    assert train(*tiny(workspace, theirs, *options, "--outer-implementation", "torchft")) == 0
+    assert_same_trajectory(theirs, ours)
+    rows = {run: report.read_metrics(run).train for run in (ours, theirs)}
+    assert [r["bytes"] for r in rows[theirs]] == [r["bytes"] for r in rows[ours]]
+    assert [r["step"] for r in rows[theirs] if r["bytes"]] == [6, 12]
+    killed = workspace / "diloco-torchft-killed"
+    extra = ("--no-ddp", "--max-restarts", "1", "--kill-at-step", "8")
+    capfd.readouterr()
+    assert train(*tiny(workspace, killed, *options, "--outer-implementation", "torchft", *extra))
+    assert "--outer-implementation torchft does not resume" in capfd.readouterr().err
+
+
+@pytest.mark.slow
 def test_diloco_between_nodes_averages_inside_them_and_sends_between_them_at_round_ends(
     workspace: Path, reference_run: Path
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,6 +110,24 @@ from onebit.train.run_dir import prepare_run_dir
             ["--optimizer", "adam", "--sync-every", "6", "--local-share", "1.5"],
             "Invalid --local-share=1.5: it must be in [0, 1]",
         ),
+        (
+            ["--optimizer", "adam", "--outer-implementation", "torchft"],
+            "--outer-implementation is an option of DiLoCo: give --sync-every too",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--outer-implementation", "torchft"],
+            "it takes --outer-exchange dense and not --outer-exchange 1bit",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "6", "--outer-exchange", "dense"]
+            + ["--fragments", "2", "--outer-implementation", "torchft"],
+            "it takes --outer-exchange dense and not --fragments",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "7", "--outer-exchange", "dense"]
+            + ["--steps", "20", "--outer-implementation", "torchft"],
+            "--steps 20 must be a multiple of --sync-every 7",
+        ),
     ],
 )
 def test_bad_options_are_named(
@@ -117,6 +136,20 @@ def test_bad_options_are_named(
     assert onebit_main(["train", "--out", str(tmp_path / "run"), *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_torchft_missing_is_named_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "torchft" else find_spec(name)
+    )
+    args = ["--optimizer", "adam", "--sync-every", "5", "--outer-exchange", "dense"]
+    out = str(tmp_path / "run")
+    assert onebit_main(["train", "--out", out, *args, "--outer-implementation", "torchft"]) == 2
+    assert "--outer-implementation torchft: torchft is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_simulations_prediction_oracle_is_its_own(

@@ -47,7 +47,12 @@ from onebit.optim._delay import DelayedExchange, SharedWeights
 from onebit.optim._flat import FlatState
 from onebit.optim._guard import StepGuard
 from onebit.optim._overlap import BackwardOverlap, bucket_members
-from onebit.optim._parameters import FlatParameters, trainable, views_of_flat_parameters
+from onebit.optim._parameters import (
+    FlatParameters,
+    holding_weights,
+    trainable,
+    views_of_flat_parameters,
+)
 from onebit.optim._readiness import ReadinessMonitor
 from onebit.optim._rules import UpdateRule, ZeroOneAdamRule
 from onebit.optim._schedule import (
@@ -952,15 +957,8 @@ class OneBitOptimizer(Optimizer):
         if self._shared_weights is None or not self._shared_weights.set_aside:
             yield
             return
-        params = trainable(self.param_groups)
-        held = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            torch._foreach_copy_([p.data for p in params], self.shared_weights())
-        try:
+        with holding_weights(trainable(self.param_groups), self.shared_weights()):
             yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_([p.data for p in params], held)
 
     @torch.no_grad()
     def predicted_weights(self, momentum: Tensor) -> list[Tensor]:

@@ -3,9 +3,11 @@ the first step, and the backend its update passes run on."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from onebit.kernels import BACKENDS, Backend, UpdateKernels, select
@@ -13,7 +15,7 @@ from onebit.optim import functional
 from onebit.optim._flat import FlatState
 from onebit.optim._sharding import ShardGroup, local_tensor
 
-__all__ = ["FlatParameters", "check_kernels", "views_of_flat_parameters"]
+__all__ = ["FlatParameters", "check_kernels", "holding_weights", "views_of_flat_parameters"]
 
 
 def check_kernels(kernels: str | None) -> None:
@@ -44,6 +46,19 @@ def views_of_flat_parameters() -> tuple[property, ...]:
 def trainable(param_groups: Iterable[Mapping[str, Any]]) -> list[Tensor]:
     """The parameters that take gradients, group by group."""
     return [p for group in param_groups for p in group["params"] if p.requires_grad]
+
+
+@contextlib.contextmanager
+def holding_weights(params: Sequence[Tensor], weights: Sequence[Tensor]) -> Iterator[None]:
+    """Inside the block ``params`` hold ``weights``; after it, what they held before."""
+    held = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        torch._foreach_copy_([p.data for p in params], list(weights))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in params], held)
 
 
 class FlatParameters:

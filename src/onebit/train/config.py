@@ -23,6 +23,7 @@ from onebit.optim.checks import (
 from onebit.optim.zero_one_adam import PRE_FREEZE_EXCHANGES
 from onebit.simulate import PREDICTIONS
 from onebit.train.exchange_options import check_exchange_options
+from onebit.train.torchft_diloco import IMPLEMENTATIONS as DILOCO_IMPLEMENTATIONS
 
 #: The encoder architectures of :mod:`onebit.train.model` (kept here, where the options are
 #: declared, so that ``onebit --help`` imports no ``transformers``).
@@ -42,6 +43,7 @@ REAL_WORKER_OPTIONS = (
     "timeout",
     "powersgd_rank",
     "fsdp",
+    "outer_implementation",
 )
 
 #: Options of the simulated workers alone (``onebit train`` has none).
@@ -300,6 +302,13 @@ class TrainConfig:
         help="with --sync-every: the pseudo-gradients' exchange, 1-bit per tensor with error "
         "feedback kept from round to round, or a dense mean allreduce",
     )
+    outer_implementation: str = option(
+        "onebit",
+        group=_SYSTEM,
+        choices=DILOCO_IMPLEMENTATIONS,
+        help="with --sync-every: who runs DiLoCo's rounds, onebit.DiLoCo or, as its peer, "
+        "torchft's DiLoCo (dense exchange, whole rounds, no resume; needs torchft)",
+    )
     outer_lr: float | None = option(
         None,
         group=_SYSTEM,
@@ -396,6 +405,7 @@ class TrainConfig:
             check_choice("compression", self.compression, COMPRESSIONS)
         check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
         check_choice("outer_exchange", self.outer_exchange, DILOCO_EXCHANGES)
+        check_choice("outer_implementation", self.outer_implementation, DILOCO_IMPLEMENTATIONS)
         for name in ("freeze_step", "var_freeze_step", "var_warmup_steps"):
             if getattr(self, name) not in (None, AUTO):
                 check_positive_int_option(name, getattr(self, name))

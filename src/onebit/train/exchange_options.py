@@ -7,6 +7,7 @@ from typing import Any
 
 from onebit.cli import check_positive_int_option
 from onebit.optim.checks import check_bucket_cap_mb, check_positive, check_unit_interval
+from onebit.train.torchft_diloco import torchft_missing
 
 #: A :class:`onebit.train.config.TrainConfig` (which calls these checks).
 TrainConfig = Any
@@ -117,6 +118,8 @@ def _check_diloco(config: TrainConfig) -> None:
         for flag, is_given in given.items():
             if is_given:
                 raise ValueError(f"{flag} is an option of DiLoCo: give --sync-every too")
+        if config.outer_implementation != "onebit":
+            raise ValueError("--outer-implementation is an option of DiLoCo: give --sync-every too")
         return
     check_positive_int_option("sync_every", config.sync_every)
     check_positive_int_option("fragments", config.fragments)
@@ -145,7 +148,35 @@ def _check_diloco(config: TrainConfig) -> None:
     ):
         if value:
             raise ValueError(f"--sync-every (DiLoCo) is not offered with {flag}")
+    _check_outer_implementation(config)
     if config.outer_lr is not None:  # None: the outer exchange's default
         check_positive("--outer-lr", config.outer_lr)
     if config.outer_momentum is not None:
         check_unit_interval("--outer-momentum", config.outer_momentum)
+
+
+def _check_outer_implementation(config: TrainConfig) -> None:
+    """``--outer-implementation torchft``: torchft's dense DiLoCo over single workers, in
+    whole rounds, installed."""
+    if config.outer_implementation != "torchft":
+        return
+    given = {
+        "--outer-exchange 1bit": config.outer_exchange != "dense",
+        "--fragments": config.fragments != 1,
+        "--fragment-delay": config.fragment_delay != 0,
+        "--node-size": config.node_size != 1,
+    }
+    for flag, is_given in given.items():
+        if is_given:
+            raise ValueError(
+                f"--outer-implementation torchft runs torchft's dense DiLoCo between single "
+                f"workers: it takes --outer-exchange dense and not {flag}"
+            )
+    if config.steps % config.sync_every:
+        raise ValueError(
+            f"--outer-implementation torchft ends rounds at every --sync-every-th step only: "
+            f"--steps {config.steps} must be a multiple of --sync-every {config.sync_every}"
+        )
+    missing = torchft_missing()
+    if missing is not None:
+        raise ValueError(f"--outer-implementation torchft: {missing}")

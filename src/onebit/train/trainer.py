@@ -48,6 +48,7 @@ from onebit.train.run_dir import (
     TOKENIZER_FILE,
     prepare_run_dir,
 )
+from onebit.train.torchft_diloco import TorchftDiLoCo
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,9 @@ class Trainer:
 
     #: The PowerSGD hook whose state the checkpoints keep (``--powersgd-rank``), if any.
     powersgd: CountedPowerSGD | None = None
-    #: DiLoCo's rounds over the inner optimizer (``--sync-every``), if any.
-    diloco: onebit.DiLoCo | None = None
+    #: DiLoCo's rounds over the inner optimizer (``--sync-every``), if any: onebit's, or its
+    #: peer torchft's (``--outer-implementation``).
+    diloco: onebit.DiLoCo | TorchftDiLoCo | None = None
     #: The ranks the dense gradients are averaged over (``None``: the world; DiLoCo's node).
     dense_group: dist.ProcessGroup | None = None
 
@@ -197,18 +199,7 @@ class Trainer:
         if config.diloco:  # each worker, or each node of DDP inside it, is a DiLoCo worker
             intra, inter = groups if config.diloco_nodes else (None, None)
             self.dense_group = intra
-            outer = onebit.diloco.outer_sgd(self.params, config.outer_lr, config.outer_momentum)
-            self.diloco = onebit.DiLoCo(
-                self.params,
-                self.optimizer,
-                sync_every=config.sync_every,
-                exchange=config.outer_exchange,
-                outer_optimizer=outer,
-                fragments=config.fragments,
-                delay=config.fragment_delay,
-                local_share=config.local_share,
-                process_group=inter,
-            )
+            self.diloco = self._rounds(inter)
         if config.ddp and (config.diloco_nodes or not config.diloco):
             from torch.nn.parallel import DistributedDataParallel
 
@@ -227,6 +218,32 @@ class Trainer:
             else:
                 hook_state = CountedAllreduce(self.dense_traffic, self.dense_group)
                 self.forward.register_comm_hook(hook_state, counted_allreduce_hook)
+
+    def _rounds(self, group: dist.ProcessGroup | None) -> onebit.DiLoCo | TorchftDiLoCo:
+        """DiLoCo's rounds over the inner optimizer between ``group``'s workers (``None``:
+        every rank): onebit's, or torchft's (``--outer-implementation``)."""
+        config = self.config
+        outer = onebit.diloco.outer_sgd(self.params, config.outer_lr, config.outer_momentum)
+        if config.outer_implementation == "torchft":
+            return TorchftDiLoCo(
+                self.model,
+                self.params,
+                self.optimizer,
+                outer,
+                sync_every=config.sync_every,
+                timeout=config.timeout,
+            )
+        return onebit.DiLoCo(
+            self.params,
+            self.optimizer,
+            sync_every=config.sync_every,
+            exchange=config.outer_exchange,
+            outer_optimizer=outer,
+            fragments=config.fragments,
+            delay=config.fragment_delay,
+            local_share=config.local_share,
+            process_group=group,
+        )
 
     def _link_bytes(self) -> dict[str, int]:
         """Bytes this rank has sent inside its node and between nodes so far: the
@@ -297,6 +314,8 @@ class Trainer:
                     logger.info("step %d: validation MLM loss %.4f", step, val)
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     self._save(step, metrics)
+        if self.diloco is not None:
+            self.diloco.close()
         if self.rank.is_main:
             summary = report.write_run_report(
                 self.run_dir,

@@ -24,6 +24,7 @@ from onebit.train.study.schema import (
     Arm,
     Study,
 )
+from onebit.train.torchft_diloco import torchft_missing
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ def unavailable_reason(arm: Arm) -> str | None:
         )
     if arm.runner != "train" and not has_command(arm.runner):
         return f"`onebit {arm.runner}` is not available"
+    if arm.train.get("outer_implementation") == "torchft":
+        return torchft_missing()
     return None
 
 
