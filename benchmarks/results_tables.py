@@ -916,56 +916,68 @@ def table_diloco_outer() -> Table:
     )
 
 
-#: The study's arms run again on one tokenizer, with DiLoCo's: folder -> label. LAMB first.
 DILOCO_STUDY = "docs/convergence/diloco-study"
 DELAYED_PREDICTION = "docs/convergence/delayed/prediction"
-DILOCO_STUDY_ARMS = [
-    (f"{DILOCO_STUDY}/lamb", "LAMB"),
-    (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
-    (f"{DILOCO_STUDY}/adam-n4", "AdamW, every step (DDP)"),
-    (f"{DILOCO_STUDY}/onebit-adam-n4-per-tensor", "1-bit Adam"),
-    (f"{DILOCO_STUDY}/zero-one-adam-n4-auto", "0/1 Adam"),
-    (f"{DILOCO_STUDY}/lamb-powersgd-r4", "LAMB, PowerSGD rank 4 (DDP)"),
-    (
-        f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense",
-        "DiLoCo over AdamW, H = 20, dense, Nesterov 0.9",
-    ),
-    (
-        f"{DILOCO_STUDY}/diloco-adam-n4-h20-dense-m05",
-        "DiLoCo over AdamW, H = 20, dense, Nesterov 0.5",
-    ),
-    (f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit", "DiLoCo over AdamW, H = 20, 1-bit, Nesterov 0.9"),
-    (
-        f"{DILOCO_STUDY}/diloco-adam-n4-h20-1bit-m05",
-        "DiLoCo over AdamW, H = 20, 1-bit, Nesterov 0.5",
-    ),
-    (
-        f"{DILOCO_STUDY}/diloco-adam-n4-h60-dense",
-        "DiLoCo over AdamW, H = 60, dense, Nesterov 0.9",
-    ),
-    (
-        f"{DILOCO_STUDY}/diloco-adam-n4-h60-dense-m05",
-        "DiLoCo over AdamW, H = 60, dense, Nesterov 0.5",
-    ),
-    (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit", "DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.9"),
-    (
-        f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit-m05",
-        "DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.5",
-    ),
-    (f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit-sgd", "DiLoCo over AdamW, H = 60, 1-bit, SGD lr 1"),
-    (
-        f"{DILOCO_STUDY}/diloco-adam-n4-h60-1bit-k3-d5",
-        "Streaming DiLoCo over AdamW, H = 60, 1-bit, Nesterov 0.5, 3 fragments, delay 5",
-    ),
+#: The study's DiLoCo arms, in the order of its table.
+DILOCO_STUDY_DILOCO = [
+    "diloco-adam-n4-h20-dense",
+    "diloco-adam-n4-h20-dense-m05",
+    "diloco-adam-n4-h20-1bit",
+    "diloco-adam-n4-h20-1bit-m05",
+    "diloco-adam-n4-h60-dense",
+    "diloco-adam-n4-h60-dense-m05",
+    "diloco-adam-n4-h60-1bit",
+    "diloco-adam-n4-h60-1bit-m05",
+    "diloco-adam-n4-h60-1bit-sgd",
+    "diloco-adam-n4-h60-1bit-k3-d5",
 ]
+#: The inner optimizers of the job's DiLoCo, as the tables name them.
+DILOCO_INNER = {"adam": "AdamW", "lamb": "LAMB"}
+
+
+def _diloco_label(folder: str) -> str:
+    """A DiLoCo run's label, from the settings its ``config.json`` records."""
+    train = _read(f"{folder}/config.json")["train"]
+    momentum = train["outer_momentum"]
+    outer = f"Nesterov {momentum:g}" if momentum else f"SGD lr {train['outer_lr']:g}"
+    exchange = {"dense": "dense", "1bit": "1-bit"}[train["outer_exchange"]]
+    label = (
+        f"DiLoCo over {DILOCO_INNER[train['optimizer']]}, H = {train['sync_every']}, "
+        f"{exchange}, {outer}"
+    )
+    if (train.get("fragments") or 1) > 1:
+        label = (
+            f"Streaming {label}, {train['fragments']} fragments, delay {train['fragment_delay']}"
+        )
+    if train.get("outer_implementation") == "torchft":
+        label = f"torchft's {label}"
+    return label
+
+
+def diloco_study_arms() -> list[tuple[str, str]]:
+    """The study's arms run again on one tokenizer, with DiLoCo's: (folder, label). LAMB
+    first."""
+    return [
+        (f"{DILOCO_STUDY}/lamb", "LAMB"),
+        (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
+        (f"{DILOCO_STUDY}/adam-n4", "AdamW, every step (DDP)"),
+        (f"{DILOCO_STUDY}/onebit-adam-n4-per-tensor", "1-bit Adam"),
+        (f"{DILOCO_STUDY}/zero-one-adam-n4-auto", "0/1 Adam"),
+        (f"{DILOCO_STUDY}/lamb-powersgd-r4", "LAMB, PowerSGD rank 4 (DDP)"),
+        *(
+            (f"{DILOCO_STUDY}/{name}", _diloco_label(f"{DILOCO_STUDY}/{name}"))
+            for name in DILOCO_STUDY_DILOCO
+        ),
+    ]
 
 
 def table_diloco_study() -> Table:
     """The study's arms with DiLoCo's, on the same samples: final loss and bytes."""
-    names = " ".join(d.rsplit("/", 1)[1] for d, _ in DILOCO_STUDY_ARMS)
+    arms = diloco_study_arms()
+    names = " ".join(d.rsplit("/", 1)[1] for d, _ in arms)
     return _arms_table(
         "diloco-study",
-        DILOCO_STUDY_ARMS,
+        arms,
         None,
         f"{STUDY} --out runs/diloco-study --arms {names}",
         measured=True,
@@ -977,7 +989,7 @@ def _link_choice(name: str, path: str) -> Table:
     steps timed by the cost model) and which is first, from ``link_choice.py --record``."""
     choice = _read(path)
     links = list(choice["fastest"])
-    labels = {d.rsplit("/", 1)[1]: label for d, label in DILOCO_STUDY_ARMS}
+    labels = {d.rsplit("/", 1)[1]: label for d, label in diloco_study_arms()}
     rows = []
     for name, entry in choice["runs"].items():
         reached = entry["steps"] is not None
