@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from onebit import kernels as backends
-from onebit.collectives import allreduce_mean_
+from onebit.collectives import allreduce_bytes, allreduce_mean_
 from onebit.exchange import (
     Exchange,
     FlatExchange,
@@ -243,11 +243,24 @@ class DiLoCo:
         return self.rounds % len(self.fragments)
 
     def _after_inner_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self.local_step += 1
-        if self.local_step == self.turn_steps - self.delay:
+        starts, ends = self.advance()
+        if starts:
             self._start_exchange()
-        if self.local_step >= self.turn_steps:
+        if ends:
             self._end_turn(self.local_share)
+
+    def advance(self) -> tuple[bool, bool]:
+        """Count one inner step of the turn (the inner optimizer's hook does, and a caller
+        that takes the steps itself, as the simulation): whether the turn's exchange starts
+        after it, and whether the turn ends with it (then :meth:`turn_ended` follows its
+        outer step)."""
+        self.local_step += 1
+        return self.local_step == self.turn_steps - self.delay, self.local_step >= self.turn_steps
+
+    def turn_ended(self) -> None:
+        """The turn's outer step is applied: the next turn begins."""
+        self.local_step = 0
+        self.rounds += 1
 
     def _start_exchange(self) -> None:
         """This worker's pseudo-gradient of the turn's fragment into its buffer, and the
@@ -281,6 +294,13 @@ class DiLoCo:
         self.fragments[self.fragment].buffer.copy_(average)
         self._in_flight = _completed()
 
+    def count_dense_average(self, fragment: int, average: Tensor, workers: int) -> None:
+        """Count the bytes of ``fragment``'s dense exchange whose mean over ``workers``
+        ranks, ``average``, the caller computed (the simulation), as :meth:`outer_step` will
+        apply it."""
+        if workers > 1:
+            self.fragments[fragment].traffic.record("allreduce", allreduce_bytes(average, workers))
+
     def wait_exchange(self) -> Tensor:
         """The turn's averaged pseudo-gradient once its exchange has completed (its
         fragment's buffer); raises what the exchange raised. Nothing is pending afterwards."""
@@ -306,8 +326,7 @@ class DiLoCo:
         if own is not None:
             for param, mine in zip(fragment.params, own, strict=True):
                 param.lerp_(mine, local_share)
-        self.local_step = 0
-        self.rounds += 1
+        self.turn_ended()
 
     @torch.no_grad()
     def sync(self) -> None:

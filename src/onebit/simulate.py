@@ -370,10 +370,10 @@ class SimulatedDiLoCo:
                     results.append(worker_backward(rank))
                 self.inner_optimizer.step()
         diloco = self.diloco
-        diloco.local_step += 1
-        if diloco.local_step == diloco.turn_steps - diloco.delay:
+        starts, ends = diloco.advance()
+        if starts:
             diloco.hold(self._average(diloco.fragment))
-        if diloco.local_step >= diloco.turn_steps:
+        if ends:
             self._end_turn(diloco.local_share)
         return results
 
@@ -407,9 +407,7 @@ class SimulatedDiLoCo:
                 exchange.exchange(work).decode(average)
         if exchange is None:
             average.div_(self.workers)
-            if self.workers > 1:
-                traffic = diloco.fragments[fragment].traffic
-                traffic.record("allreduce", allreduce_bytes(average, self.workers))
+            diloco.count_dense_average(fragment, average, self.workers)
             diloco.check_finite(average)
         return average  # the parameters hold the last worker's weights, as after a step
 
@@ -419,8 +417,7 @@ class SimulatedDiLoCo:
         if not diloco.exchange_started:
             diloco.hold(self._average(diloco.fragment))
         self._apply(diloco.wait_exchange(), diloco.fragment, local_share)
-        diloco.local_step = 0
-        diloco.rounds += 1
+        diloco.turn_ended()
 
     def _apply(self, average: Tensor, fragment: int, local_share: float) -> None:
         """``fragment``'s outer step from ``average``; every worker's weights of it set to
