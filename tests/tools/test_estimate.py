@@ -23,6 +23,7 @@ from onebit.estimate.model import (
     hierarchical_exchange,
     local_compression_seconds,
     overlapped_exchange,
+    turn_seconds,
 )
 from onebit.estimate.models import model_parameters, model_tail_share
 from onebit.estimate.validate import (
@@ -217,6 +218,33 @@ def test_diloco_rounds_by_hand():
     ]
 
 
+def test_streaming_diloco_turns_by_hand():
+    # W = 4 nodes of one rank, N = 1024 in K = 2 fragments of 512, H = 8: a turn of 4 steps
+    # of t_c = 2 s exchanges one fragment (dense: 3072 bytes a rank; 1-bit: 96 of signs and
+    # 36 of scalars, after 0.1024 s of local work). Started a step (τ = 1) before the turn's
+    # end, the core runs that step and the exchange's host work while the link carries the
+    # rest: max(τ t_c + core, link) - τ t_c.
+    dense_core, dense_link = 3072 / 1e4, 6 * 0.01 + 3072 / 1000
+    onebit_core, onebit_link = 4 * 512 / 2e4 + 132 / 1e4, 12 * 0.01 + 132 / 500
+    expected = {
+        "dense": (max(2 + dense_core, dense_link) - 2, dense_core + dense_link, 3072),
+        "1bit": (max(2 + onebit_core, onebit_link) - 2, onebit_core + onebit_link, 132),
+    }
+    streaming = job(4, 1, sync_every=(8,), fragments=2, fragment_delay=1)
+    rows = {row.method: row for row in estimate(streaming, MACHINE)}
+    plain = {row.method: row for row in estimate(job(4, 1, sync_every=(8,)), MACHINE)}
+    for name, (added, outer, sent) in expected.items():
+        row = rows[f"diloco-{name}-h8-k2-d1"]
+        assert row.label.startswith("Streaming DiLoCo")
+        assert (row.warmup_step, row.compression_step) == pytest.approx((2.0, 2.0 + added))
+        assert row.mean_step == pytest.approx(2.0 + added / 4)
+        assert row.rank_bytes == row.node_link_bytes == pytest.approx(sent / 4)
+        assert rows[f"diloco-{name}-h8"] == plain[f"diloco-{name}-h8"]  # beside it
+        assert turn_seconds(streaming, MACHINE, name, 2, 0)[0] == pytest.approx(outer)
+    assert expected["1bit"][0] == pytest.approx(onebit_core)  # the wire hides behind t_c
+    assert expected["dense"][0] == pytest.approx(dense_link - 2)  # 1.132 s of 3.132 exposed
+
+
 def test_free_local_work_and_latency_give_the_32x_byte_ratio():
     # With nothing but the links costing time, the compression stage is 32x faster than a
     # dense fp32 step (less the scalars), the whole run 1 / (w + (1-w)/32) on traffic.
@@ -254,6 +282,12 @@ def test_one_node_sends_nothing_over_links_and_mixed_precision_drops_the_fp16_ro
         ({"tail_share": 1.5}, r"tail_share must be in \[0, 1\]"),
         ({"bucket_cap_mb": 0.0}, "bucket_cap_mb must be a positive number"),
         ({"sync_every": (10, 0)}, "sync_every must hold integers >= 1, got 0"),
+        ({"fragments": 0}, "fragments must be an integer >= 1, got 0"),
+        ({"sync_every": (10,), "fragments": 3}, "sync_every 10 must be a multiple of fragments"),
+        (
+            {"sync_every": (10,), "fragments": 2, "fragment_delay": 5},
+            "fragment_delay 5 less than their quotient",
+        ),
     ],
 )
 def test_cluster_rejects_bad_input(kwargs, message):
@@ -312,6 +346,14 @@ def test_command_prints_a_table_and_json(capsys):
         "diloco-dense-h50",
         "diloco-1bit-h50",
     ]
+    assert main([*argv, "--sync-every", "50", "--fragments", "5", "--fragment-delay", "2"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [row["method"] for row in document["methods"]][-2:] == [
+        "diloco-dense-h50-k5-d2",
+        "diloco-1bit-h50-k5-d2",
+    ]
+    assert main([*argv, "--sync-every", "50", "--fragments", "3"]) == 2
+    assert "sync_every 50 must be a multiple of fragments 3" in capsys.readouterr().err
 
 
 def test_command_rejects_bad_input_with_clear_errors(capsys):

@@ -142,9 +142,15 @@ class _Method:
             params, values["process_group"] = _shard_in_nodes(model, cfg, spec.compresses)
         optimizer = spec.build(params, values)
         if name in DILOCO_METHODS:  # each worker's inner steps on its own gradients
-            self.step_kinds = diloco_step_kinds(cfg["skip_steps"] + cfg["steps"])
+            arm = DILOCO_METHODS[name]
+            self.step_kinds = diloco_step_kinds(cfg["skip_steps"] + cfg["steps"], arm.turn)
             self.diloco = onebit.DiLoCo(
-                params, optimizer, sync_every=DILOCO_SYNC_EVERY, exchange=DILOCO_METHODS[name]
+                params,
+                optimizer,
+                sync_every=DILOCO_SYNC_EVERY,
+                exchange=arm.exchange,
+                fragments=arm.fragments,
+                delay=arm.delay,
             )
         elif name not in (*PLAIN_METHODS, *HSDP_METHODS):
             ddp_kwargs: dict[str, Any] = {}

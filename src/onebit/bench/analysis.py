@@ -36,6 +36,7 @@ from onebit.bench.settings import (
     OVERLAP_METHODS,
     UNDELAYED_METHOD,
     ZERO_ONE_ADAM_METHOD,
+    DilocoArm,
 )
 from onebit.optim.zero_one_adam import STEP_KINDS, step_kind
 from onebit.train.config import ZERO_ONE_ADAM, TrainConfig
@@ -174,7 +175,7 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
             summary[name] = {
                 "label": entry["label"],
                 "stages": stages,
-                **_diloco_summary(stages),
+                **_diloco_summary(stages, DILOCO_METHODS[name]),
                 "peak_rss_bytes": peak_rss,
             }
             continue
@@ -242,17 +243,20 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _diloco_summary(stages: dict[str, Any]) -> dict[str, Any]:
-    """DiLoCo's round of :data:`DILOCO_SYNC_EVERY` steps: its mean step, ``H - 1`` inner steps
-    and the outer one, and the bytes a worker sends per step on average."""
+def _diloco_summary(stages: dict[str, Any], arm: DilocoArm) -> dict[str, Any]:
+    """DiLoCo's turn (a round of :data:`DILOCO_SYNC_EVERY` steps, or Streaming DiLoCo's share
+    of it): the arm, its mean step, ``turn - 1`` inner steps and the outer one, and the bytes
+    a worker sends per step on average."""
     inner, outer = stages["inner"], stages["outer"]
-    h = DILOCO_SYNC_EVERY
+    turn = arm.turn
     summary: dict[str, Any] = {
-        "sync_every": h,
-        "mean_step_seconds": ((h - 1) * inner["step_seconds"] + outer["step_seconds"]) / h,
+        "sync_every": DILOCO_SYNC_EVERY,
+        **arm._asdict(),
+        "turn": turn,
+        "mean_step_seconds": ((turn - 1) * inner["step_seconds"] + outer["step_seconds"]) / turn,
     }
     if "wire_tx_bytes_per_step" in outer:
-        summary["wire_bytes_per_step"] = outer["wire_tx_bytes_per_step"] / h
+        summary["wire_bytes_per_step"] = outer["wire_tx_bytes_per_step"] / turn
     return summary
 
 

@@ -19,6 +19,8 @@ starts) and runs, in one run, with the same model, data and per-worker batch, th
 ``diloco-dense``          DiLoCo over LAMB, rounds of 4 steps, dense outer exchange; its
                           inner steps and the outer step timed apart
 ``diloco-1bit``           the same with the 1-bit outer exchange
+``diloco-*-k2-d1``        Streaming DiLoCo, the same in 2 fragments, each exchanged at the
+                          end of its turn of 2 steps, started a step before
 ``fp16``                  LAMB under DDP with PyTorch's ``fp16_compress_hook``
 ``powersgd-1``/``-4``     LAMB under DDP with PyTorch's PowerSGD hook, rank 1 / 4
 ========================  =====================================================

@@ -137,14 +137,15 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def _diloco_table(summary: dict[str, Any], host: str) -> list[str]:
-    """DiLoCo's kinds of step, its mean step over a round and its speedup over LAMB's step."""
+    """DiLoCo's kinds of step, its mean step over a turn and its speedup over LAMB's step."""
     out = [
         f"DiLoCo over LAMB, rounds of H = {DILOCO_SYNC_EVERY} steps (each worker's inner steps "
-        "on its own gradients, the outer exchange at the round's last):",
+        "on its own gradients, the outer step at the round's last; streaming: a fragment's at "
+        "the last of each turn, its exchange started a step before):",
         "",
-        f"| method | inner step | outer step | mean step | vs LAMB's step | wire MB/step/{host} "
-        "(outer step) |",
-        "|---|---|---|---|---|---|",
+        f"| method | turn | inner step | outer step | mean step | vs LAMB's step | wire "
+        f"MB/step/{host} (outer step) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in DILOCO_METHODS:
         item = summary.get(name)
@@ -152,7 +153,7 @@ def _diloco_table(summary: dict[str, Any], host: str) -> list[str]:
             continue
         stages = item["stages"]
         out.append(
-            f"| {name} | {stages['inner']['step_seconds']:.3f} s | "
+            f"| {name} | {DILOCO_METHODS[name].turn} | {stages['inner']['step_seconds']:.3f} s | "
             f"{stages['outer']['step_seconds']:.3f} s | {item['mean_step_seconds']:.3f} s | "
             f"{_num(item.get('mean_step_speedup'), '{:.2f}x')} | "
             f"{_mb(stages['outer'].get('wire_tx_bytes_per_step'))} |"

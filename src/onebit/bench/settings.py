@@ -86,6 +86,16 @@ METHODS: dict[str, Method] = {
     "diloco-1bit": Method(
         "DiLoCo over LAMB, H = 4, 1-bit outer exchange (plain path)", "DiLoCo 1-bit", "lamb"
     ),
+    "diloco-dense-k2-d1": Method(
+        "Streaming DiLoCo over LAMB, H = 4, 2 fragments, delay 1, dense outer exchange",
+        "Streaming DiLoCo dense",
+        "lamb",
+    ),
+    "diloco-1bit-k2-d1": Method(
+        "Streaming DiLoCo over LAMB, H = 4, 2 fragments, delay 1, 1-bit outer exchange",
+        "Streaming DiLoCo 1-bit",
+        "lamb",
+    ),
     "fp16": Method("LAMB + DDP fp16_compress_hook", "fp16 hook", "lamb"),
     "powersgd-1": Method("LAMB + DDP PowerSGD rank 1", "PowerSGD r1", "lamb"),
     "powersgd-4": Method("LAMB + DDP PowerSGD rank 4", "PowerSGD r4", "lamb"),
@@ -134,11 +144,33 @@ ZERO_ONE_ADAM_SCHEDULE = {"var_update_scaler": 2, "local_step_scaler": 1, "local
 a few steps: two variance updates at each interval (steps 1, 2, 4, 6, 8, 12, ... before the
 freeze, 1-bit gradients in between), and after the freeze a local interval that doubles at
 every step up to 4 (a synchronisation, then three local steps and a synchronisation)."""
-#: DiLoCo over LAMB, method -> outer exchange; its inner steps and the last step of each
-#: round, with the outer exchange, are timed apart.
-DILOCO_METHODS = {"diloco-dense": "dense", "diloco-1bit": "1bit"}
 #: DiLoCo's round in the comparison, short so that every kind of step occurs within a few.
 DILOCO_SYNC_EVERY = 4
+
+
+class DilocoArm(NamedTuple):
+    """A DiLoCo method of the comparison: its outer exchange, and Streaming DiLoCo's fragments
+    and delay (each fragment's exchange started ``delay`` steps before the end of its turn of
+    ``DILOCO_SYNC_EVERY / fragments`` steps)."""
+
+    exchange: str
+    fragments: int = 1
+    delay: int = 0
+
+    @property
+    def turn(self) -> int:
+        """Inner steps a turn, the last with the outer step."""
+        return DILOCO_SYNC_EVERY // self.fragments
+
+
+#: DiLoCo over LAMB, method -> its arm; its inner steps and the last step of each turn, with
+#: the outer step, are timed apart.
+DILOCO_METHODS = {
+    "diloco-dense": DilocoArm("dense"),
+    "diloco-1bit": DilocoArm("1bit"),
+    "diloco-dense-k2-d1": DilocoArm("dense", fragments=2, delay=1),
+    "diloco-1bit-k2-d1": DilocoArm("1bit", fragments=2, delay=1),
+}
 #: The learning rate of the Adam methods, as a share of the LAMB methods' ``lr``.
 ADAM_LR_SHARE = 0.1
 #: Workers when neither ``workers`` nor ``nodes`` is given.
@@ -162,11 +194,11 @@ def zero_one_adam_arm(occurrences: int) -> tuple[int, list[str]]:
     return freeze, schedule
 
 
-def diloco_step_kinds(occurrences: int) -> list[str]:
-    """DiLoCo's kinds of its steps 1, 2, ... in the comparison: rounds of
-    :data:`DILOCO_SYNC_EVERY` steps, ``"inner"`` steps and a last ``"outer"`` one, until the
-    outer step has occurred ``occurrences`` times."""
-    return (["inner"] * (DILOCO_SYNC_EVERY - 1) + ["outer"]) * occurrences
+def diloco_step_kinds(occurrences: int, turn: int = DILOCO_SYNC_EVERY) -> list[str]:
+    """DiLoCo's kinds of its steps 1, 2, ... in the comparison: turns of ``turn`` steps,
+    ``"inner"`` steps and a last ``"outer"`` one, until the outer step has occurred
+    ``occurrences`` times."""
+    return (["inner"] * (turn - 1) + ["outer"]) * occurrences
 
 
 def _check_methods(methods: tuple[str, ...]) -> None:

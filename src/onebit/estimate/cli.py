@@ -111,6 +111,18 @@ class EstimateSettings:
         "of these numbers of inner steps (onebit train --sync-every)",
         default_help="none",
     )
+    fragments: int = option(
+        1,
+        group="job",
+        help="with --sync-every: add Streaming DiLoCo, its model in this many fragments that "
+        "take turns (onebit train --fragments)",
+    )
+    fragment_delay: int = option(
+        0,
+        group="job",
+        help="with --sync-every: add Streaming DiLoCo, each fragment's outer exchange running "
+        "behind this many inner steps (onebit train --fragment-delay)",
+    )
     mixed_precision: bool = option(
         False,
         group="job",
@@ -189,6 +201,8 @@ class EstimateSettings:
             bucket_cap_mb=self.bucket_cap_mb,
             tail_share=model_tail_share(self.model) if self.tail_share is None else self.tail_share,
             sync_every=tuple(self.sync_every),
+            fragments=self.fragments,
+            fragment_delay=self.fragment_delay,
         )
 
     def machine(

@@ -132,6 +132,10 @@ class Cluster:
     exchange sends their bytes after backward."""
     sync_every: tuple[int, ...] = ()
     """H of each DiLoCo to predict, inner steps a round (none: no DiLoCo rows)."""
+    fragments: int = 1
+    """K: Streaming DiLoCo's fragments, one exchanged every H/K steps (1: not streaming)."""
+    fragment_delay: int = 0
+    """τ: inner steps each fragment's outer exchange runs behind (less than H/K)."""
 
     def __post_init__(self) -> None:
         for name in ("parameters", "nodes", "ranks_per_node"):
@@ -153,6 +157,24 @@ class Cluster:
             ):
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
         _check_positive("bucket_cap_mb", self.bucket_cap_mb)
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        for name, least in (("fragments", 1), ("fragment_delay", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        for rounds in self.sync_every if self.streams else ():
+            if rounds % self.fragments or self.fragment_delay >= rounds // self.fragments:
+                raise ValueError(
+                    f"sync_every {rounds} must be a multiple of fragments {self.fragments} "
+                    f"and fragment_delay {self.fragment_delay} less than their quotient"
+                )
+
+    @property
+    def streams(self) -> bool:
+        """Whether Streaming DiLoCo is predicted beside DiLoCo (fragments or a delay)."""
+        return self.fragments > 1 or self.fragment_delay > 0
 
     @property
     def world(self) -> int:
@@ -408,32 +430,59 @@ def estimate(cluster: Cluster, machine: Machine) -> list[MethodEstimate]:
 def _diloco_rows(
     cluster: Cluster, machine: Machine, lamb_step: float, lamb_node_bytes: float
 ) -> list[MethodEstimate]:
-    """DiLoCo over the W ranks for each H of ``cluster.sync_every``: inner steps of ``t_c``,
-    the round's last adds the outer exchange of the fp32 pseudo-gradients, ``T_dense(4)`` or
-    ``t_local + T_flat``; the mean step ``t_c + T_outer / H``."""
+    """DiLoCo over the W ranks for each H of ``cluster.sync_every``, and Streaming DiLoCo
+    where ``cluster.streams``: inner steps of ``t_c``, the turn's last adds
+    :func:`turn_seconds`; the mean step ``t_c + T_stream K / H``."""
+    shapes = [(1, 0)] + ([(cluster.fragments, cluster.fragment_delay)] if cluster.streams else [])
     compute = cluster.compute_seconds
-    outers = {
-        "dense": (dense_allreduce(cluster, machine, FP32_BYTES), 0.0),
-        "1bit": (flat_exchange(cluster, machine), local_compression_seconds(cluster, machine)),
-    }
     rows = []
     for rounds in cluster.sync_every:
-        for name, (exchange, local) in outers.items():
-            outer = local + exchange.seconds
-            mean_step = compute + outer / rounds
-            node_bytes = exchange.node_link_bytes / rounds
-            rows.append(
-                MethodEstimate(
-                    method=f"diloco-{name}-h{rounds}",
-                    label=f"{DILOCO_LABELS[name]}, H = {rounds}",
-                    warmup_step=compute,
-                    compression_step=compute + outer,
-                    mean_step=mean_step,
-                    speedup=lamb_step / mean_step,
-                    compression_speedup=lamb_step / (compute + outer),
-                    rank_bytes=exchange.rank_bytes / rounds,
-                    node_link_bytes=node_bytes,
-                    traffic_reduction=lamb_node_bytes / node_bytes if node_bytes else None,
+        for fragments, delay in shapes:
+            for name in DILOCO_LABELS:
+                added, exchange = turn_seconds(cluster, machine, name, fragments, delay)
+                turn = rounds // fragments
+                mean_step = compute + added / turn
+                node_bytes = exchange.node_link_bytes / turn
+                method, label = f"diloco-{name}-h{rounds}", f"{DILOCO_LABELS[name]}, H = {rounds}"
+                if (fragments, delay) != (1, 0):
+                    method += f"-k{fragments}-d{delay}"
+                    label = f"Streaming {label}, {fragments} fragments, delay {delay}"
+                rows.append(
+                    MethodEstimate(
+                        method=method,
+                        label=label,
+                        warmup_step=compute,
+                        compression_step=compute + added,
+                        mean_step=mean_step,
+                        speedup=lamb_step / mean_step,
+                        compression_speedup=lamb_step / (compute + added),
+                        rank_bytes=exchange.rank_bytes / turn,
+                        node_link_bytes=node_bytes,
+                        traffic_reduction=lamb_node_bytes / node_bytes if node_bytes else None,
+                    )
                 )
-            )
     return rows
+
+
+def turn_seconds(
+    cluster: Cluster, machine: Machine, exchange: str, fragments: int = 1, delay: int = 0
+) -> tuple[float, Exchange]:
+    """``T_stream``, what DiLoCo's outer exchange adds to the last inner step of a turn, and
+    that exchange: of one fragment of N/K elements, ``T_outer,f`` (dense: ``T_dense(4)``;
+    1-bit: ``t_local + T_flat``) one after the inner steps; started ``τ = delay`` steps
+    before the turn's end, ``max(τ t_c + T_core,f, T_link,f) - τ t_c``, where the core's
+    share ``T_core,f`` is the local work and the collectives' host work, and ``T_link,f``
+    the rest (messages and wire)."""
+    part = dataclasses.replace(
+        cluster, parameters=-(-cluster.parameters // fragments), fragments=1, fragment_delay=0
+    )
+    if exchange == "dense":
+        sent, local = dense_allreduce(part, machine, FP32_BYTES), 0.0
+    else:
+        sent, local = flat_exchange(part, machine), local_compression_seconds(part, machine)
+    outer = local + sent.seconds
+    if delay == 0:
+        return outer, sent
+    core = local + host_seconds(sent.rank_bytes, machine)
+    hidden = delay * cluster.compute_seconds
+    return max(hidden + core, outer - core) - hidden, sent

@@ -30,6 +30,7 @@ from onebit.estimate.model import (
     hierarchical_exchange,
     local_compression_seconds,
     overlapped_exchange,
+    turn_seconds,
 )
 
 __all__ = [
@@ -59,6 +60,8 @@ TOLERANCE = 0.2
 #: The methods of the result files (``onebit bench cluster``'s names) whose exchange overlaps
 #: backward.
 _OVERLAP_METHODS = ("onebit-lamb-ddp-overlap", "onebit-lamb-overlap")
+#: What a Streaming DiLoCo method's summary records of it, :func:`turn_seconds`'s arguments.
+_STREAMING_KEYS = ("exchange", "fragments", "delay")
 #: The measured (method, stage) pairs the model predicts, and which of its costs applies.
 _PREDICTED = {
     ("lamb", "steady"): "dense",
@@ -153,7 +156,8 @@ def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[
     exchange: a variance update as LAMB's dense step, a 1-bit gradient step and a
     synchronisation as the 1-bit exchange with its local work, a local step as ``t_c``.
     DiLoCo's inner step is ``t_c``, the last of a round adds its outer exchange: the dense
-    allreduce of fp32 pseudo-gradients, or the 1-bit exchange with its local work."""
+    allreduce of fp32 pseudo-gradients, or the 1-bit exchange with its local work;
+    streaming, the last of a turn adds ``T_stream`` (:func:`turn_seconds`)."""
     cluster, run_machine = _cluster_and_machine(result, machine)
     local = local_compression_seconds(cluster, run_machine)
     costs: dict[str, tuple[Exchange, float]] = {
@@ -165,13 +169,21 @@ def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[
         "delayed": (delayed_exchange(cluster, run_machine), local),
         "local": (Exchange(0.0, 0, 0), 0.0),
     }
+
     predictions = []
     for method, summary in result["summary"].items():
         for stage, measured in summary.get("stages", {}).items():
-            cost = _PREDICTED.get((method, stage))
-            if cost is None:
+            if summary.get("fragments", 1) > 1:  # Streaming DiLoCo, as its summary records
+                exchange, extra = costs["local"]
+                if stage == "outer":
+                    added, _ = turn_seconds(
+                        cluster, run_machine, *(summary[k] for k in _STREAMING_KEYS)
+                    )
+                    exchange = Exchange(added, 0, 0)
+            elif (method, stage) in _PREDICTED:
+                exchange, extra = costs[_PREDICTED[(method, stage)]]
+            else:
                 continue
-            exchange, extra = costs[cost]
             predicted = cluster.compute_seconds + extra + exchange.seconds
             predictions.append(Prediction(name, method, stage, measured["step_seconds"], predicted))
     return predictions
