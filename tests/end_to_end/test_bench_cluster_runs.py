@@ -43,7 +43,7 @@ def test_exchange_alone_on_emulated_hosts(hosts: int, buckets: int, tmp_path: Pa
 @needs_cluster
 def test_two_worker_comparison_on_emulated_cluster() -> None:
     methods = ["lamb", "lamb-compute", "onebit-lamb-ddp", "onebit-lamb", "zero-one-adam"]
-    methods += ["diloco-dense", "diloco-1bit"]
+    methods += ["diloco-dense", "diloco-1bit", "diloco-dense-k2-d1", "diloco-1bit-k2-d1"]
     result = comparison.run_comparison(
         ComparisonSettings(
             workers=2,
@@ -92,14 +92,23 @@ def test_two_worker_comparison_on_emulated_cluster() -> None:
     for kind in ("gradient_1bit", "sync"):
         assert 0 < zero_one[kind]["wire_tx_bytes_per_step"] < dense / 10
     assert summary["zero-one-adam"]["vs"]["lamb"]["whole_run_bytes_reduction"] > 1
-    for name in ("diloco-dense", "diloco-1bit"):  # inner steps send nothing (barriers only)
+    dilocos = ("diloco-dense", "diloco-1bit", "diloco-dense-k2-d1", "diloco-1bit-k2-d1")
+    for name in dilocos:
         diloco = summary[name]
-        assert diloco["stages"]["inner"]["wire_tx_bytes_per_step"] < dense / 100
         assert diloco["stages"]["inner"]["library_bytes_per_step"] == 0
         assert diloco["mean_step_seconds"] > 0 and diloco["mean_step_speedup"] > 0
-    outer = {name: summary[name]["stages"]["outer"] for name in ("diloco-dense", "diloco-1bit")}
+    for name in ("diloco-dense", "diloco-1bit"):  # inner steps send nothing (barriers only)
+        assert summary[name]["stages"]["inner"]["wire_tx_bytes_per_step"] < dense / 100
+    outer = {name: summary[name]["stages"]["outer"] for name in dilocos}
     assert outer["diloco-dense"]["wire_tx_bytes_per_step"] == pytest.approx(dense, rel=0.1)
     assert 0 < outer["diloco-1bit"]["wire_tx_bytes_per_step"] < dense / 10
+    # streaming: half the model a turn of 2 steps (its exchange, started at the end of the
+    # turn's inner step, sends during both), as the summary records
+    turn = summary["diloco-dense-k2-d1"]["wire_bytes_per_step"] * 2
+    assert turn == pytest.approx(dense / 2, rel=0.15)
+    assert 0 < summary["diloco-1bit-k2-d1"]["wire_bytes_per_step"] < dense / 20
+    streaming = summary["diloco-1bit-k2-d1"]
+    assert (streaming["fragments"], streaming["delay"], streaming["turn"]) == (2, 1, 2)
     assert "DiLoCo over LAMB, rounds of H = 4" in report.format_report(result)
     assert result["derived"]["comm_share"] is not None
     assert "compression_bytes_30x" in result["targets"]

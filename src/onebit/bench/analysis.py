@@ -246,7 +246,8 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
 def _diloco_summary(stages: dict[str, Any], arm: DilocoArm) -> dict[str, Any]:
     """DiLoCo's turn (a round of :data:`DILOCO_SYNC_EVERY` steps, or Streaming DiLoCo's share
     of it): the arm, its mean step, ``turn - 1`` inner steps and the outer one, and the bytes
-    a worker sends per step on average."""
+    a worker sends per step on average (a streaming exchange, started at the end of an inner
+    step, sends some of its bytes during that step's timed block)."""
     inner, outer = stages["inner"], stages["outer"]
     turn = arm.turn
     summary: dict[str, Any] = {
@@ -255,8 +256,9 @@ def _diloco_summary(stages: dict[str, Any], arm: DilocoArm) -> dict[str, Any]:
         "turn": turn,
         "mean_step_seconds": ((turn - 1) * inner["step_seconds"] + outer["step_seconds"]) / turn,
     }
-    if "wire_tx_bytes_per_step" in outer:
-        summary["wire_bytes_per_step"] = outer["wire_tx_bytes_per_step"] / turn
+    if "wire_tx_bytes_per_step" in outer:  # streaming: the exchange crosses into its steps
+        turn_bytes = (turn - 1) * inner["wire_tx_bytes_per_step"] + outer["wire_tx_bytes_per_step"]
+        summary["wire_bytes_per_step"] = turn_bytes / turn
     return summary
 
 
