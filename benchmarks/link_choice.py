@@ -15,15 +15,17 @@ the model's time of each step's kind (docs/ALGORITHM.md, "Cost model of a step")
 * a compression step of 1-bit LAMB or 1-bit Adam, 0/1 Adam's 1-bit gradient step and its
   synchronisation: ``t_c + t_local + T_flat``;
 * 0/1 Adam's local step and DiLoCo's inner step ``t_c``; the last step of a round
-  ``t_c + T_outer``.
+  ``t_c + T_outer``; streaming (fragments, a delayed outer exchange), the τ + 1 steps of a
+  turn its job labels ``outer`` (the one that starts the fragment's exchange, those it runs
+  behind) ``t_c + T_stream / (τ + 1)`` each (the run's last step, which also exchanges every
+  other fragment, is timed as a turn's).
 
 ``t_c`` (``--compute``) defaults to the median inner step of the DiLoCo runs given: a step
 with no communication at all, as measured where the runs ran. ``--model`` times the steps of
 another model (a name or a count such as ``110M``, as ``onebit estimate --model`` takes;
 give its ``--compute`` too): the runs' steps to the target with that model's step times, an
-extrapolation stated as such. A PowerSGD run and a streaming DiLoCo run (fragments, a
-delayed outer exchange), which the model does not time, have their steps and bytes to the
-target and their place in the plot, but no times. Then, per link, the method that
+extrapolation stated as such. A PowerSGD run, which the model does not time, has its steps
+and bytes to the target and its place in the plot, but no times. Then, per link, the method that
 reaches the target first and its lead over the next (runs whose times agree share the first
 place; the validation losses come every ``eval_every`` steps, so steps to the target are
 multiples of it). ``--record`` writes it all as JSON; ``--plot`` draws each run's final
@@ -78,9 +80,8 @@ def _group(rows: list[dict[str, Any]], key: str, value: str) -> dict[str, list[f
     return grouped
 
 
-#: The methods the cost model does not time: PowerSGD, and streaming DiLoCo (whose fragments'
-#: exchanges run behind later inner steps).
-UNTIMED = ("powersgd", "streaming")
+#: The methods the cost model does not time: PowerSGD.
+UNTIMED = ("powersgd",)
 
 
 def method_of(run: dict[str, Any]) -> str:
@@ -88,14 +89,17 @@ def method_of(run: dict[str, Any]) -> str:
     train = run["train"]
     if train.get("powersgd_rank"):
         return "powersgd"
-    if train.get("sync_every") and (
-        train.get("fragments", 1) > 1 or train.get("fragment_delay", 0) > 0
-    ):
-        return "streaming"
     if train.get("sync_every"):
-        return f"diloco-{train['outer_exchange']}-h{train['sync_every']}"
+        fragments, delay = _streaming(train)
+        method = f"diloco-{train['outer_exchange']}-h{train['sync_every']}"
+        return method + (f"-k{fragments}-d{delay}" if (fragments, delay) != (1, 0) else "")
     onebit = ("onebit-lamb", "onebit-adam", "zero-one-adam")
     return "onebit" if train["optimizer"] in onebit else "lamb"
+
+
+def _streaming(train: dict[str, Any]) -> tuple[int, int]:
+    """A DiLoCo run's fragments and delay (older runs record neither)."""
+    return train.get("fragments") or 1, train.get("fragment_delay") or 0
 
 
 def check_stages(run: dict[str, Any]) -> None:
@@ -115,15 +119,22 @@ def steps_to(run: dict[str, Any], target: float) -> int | None:
 
 def stage_seconds(run: dict[str, Any], cluster: Cluster, machine: Machine) -> dict[str, float]:
     """The model's seconds of each kind of step of ``run``."""
-    method = method_of(run)
+    method, train = method_of(run), run["train"]
+    fragments, delay = _streaming(train)
     if method.startswith("diloco"):
-        cluster = dataclasses.replace(cluster, sync_every=(int(run["train"]["sync_every"]),))
+        cluster = dataclasses.replace(
+            cluster,
+            sync_every=(int(train["sync_every"]),),
+            fragments=fragments,
+            fragment_delay=delay,
+        )
     rows = {row.method: row for row in estimate(cluster, machine)}
     seconds = {stage: rows["lamb"].compression_step for stage in DENSE_STAGES}
     seconds |= {stage: rows["onebit"].compression_step for stage in ONEBIT_STAGES}
-    seconds["local"] = cluster.compute_seconds
-    if method.startswith("diloco"):
-        seconds |= {"inner": rows[method].warmup_step, "outer": rows[method].compression_step}
+    seconds["local"] = compute = cluster.compute_seconds
+    if method.startswith("diloco"):  # a turn's τ + 1 "outer" steps share what it adds
+        added = rows[method].compression_step - compute
+        seconds |= {"inner": compute, "outer": compute + added / (delay + 1)}
     return seconds
 
 

@@ -340,6 +340,7 @@ def test_link_choice_times_each_step_by_its_kind(tmp_path, monkeypatch):
         dense_allreduce,
         flat_exchange,
         local_compression_seconds,
+        turn_seconds,
     )
 
     tool = _tool("link_choice", monkeypatch)
@@ -369,6 +370,14 @@ def test_link_choice_times_each_step_by_its_kind(tmp_path, monkeypatch):
     onebit_step += flat_exchange(cluster, machine).seconds
     expected = 2 * dense_step + 2 * onebit_step + 2 * 2.0
     assert timed["runs"]["zero-one"]["seconds"]["8kbit"] == pytest.approx(expected)
+    # streaming, 2 fragments, delay 1: a turn of 3 steps adds T_stream over its last two
+    streaming = {"sync_every": 6, "outer_exchange": "1bit", "fragments": 2, "fragment_delay": 1}
+    turns = ["inner", "outer", "outer"] * 2
+    stream = _fake_run(tmp_path, "stream", streaming, turns, [(6, 1.7)])
+    streamed = tool.choose([tool.read_run(stream)], 1.8, 2.0, ["8kbit"], machine)
+    added, _ = turn_seconds(cluster, machine, "1bit", 2, 1)
+    assert 0 < added < outer_step - 2.0  # part of the exchange hides behind a step
+    assert streamed["runs"]["stream"]["seconds"]["8kbit"] == pytest.approx(6 * 2.0 + 2 * added)
     never = tool.choose(runs, 1.0, 2.0, ["8kbit"], machine)
     assert never["runs"]["dense"]["steps"] is None and never["fastest"] == {}
     twin = _fake_run(tmp_path, "twin", {}, ["dense"] * 6, [(3, 2.0), (6, 1.5)])
@@ -394,10 +403,6 @@ def test_link_choice_leaves_powersgd_untimed_and_names_what_it_cannot_time(
     assert (psgd["timed"], psgd["seconds"], psgd["bytes"]) == (False, {}, 8)
     assert dense_entry["timed"] and set(dense_entry["seconds"]) == {"100mbit", "1gbit", "10gbit"}
     assert written["fastest"]["1gbit"]["runs"] == ["dense"]
-    streaming = {"sync_every": 2, "outer_exchange": "1bit", "fragments": 2}
-    stream = _fake_run(tmp_path, "stream", streaming, ["inner", "outer"], [(2, 2.0)])
-    untimed = tool.choose([tool.read_run(stream)], 2.0, 2.0, ["8kbit"], tool.Machine())
-    assert untimed["runs"]["stream"]["timed"] is False and untimed["fastest"] == {}
     strange = _fake_run(tmp_path, "strange", {}, ["dense", "inner"], [(2, 2.0)])
     with pytest.raises(SystemExit):
         tool.main([str(strange)])
