@@ -57,7 +57,6 @@ What had to match torchft's semantics (torchft/local_sgd.py and manager.py, 0.2.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -149,8 +148,8 @@ def run_torchft(
 ) -> dict[str, Any]:
     """torchft's DiLoCo: this worker is a replica group of one rank."""
     from torchft.local_sgd import DiLoCo
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
+
+    from onebit.train.torchft_diloco import replica_manager
 
     model, inner, outer = build()
     parts = fragments(model, stream.fragments)
@@ -170,25 +169,8 @@ def run_torchft(
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "inner": inner.state_dict()}
 
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    wait = timedelta(seconds=timeout)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=wait),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=workers,
-        use_async_quorum=False,
-        init_sync=False,
-        replica_id=f"replica_{worker}",
-        store_addr="localhost",
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=lighthouse,
-        hostname="localhost",
-        timeout=wait,
-        quorum_timeout=wait,
-        connect_timeout=wait,
+    manager, _store = replica_manager(
+        worker, workers, lighthouse, timeout, load_state_dict, state_dict
     )
     try:
         with DiLoCo(
@@ -246,8 +228,6 @@ def worker_main(
     queue: Any,
 ) -> None:
     torch.set_num_threads(1)
-    # torchft warns on CPU that it cannot reset NCCL's flight recorder; errors still show
-    logging.getLogger("torchft.manager").setLevel(logging.ERROR)
     ft = run_torchft(worker, workers, stream, lighthouse, timeout)
     ob = run_onebit(worker, workers, stream, store_port, timeout)
     queue.put((worker, ft, ob))

@@ -485,6 +485,17 @@ class TrainConfig:
     def uses_onebit(self) -> bool:
         return self.optimizer in ONEBIT_OPTIMIZERS
 
+    def diloco_options(self) -> dict[str, Any]:
+        """``onebit.DiLoCo``'s (and ``SimulatedDiLoCo``'s) keyword arguments that these
+        options set, beside the outer optimizer (:func:`onebit.diloco.outer_sgd`)."""
+        return {
+            "sync_every": self.sync_every,
+            "exchange": self.outer_exchange,
+            "fragments": self.fragments,
+            "delay": self.fragment_delay,
+            "local_share": self.local_share,
+        }
+
     @property
     def diloco(self) -> bool:
         """Whether DiLoCo's rounds train (``--sync-every``)."""

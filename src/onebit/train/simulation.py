@@ -59,12 +59,8 @@ class SimulatedTrainer(Trainer):
                 self.params,
                 self.optimizer,
                 self.workers,
-                sync_every=config.sync_every,
-                exchange=config.outer_exchange,
                 outer_optimizer=outer,
-                fragments=config.fragments,
-                delay=config.fragment_delay,
-                local_share=config.local_share,
+                **config.diloco_options(),
             )
             self.diloco = self.simulation.diloco
             self.dense_traffic = TrafficCounter()  # DiLoCo's inner steps send nothing

@@ -17,7 +17,7 @@ import contextlib
 import importlib.util
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -30,7 +30,7 @@ from onebit.collectives import allreduce_bytes
 from onebit.exchange import TrafficCounter
 from onebit.optim._parameters import holding_weights
 
-__all__ = ["IMPLEMENTATIONS", "TorchftDiLoCo", "torchft_missing"]
+__all__ = ["IMPLEMENTATIONS", "TorchftDiLoCo", "replica_manager", "torchft_missing"]
 
 #: Who runs DiLoCo's rounds in the job: onebit, or torchft (dense exchange only).
 IMPLEMENTATIONS = ("onebit", "torchft")
@@ -66,11 +66,7 @@ class TorchftDiLoCo:
         os.environ.setdefault("RUST_LOG", "warn")  # its Rust side logs every quorum at info
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
-        # torchft warns on CPU that it cannot reset NCCL's flight recorder
-        logging.getLogger("torchft.manager").setLevel(logging.ERROR)
         self.turn_steps = sync_every
         self.local_step = 0
         self.rounds = 0
@@ -86,25 +82,8 @@ class TorchftDiLoCo:
             )
             address = [self._lighthouse.address()]
         dist.broadcast_object_list(address, src=0)
-        self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        wait = timedelta(seconds=timeout)
-        self._manager = Manager(
-            pg=ProcessGroupGloo(timeout=wait),
-            load_state_dict=_no_healing,
-            state_dict=dict,
-            min_replica_size=workers,
-            use_async_quorum=False,
-            init_sync=False,
-            replica_id=f"replica_{rank}",
-            store_addr="localhost",
-            store_port=self._store.port,
-            rank=0,
-            world_size=1,
-            lighthouse_addr=address[0],
-            hostname="localhost",
-            timeout=wait,
-            quorum_timeout=wait,
-            connect_timeout=wait,
+        self._manager, self._store = replica_manager(
+            rank, workers, address[0], timeout, _no_healing, dict
         )
         self._diloco = DiLoCo(self._manager, [model], inner, outer, sync_every=sync_every)
         self._diloco.__enter__()  # its hook first: ours reads the round it ended
@@ -171,6 +150,46 @@ class TorchftDiLoCo:
         dist.barrier()
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
+
+
+def replica_manager(
+    replica: int,
+    workers: int,
+    lighthouse: str,
+    timeout: float,
+    load_state_dict: Callable[[dict[str, Any]], None],
+    state_dict: Callable[[], dict[str, Any]],
+) -> tuple[Any, dist.TCPStore]:
+    """torchft's ``Manager`` of replica group ``replica``, of one rank, among ``workers``
+    under the lighthouse at ``lighthouse`` (gloo, a synchronous quorum, no healing at the
+    start), and the store it meets on, which must live as long as it."""
+    os.environ.setdefault("RUST_LOG", "warn")  # its Rust side logs every quorum at info
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    # torchft warns on CPU that it cannot reset NCCL's flight recorder
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    wait = timedelta(seconds=timeout)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=wait),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=workers,
+        use_async_quorum=False,
+        init_sync=False,
+        replica_id=f"replica_{replica}",
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        hostname="localhost",
+        timeout=wait,
+        quorum_timeout=wait,
+        connect_timeout=wait,
+    )
+    return manager, store
 
 
 def _no_healing(state: dict[str, Any]) -> None:

@@ -236,13 +236,9 @@ class Trainer:
         return onebit.DiLoCo(
             self.params,
             self.optimizer,
-            sync_every=config.sync_every,
-            exchange=config.outer_exchange,
             outer_optimizer=outer,
-            fragments=config.fragments,
-            delay=config.fragment_delay,
-            local_share=config.local_share,
             process_group=group,
+            **config.diloco_options(),
         )
 
     def _link_bytes(self) -> dict[str, int]:
