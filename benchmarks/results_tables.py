@@ -98,6 +98,7 @@ COMMIT_DATES = {
     "cc08567": "2026-12-05",
     "8307ca6": "2026-12-05",
     "e6ab329": "2026-12-05",
+    "252367a": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -152,6 +153,7 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-k3-d5": "e6ab329",
+    "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-torchft": "252367a",
 }
 
 RUN = "python3 run.py onebit"
@@ -921,6 +923,7 @@ DELAYED_PREDICTION = "docs/convergence/delayed/prediction"
 #: The study's DiLoCo arms, in the order of its table.
 DILOCO_STUDY_DILOCO = [
     "diloco-adam-n4-h20-dense",
+    "diloco-adam-n4-h20-dense-torchft",
     "diloco-adam-n4-h20-dense-m05",
     "diloco-adam-n4-h20-1bit",
     "diloco-adam-n4-h20-1bit-m05",
