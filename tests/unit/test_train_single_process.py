@@ -204,12 +204,12 @@ def test_every_config_field_is_an_option(capsys: pytest.CaptureFixture[str]) -> 
     for field in dataclasses.fields(TrainConfig):  # but the simulated workers' own
         if field.name not in SIMULATION_OPTIONS:
             assert f"--{field.name.replace('_', '-')} " in help_text
-    assert "(default: 40% of --steps)" in help_text and "(default: --ddp)" in help_text
+    assert "(default: 20% of --steps)" in help_text and "(default: --ddp)" in help_text
 
 
 def test_defaults_resolve_from_steps() -> None:
     config = TrainConfig(steps=1000).resolved()
-    assert (config.freeze_step, config.lr_warmup_steps) == (400, 100)
+    assert (config.freeze_step, config.lr_warmup_steps) == (200, 100)
     assert (config.eval_every, config.checkpoint_every) == (100, 250)
     assert TrainConfig(optimizer="lamb", steps=3).resolved().freeze_step == 1
 
