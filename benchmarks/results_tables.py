@@ -99,6 +99,8 @@ COMMIT_DATES = {
     "8307ca6": "2026-12-05",
     "e6ab329": "2026-12-05",
     "252367a": "2026-12-05",
+    "bb71905": "2026-12-05",
+    "c2eea4d": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -139,12 +141,16 @@ RECORDED_IN = {
     "docs/main-job/diloco": "dc88f59",
     "docs/main-job/diloco-outer": "5ca0ad9",
     "docs/main-job/longer": "24d5ed9",
+    "docs/main-job/lamb": "c2eea4d",
+    "docs/main-job/default": "c2eea4d",
+    "docs/main-job/longer/lamb-1000x64": "252367a",
+    "docs/main-job/longer/onebit-lamb-1000x64-freeze-200": "252367a",
     "docs/convergence/diloco-study": "ae839b0",
-    "docs/convergence/diloco-study/link-choice.json": "8307ca6",
+    "docs/convergence/diloco-study/link-choice.json": "bb71905",
     "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
-    "docs/convergence/diloco-study/link-choice-bert-base.json": "8307ca6",
+    "docs/convergence/diloco-study/link-choice-bert-base.json": "bb71905",
     "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
     "docs/convergence/diloco-study/zero-one-adam-n4-auto": "5de40a3",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
@@ -154,9 +160,14 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-k3-d5": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-torchft": "252367a",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-torchft": "252367a",
 }
 
 RUN = "python3 run.py onebit"
+#: The main job's shape before its defaults became 1000 steps of 64 sequences, frozen after
+#: 20 % of them: the options that rerun a run of then (1-bit runs froze after step 100).
+EARLIER_MAIN_JOB = "--steps 250 --batch-size 256"
+EARLIER_FREEZE = f"{EARLIER_MAIN_JOB} --freeze-step 100"
 STUDY = f"{RUN} study run --spec docs/convergence/study.json"
 
 
@@ -726,8 +737,19 @@ def table_convergence_defaults() -> Table:
 #: CONVERGENCE.md and VARIANCE-READINESS.md read the same files): folder -> (label, command).
 MAIN_JOB_RUNS = {
     "lamb": ("LAMB", "python3 run.py train --optimizer lamb"),
-    "default": ("1-bit LAMB, frozen after step 100 (the default)", "python3 run.py train"),
-    "freeze-50": ("1-bit LAMB, frozen after step 50", "python3 run.py train --freeze-step 50"),
+    "default": ("1-bit LAMB, frozen after step 200 (the default)", "python3 run.py train"),
+    "steps-250/lamb": (
+        "LAMB, 250 steps of 256",
+        f"python3 run.py train --optimizer lamb {EARLIER_MAIN_JOB}",
+    ),
+    "steps-250/default": (
+        "1-bit LAMB, 250 steps of 256, frozen after step 100",
+        f"python3 run.py train {EARLIER_FREEZE}",
+    ),
+    "steps-250/freeze-50": (
+        "1-bit LAMB, 250 steps of 256, frozen after step 50",
+        f"python3 run.py train {EARLIER_MAIN_JOB} --freeze-step 50",
+    ),
     "longer/lamb": (
         "LAMB, 500 steps of 128 sequences (simulated)",
         f"{RUN} simulate --optimizer lamb --steps 500 --batch-size 128 --eval-every 250 "
@@ -738,19 +760,32 @@ MAIN_JOB_RUNS = {
         f"{RUN} simulate --steps 500 --batch-size 128 --freeze-step 100 --eval-every 250 "
         "--threads 1",
     ),
+    "longer/lamb-1000x64": (
+        "LAMB, 1000 steps of 64 sequences (simulated)",
+        f"{RUN} simulate --optimizer lamb --eval-every 500 --threads 1",
+    ),
+    "longer/onebit-lamb-1000x64-freeze-200": (
+        "1-bit LAMB, 1000 steps of 64 sequences, frozen after step 200 (simulated)",
+        f"{RUN} simulate --eval-every 500 --threads 1",
+    ),
 }
 
 
-def _main_job_table(name: str, runs: Sequence[str], header: Sequence[str], cells) -> Table:
-    """A table of the main job's ``runs`` (folders under docs/main-job), LAMB's first:
-    the label, then ``cells(summary, lamb_summary)``."""
-    _first_losses_agree([f"docs/main-job/{run}" for run in runs])
-    paths = [f"docs/main-job/{run}/summary.json" for run in runs]
-    summaries = [_read(path) for path in paths]
-    rows = [
-        [MAIN_JOB_RUNS[run][0], *cells(s, summaries[0])]
-        for run, s in zip(runs, summaries, strict=True)
-    ]
+def _main_job_table(
+    name: str, groups: Sequence[Sequence[str]], header: Sequence[str], cells
+) -> Table:
+    """A table of the main job's runs (folders under docs/main-job) in ``groups`` of runs on
+    the same inputs, LAMB's first in each: the label, then ``cells(summary, lamb_summary)``."""
+    runs, paths, rows = [], [], []
+    for group in groups:
+        _first_losses_agree([f"docs/main-job/{run}" for run in group])
+        summaries = [_read(f"docs/main-job/{run}/summary.json") for run in group]
+        rows += [
+            [MAIN_JOB_RUNS[run][0], *cells(s, summaries[0])]
+            for run, s in zip(group, summaries, strict=True)
+        ]
+        runs += group
+        paths += [f"docs/main-job/{run}/summary.json" for run in group]
     commits, dates = _stamp(paths)
     return Table(
         name,
@@ -790,16 +825,20 @@ def table_main_job() -> Table:
         "fewer than LAMB",
         "training time",
     ]
-    return _main_job_table("main-job", ["lamb", "default"], header, cells)
+    return _main_job_table("main-job", [["lamb", "default"]], header, cells)
 
 
 #: DiLoCo on the main job: folder under docs/main-job/diloco -> (label, command).
 DILOCO_RUNS = {
-    "adam": ("AdamW, every step (DDP)", "python3 run.py train --optimizer adam"),
+    "adam": (
+        "AdamW, every step (DDP)",
+        f"python3 run.py train --optimizer adam {EARLIER_MAIN_JOB}",
+    ),
     **{
         f"h{h}-{x}": (
             f"DiLoCo, H = {h}, {'1-bit' if x == '1bit' else x} outer exchange",
-            f"python3 run.py train --optimizer adam --sync-every {h} --outer-exchange {x}"
+            f"python3 run.py train --optimizer adam {EARLIER_MAIN_JOB} --sync-every {h} "
+            f"--outer-exchange {x}"
             + (" --outer-lr 0.7 --outer-momentum 0.9" if x == "1bit" else ""),
         )
         for h in (10, 25)
@@ -900,7 +939,8 @@ def table_diloco_outer() -> Table:
             )
             paths += runs.values()
             commands += [
-                f"python3 run.py train --optimizer adam --sync-every {h} --outer-exchange {x} "
+                f"python3 run.py train --optimizer adam {EARLIER_MAIN_JOB} --sync-every {h} "
+                f"--outer-exchange {x} "
                 f"--outer-lr {lr:g} --outer-momentum {momentum:g}"
                 for x in runs
             ]
@@ -928,6 +968,7 @@ DILOCO_STUDY_DILOCO = [
     "diloco-adam-n4-h20-1bit",
     "diloco-adam-n4-h20-1bit-m05",
     "diloco-adam-n4-h60-dense",
+    "diloco-adam-n4-h60-dense-torchft",
     "diloco-adam-n4-h60-dense-m05",
     "diloco-adam-n4-h60-1bit",
     "diloco-adam-n4-h60-1bit-m05",
@@ -1057,8 +1098,12 @@ DELAYED_RUNS = [
         "study, 4 workers",
         "delayed, at the prediction",
     ),
-    ("docs/main-job/default", "main job (another tokenizer)", "1-bit LAMB"),
-    ("docs/main-job/delayed", "main job (another tokenizer)", "delayed, one update behind"),
+    ("docs/main-job/steps-250/default", "main job (another tokenizer)", "1-bit LAMB"),
+    (
+        "docs/main-job/steps-250/delayed",
+        "main job (another tokenizer)",
+        "delayed, one update behind",
+    ),
 ]
 
 
@@ -1102,7 +1147,10 @@ def table_delayed_oracle() -> Table:
         paths,
         commits,
         dates,
-        [f"{RUN} simulate --workers W --threads 1{flags}" for _, _, flags in DELAYED_ORACLE_ARMS],
+        [
+            f"{RUN} simulate {EARLIER_FREEZE} --workers W --threads 1{flags}"
+            for _, _, flags in DELAYED_ORACLE_ARMS
+        ],
     )
 
 
@@ -1135,7 +1183,7 @@ def table_delayed_convergence() -> Table:
         commits,
         dates,
         [
-            "python3 run.py train [--delayed-exchange]",
+            f"python3 run.py train {EARLIER_FREEZE} [--delayed-exchange]",
             f"{STUDY} --out runs/study-delay-n4 --arms onebit-lamb-n4-delayed",
         ],
         measured=False,
@@ -1558,14 +1606,18 @@ GUARD_HEADER = [
 
 def table_main_job_guard() -> Table:
     """The main job frozen at its default and earlier, with the guard, beside LAMB."""
-    runs = ["lamb", "default", "freeze-50"]
-    return _main_job_table("main-job-guard", runs, GUARD_HEADER, _guard_cells)
+    runs = ["steps-250/lamb", "steps-250/default", "steps-250/freeze-50"]
+    return _main_job_table("main-job-guard", [runs], GUARD_HEADER, _guard_cells)
 
 
 def table_main_job_longer() -> Table:
-    """The main job's compute spread over twice the steps of half the batch, simulated."""
-    runs = ["longer/lamb", "longer/onebit-lamb-freeze-100"]
-    return _main_job_table("main-job-longer", runs, GUARD_HEADER, _guard_cells)
+    """The main job's first shape's compute spread over twice and four times the steps of a
+    half and a quarter of the batch, simulated, 1-bit LAMB frozen after 20 % of them."""
+    groups = [
+        ["longer/lamb", "longer/onebit-lamb-freeze-100"],
+        ["longer/lamb-1000x64", "longer/onebit-lamb-1000x64-freeze-200"],
+    ]
+    return _main_job_table("main-job-longer", groups, GUARD_HEADER, _guard_cells)
 
 
 # ---------------------------------------------------------------------------------------------
