@@ -285,6 +285,8 @@ METHODS = {
     "zero-one-adam": "0/1 Adam (DDP hook)",
     "diloco-dense": "DiLoCo over LAMB, H = 4, dense",
     "diloco-1bit": "DiLoCo over LAMB, H = 4, 1-bit",
+    "diloco-dense-k2-d1": "Streaming DiLoCo over LAMB, H = 4, 2 fragments, delay 1, dense",
+    "diloco-1bit-k2-d1": "Streaming DiLoCo over LAMB, H = 4, 2 fragments, delay 1, 1-bit",
     "fp16": "LAMB + DDP fp16 hook",
     "powersgd-1": "LAMB + PowerSGD rank 1",
     "powersgd-4": "LAMB + PowerSGD rank 4",
