@@ -39,7 +39,7 @@ from onebit.exchange import (
     TrafficCounter,
     world_size,
 )
-from onebit.optim._parameters import holding_weights
+from onebit.optim import holding_weights
 
 __all__ = [
     "DILOCO_OUTER",

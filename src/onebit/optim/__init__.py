@@ -6,6 +6,7 @@ Argument checks are in :mod:`onebit.optim.checks`."""
 from onebit.optim._common import PER_ELEMENT_STATE, clip_by_total_norm_, params_in_order
 from onebit.optim._data_parallel import COMPRESSIONS, CommunicationError
 from onebit.optim._onebit import DEFAULT_BUCKET_CAP_MB, OneBitOptimizer
+from onebit.optim._parameters import holding_weights
 from onebit.optim._readiness import AUTO
 from onebit.optim._schedule import (
     COMPRESSION,
@@ -39,6 +40,7 @@ __all__ = [
     "OneBitOptimizer",
     "ZeroOneAdam",
     "clip_by_total_norm_",
+    "holding_weights",
     "local_tensor",
     "params_in_order",
 ]

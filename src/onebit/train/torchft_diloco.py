@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from onebit.collectives import allreduce_bytes
 from onebit.exchange import TrafficCounter
-from onebit.optim._parameters import holding_weights
+from onebit.optim import holding_weights
 
 __all__ = ["IMPLEMENTATIONS", "TorchftDiLoCo", "replica_manager", "torchft_missing"]
 
