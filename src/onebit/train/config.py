@@ -53,10 +53,10 @@ SIMULATION_OPTIONS = ("delayed_prediction",)
 DEFAULT_LAMB_LR = registry.OPTIMIZERS["lamb"].default_lr
 DEFAULT_ADAM_LR = registry.OPTIMIZERS["adam"].default_lr
 #: Fraction of the steps spent in the warm-up stage when ``freeze_step`` is not given: 20 %,
-#: the paper's share, at which the main job's 1000 steps of 64 sequences end 0.8 % below LAMB
-#: with 4.4x fewer bytes (VARIANCE-READINESS.md, "A longer compression stage"). In 250 steps
-#: of 256 the attention's variance still grows 10-15x within 10 steps of step 50 and 20 %
-#: ended 6.4 % above LAMB.
+#: the paper's share, at which the main job's 1000 steps of 64 sequences end 0.27 % below
+#: LAMB with 4.44x fewer bytes (CONVERGENCE.md, "The main job"; VARIANCE-READINESS.md, "A
+#: longer compression stage": in 250 steps of 256 the attention's variance still grew after
+#: a freeze at 20 %).
 DEFAULT_FREEZE_FRACTION = 0.2
 #: 0/1 Adam's local interval doubles this many times over the steps after the variance freeze
 #: when ``local_step_scaler`` is not given (DeepSpeed's 32678 suits runs of 10^5 steps).
