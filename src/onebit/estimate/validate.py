@@ -169,7 +169,6 @@ def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[
         "delayed": (delayed_exchange(cluster, run_machine), local),
         "local": (Exchange(0.0, 0, 0), 0.0),
     }
-
     predictions = []
     for method, summary in result["summary"].items():
         for stage, measured in summary.get("stages", {}).items():
