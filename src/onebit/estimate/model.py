@@ -38,6 +38,7 @@ __all__ = [
     "local_compression_seconds",
     "message_seconds",
     "overlapped_exchange",
+    "turn_seconds",
 ]
 
 #: Bytes of fp32 parameters per second through the compression stage's local work beyond
