@@ -173,12 +173,9 @@ def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[
     for method, summary in result["summary"].items():
         for stage, measured in summary.get("stages", {}).items():
             if summary.get("fragments", 1) > 1:  # Streaming DiLoCo, as its summary records
-                exchange, extra = costs["local"]
-                if stage == "outer":
-                    added, _ = turn_seconds(
-                        cluster, run_machine, *(summary[k] for k in _STREAMING_KEYS)
-                    )
-                    exchange = Exchange(added, 0, 0)
+                arm = (summary[k] for k in _STREAMING_KEYS)
+                added = turn_seconds(cluster, run_machine, *arm)[0] if stage == "outer" else 0.0
+                exchange, extra = Exchange(added, 0, 0), 0.0
             elif (method, stage) in _PREDICTED:
                 exchange, extra = costs[_PREDICTED[(method, stage)]]
             else:

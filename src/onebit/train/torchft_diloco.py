@@ -74,6 +74,7 @@ class TorchftDiLoCo:
         self._params = list(params)
         self._round_start = [p.detach().clone() for p in self._params]
         rank, workers = dist.get_rank(), dist.get_world_size()
+        self._round_bytes = sum(allreduce_bytes(p, workers) for p in self._params)
         self._lighthouse = None
         address = [None]
         if rank == 0:
@@ -101,11 +102,9 @@ class TorchftDiLoCo:
                 f"torchft's DiLoCo committed {committed} of {self.rounds} rounds: a round's "
                 "allreduce failed"
             )
-        workers = dist.get_world_size()
-        self.traffic.record("allreduce", sum(allreduce_bytes(p, workers) for p in self._params))
+        self.traffic.record("allreduce", self._round_bytes)
         with torch.no_grad():
-            for start, param in zip(self._round_start, self._params, strict=True):
-                start.copy_(param)
+            torch._foreach_copy_(self._round_start, [p.detach() for p in self._params])
 
     @contextlib.contextmanager
     def round_start_weights(self) -> Iterator[None]:
