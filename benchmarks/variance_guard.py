@@ -1,7 +1,8 @@
 """The guard after the freeze on a family of tasks: which runs miss their dense counterpart
 without it and with it, where it fires on runs that did not need it, and what each refresh costs.
 
-For every task, seed and freeze point it trains 1-bit Adam, 1-bit LAMB and 0/1 Adam (every
+For every task, seed and freeze point it trains 1-bit Adam, 1-bit LAMB (also with
+``trust_bound=1``: ``onebit-lamb-bounded``) and 0/1 Adam (every
 step dense up to the freeze, a synchronisation every step after it) with
 ``variance_guard="off"`` and with the default ``"refresh"``, beside their dense counterparts
 (torch's Adam, onebit's LAMB) on the same samples, and writes one JSON line per run. A run
@@ -69,10 +70,19 @@ TASKS = {
 ARMS = {
     "onebit-adam": ("adam", 1e-3),
     "onebit-lamb": ("lamb", 1e-2),
+    "onebit-lamb-bounded": ("lamb", 1e-2),
     "zero-one-adam": ("adam", 1e-3),
 }
 #: The optimizers ``--simulate`` can run.
-SIMULATABLE = ("onebit-adam", "onebit-lamb")
+SIMULATABLE = ("onebit-adam", "onebit-lamb", "onebit-lamb-bounded")
+#: ``onebit-lamb-bounded``'s ``trust_bound``: no compression step larger than a LAMB step.
+TRUST_BOUND = 1.0
+
+
+def default_optimizers(simulate: bool) -> list[str]:
+    """What runs without ``--optimizers``: every arm but ``onebit-lamb-bounded`` (that
+    ``--simulate`` can run)."""
+    return [n for n in ARMS if n != "onebit-lamb-bounded" and (not simulate or n in SIMULATABLE)]
 
 
 def build_optimizer(
@@ -86,6 +96,10 @@ def build_optimizer(
     if name == "zero-one-adam":
         return onebit.ZeroOneAdam(
             params, lr=lr, var_freeze_step=freeze, var_warmup_steps=freeze, variance_guard=guard
+        )
+    if name == "onebit-lamb-bounded":
+        return onebit.OneBitLamb(
+            params, lr=lr, freeze_step=freeze, variance_guard=guard, trust_bound=TRUST_BOUND
         )
     cls = onebit.OneBitAdam if name == "onebit-adam" else onebit.OneBitLamb
     return cls(params, lr=lr, freeze_step=freeze, variance_guard=guard)
@@ -248,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         choices=list(ARMS),
-        help="default: all of them (with --simulate: those it can run)",
+        help="default: all of them but onebit-lamb-bounded (with --simulate: those it can run)",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--workers", type=int, default=2, help="data-parallel workers")
@@ -270,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch % args.workers:
         parser.error(f"--batch {args.batch} must be a multiple of --workers {args.workers}")
     if args.optimizers is None:
-        args.optimizers = list(SIMULATABLE if args.simulate else ARMS)
+        args.optimizers = default_optimizers(args.simulate)
     unsimulatable = sorted(set(args.optimizers) - set(SIMULATABLE))
     if args.simulate and unsimulatable:
         parser.error(f"--simulate runs {', '.join(SIMULATABLE)} only, not {unsimulatable}")
@@ -298,7 +312,11 @@ def measuring_command(rows: list[dict]) -> str:
             *(["--simulate"] if rows[0]["simulated"] else []),
             "--tasks",
             *tasks,
-            *(["--optimizers", *optimizers] if optimizers != list(ARMS) else []),
+            *(
+                ["--optimizers", *optimizers]
+                if optimizers != default_optimizers(rows[0]["simulated"])
+                else []
+            ),
             "--seeds",
             *map(str, seeds),
         ]

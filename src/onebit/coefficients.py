@@ -4,10 +4,12 @@ shares (torch only, no other import)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-__all__ = ["compression_factor", "momentum_rebuild", "trust_ratio"]
+__all__ = ["TrustBound", "compression_factor", "momentum_rebuild", "trust_ratio"]
 
 
 def trust_ratio(
@@ -43,6 +45,34 @@ def compression_factor(
     factor = torch.minimum(torch.maximum(factor, factor_min), factor_max)
     low, high = last_factor * (1 - factor_threshold), last_factor * (1 + factor_threshold)
     return torch.minimum(torch.maximum(factor, low), high)
+
+
+@dataclass(frozen=True)
+class TrustBound:
+    """1-bit LAMB's bound on the compression stage's coefficient, per parameter
+    (ALGORITHM.md, "A bound on the frozen coefficient"): ``bound`` (κ; 0 where there is none),
+    ``weight_norm`` (||p|| before the step) and LAMB's clamp ``[min_coeff, max_coeff]``."""
+
+    bound: Tensor
+    weight_norm: Tensor
+    min_coeff: Tensor
+    max_coeff: Tensor
+
+    def select(self, indices: Tensor | list[int]) -> TrustBound:
+        """The entries of the parameters ``indices``."""
+        return TrustBound(*(x[indices] for x in vars(self).values()))
+
+    def apply(
+        self, steps: Tensor, coefficient: Tensor, lr: Tensor, update_norm: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``c = min(c_frz f, κ clamp(||p|| / ||u||, c_min, c_max))``: where the bound is
+        smaller (κ > 0, both norms positive), the step ``-lr κ c(p, u)`` and that coefficient
+        replace ``steps`` and ``coefficient`` (``c_frz f``); elsewhere they are kept, bit for
+        bit."""
+        ratio, defined = trust_ratio(self.weight_norm, update_norm, self.min_coeff, self.max_coeff)
+        bounded = self.bound * ratio
+        binds = defined & (self.bound > 0) & (bounded < coefficient)
+        return torch.where(binds, -lr * bounded, steps), torch.where(binds, bounded, coefficient)
 
 
 def momentum_rebuild(lr_sum: Tensor) -> Tensor:

@@ -37,7 +37,8 @@ def oracle_run(
 ):
     """Return the parameters after each step, as lists of float64 tensors.
 
-    groups[i] = (lr, weight_decay) of tensor i; hyper holds betas, eps and the LAMB bounds;
+    groups[i] = (lr, weight_decay) of tensor i; hyper holds betas, eps, the LAMB bounds and
+    1-bit LAMB's trust_bound (if any);
     masks[i] is tensor i's exp_avg_mask or None (the elements whose variance is 0 are masked
     too); grad_fn(rank, i, p) is worker rank's gradient of tensor i at parameter value p.
     compression="per_tensor" exchanges each tensor alone (s_p = 1), as DeepSpeed's OnebitAdam
@@ -174,7 +175,13 @@ def oracle_run(
                     tau = hyper["factor_threshold"]
                     f = min(max(f, f_last[i] * (1 - tau)), f_last[i] * (1 + tau))
                     f_last[i] = f
-                    params[i] = params[i] - lr * c_frz[i] * f * u
+                    c = c_frz[i] * f
+                    kappa = hyper.get("trust_bound")
+                    pn, un = params[i].norm().item(), u.norm().item()
+                    if kappa and pn > 0 and un > 0:
+                        ratio = min(max(pn / un, hyper["min_coeff"]), hyper["max_coeff"])
+                        c = min(c, kappa * ratio)
+                    params[i] = params[i] - lr * c * u
                 else:
                     params[i] = params[i] - lr * u
         history.append([p.clone() for p in params])

@@ -27,6 +27,7 @@ KINDS = {
     "lamb": {"lamb"},
     "onebit-lamb": {"warmup", "compression"},  # each tensor compressed alone (the default)
     "onebit-lamb-fused": {"warmup", "compression"},
+    "onebit-lamb-bounded": {"warmup", "compression"},  # with trust_bound
     "onebit-adam": {"warmup", "compression"},
     "onebit-adam-fused": {"warmup", "compression"},
     "zero-one-adam": {"variance_update", "gradient_1bit", "local", "sync"},
@@ -50,8 +51,14 @@ def _build(kind: str, backend: str, dtype: torch.dtype, device: torch.device):
         return params, onebit.Lamb(groups, kernels=backend)
     compression = "fused" if kind.endswith("-fused") else "per_tensor"
     if kind.startswith("onebit-lamb"):
+        bound = {"trust_bound": 0.2} if kind.endswith("-bounded") else {}
         optimizer = onebit.OneBitLamb(
-            groups, freeze_step=8, max_coeff=0.3, compression=compression, kernels=backend
+            groups,
+            freeze_step=8,
+            max_coeff=0.3,
+            compression=compression,
+            kernels=backend,
+            **bound,
         )
         return params, optimizer
     if kind.startswith("onebit-adam"):

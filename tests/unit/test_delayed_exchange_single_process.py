@@ -84,13 +84,16 @@ def test_the_pending_update_lands_at_the_next_step_or_when_finished(cls):
     [
         (onebit.OneBitLamb, dict(weight_decay=0.1)),
         (onebit.OneBitLamb, dict(compression="fused")),
+        (onebit.OneBitLamb, dict(weight_decay=0.1, trust_bound=0.05)),
         (onebit.OneBitAdam, dict(weight_decay=0.1)),
     ],
 )
 def test_the_parameters_hold_the_prediction_from_this_ranks_momentum(cls, options):
     """After each stage step: p = w - lr c (mask (b1 m + (1 - b1) g) / (sqrt(v) + eps) + wd w),
-    w the shared weights, m the landed momentum, c = c_frz f (1-bit LAMB) or 1; an element
-    that never had a gradient (v = 0) is masked, one whose gradient is not finite stays."""
+    w the shared weights, m the landed momentum, c the last update's coefficient (1-bit LAMB:
+    c_frz f, or the trust bound where it held) or 1; an element that never had a gradient
+    (v = 0) is masked, one whose gradient is not finite stays."""
+    bounded = []
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(4, 3, dtype=torch.float64)) for _ in range(2)]
     lr, eps, (beta1, _) = 0.01, 1e-8, (0.9, 0.999)
@@ -112,7 +115,12 @@ def test_the_parameters_hold_the_prediction_from_this_ranks_momentum(cls, option
             state = optimizer.state[param]
             coeff = 1.0
             if cls is onebit.OneBitLamb:
-                coeff = float(state["lamb_coeff_freeze"]) * float(state["last_factor"])
+                coeff = float(state["lamb_coeff"])
+                unbounded = float(state["lamb_coeff_freeze"]) * float(state["last_factor"])
+                assert coeff <= unbounded
+                bounded.append(coeff < unbounded)
+                if "trust_bound" not in options:
+                    assert coeff == unbounded
             v = state["exp_avg_sq"]
             local = (beta1 * state["exp_avg"] + (1 - beta1) * param.grad) * (v > 0)
             move = lr * coeff * (local / (v.sqrt() + eps) + decay * shared)
@@ -122,6 +130,7 @@ def test_the_parameters_hold_the_prediction_from_this_ranks_momentum(cls, option
                 param.detach()[0, 0], shared[0, 0] - lr * coeff * decay * shared[0, 0]
             )
         assert torch.isfinite(params[1]).all()
+    assert any(bounded) == ("trust_bound" in options)
 
 
 def _quadratic(lr: float, gradients_at: str, steps: int = 250) -> float:

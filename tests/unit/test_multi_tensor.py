@@ -85,6 +85,9 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
     optimizer = {
         "lamb": lambda: onebit.Lamb(groups, max_coeff=0.3),
         "onebit-lamb": lambda: onebit.OneBitLamb(groups, freeze_step=4, max_coeff=0.3),
+        "onebit-lamb-bounded": lambda: onebit.OneBitLamb(
+            groups, freeze_step=4, max_coeff=0.3, trust_bound=0.2
+        ),
         "onebit-adam": lambda: onebit.OneBitAdam(groups, freeze_step=4),
         # every kind of step within 12: variance updates 1, 2, 4, 6; 1-bit gradients 3, 5;
         # after the freeze at 6, synchronisations 7, 8, 10, 12 and local steps 9, 11
@@ -107,7 +110,9 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
 
 
 @pytest.mark.skipif(len(BACKENDS) < 2, reason="needs the numba backend")
-@pytest.mark.parametrize("kind", ["lamb", "onebit-lamb", "onebit-adam", "zero-one-adam"])
+@pytest.mark.parametrize(
+    "kind", ["lamb", "onebit-lamb", "onebit-lamb-bounded", "onebit-adam", "zero-one-adam"]
+)
 def test_fused_backend_follows_the_torch_reference(kind, monkeypatch):
     """float64: the backends differ only in summation order (~1e-16), so 1e-10 would catch
     any difference in the maths, which shows at >= 1e-4."""

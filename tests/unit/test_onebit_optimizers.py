@@ -48,6 +48,49 @@ def test_world_size_one_matches_the_model(kind, compression):
             torch.testing.assert_close(got.detach(), ref, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("compression", ["fused", "per_tensor"])
+def test_the_trust_bound_matches_the_model_and_changes_the_steps(compression):
+    """With ``trust_bound`` the compression steps follow the model's
+    ``min(c_frz f, κ clamp(||p|| / ||u||, c_min, c_max))``; κ = 0.2 binds on this problem, so
+    the trajectory leaves the unbounded one."""
+    params, opt = build("lamb", torch.float64, compression, trust_bound=0.2)
+    expected = oracle_run(
+        "lamb",
+        initial_params(),
+        grad_fn,
+        1,
+        STEPS,
+        FREEZE,
+        GROUP_HYPER,
+        HYPER | {"trust_bound": 0.2},
+        [None, None, None, MASK],
+        compression=compression,
+    )
+    unbounded = oracle_run(
+        "lamb",
+        initial_params(),
+        grad_fn,
+        1,
+        STEPS,
+        FREEZE,
+        GROUP_HYPER,
+        HYPER,
+        [None, None, None, MASK],
+        compression=compression,
+    )
+    for step in range(STEPS):
+        set_grads(params, 0)
+        opt.step()
+        for got, ref in zip(params, expected[step], strict=True):
+            torch.testing.assert_close(got.detach(), ref, rtol=1e-9, atol=1e-9)
+    assert max((a - b).abs().max() for a, b in zip(expected[-1], unbounded[-1], strict=True)) > 1e-3
+
+
+def test_a_trust_bound_that_is_not_positive_is_refused_by_name():
+    with pytest.raises(ValueError, match="trust_bound=0"):
+        onebit.OneBitLamb([torch.nn.Parameter(torch.zeros(3))], trust_bound=0.0)
+
+
 def test_parameters_without_gradients_are_left_alone():
     used = torch.nn.Parameter(torch.randn(10))
     unused = torch.nn.Parameter(torch.randn(3))

@@ -41,6 +41,11 @@ from onebit.train.run_dir import prepare_run_dir
         (["--min-coeff", "0.5"], "min_coeff=0.5 > max_coeff=0.3"),
         (["--factor-min", "5"], "factor_min=5.0 > factor_max=4.0"),
         (["--coeff-beta", "1"], "Invalid --coeff-beta=1.0: it must be in [0, 1)"),
+        (["--trust-bound", "0"], "Invalid --trust-bound=0.0: it must be > 0"),
+        (
+            ["--trust-bound", "1", "--optimizer", "onebit-adam"],
+            "--trust-bound bounds onebit-lamb's compression steps, not onebit-adam's",
+        ),
         (["--betas", "0.9", "1.0"], "Invalid betas[1]=1.0: it must be in [0, 1)"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--batch-size", "10", "--workers", "4"], "--batch-size 10 (global) is not divisible"),

@@ -40,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from onebit.coefficients import TrustBound
 from onebit.compression import ExchangeResult
 from onebit.kernels._reference import ReferenceKernels
 
@@ -199,7 +200,8 @@ class UpdateKernels(Protocol):
         active: Sequence[bool],
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
-    ) -> Tensor: ...
+        trust: TrustBound | None = None,
+    ) -> tuple[Tensor, Tensor]: ...
 
     def onebit_adam_compressed_step_(
         self,

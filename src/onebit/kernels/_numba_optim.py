@@ -24,7 +24,7 @@ import torch
 from numba import njit, prange, typed
 from torch import Tensor
 
-from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
+from onebit.coefficients import TrustBound, compression_factor, momentum_rebuild, trust_ratio
 from onebit.compression import ExchangeResult
 from onebit.kernels._numba import Compiled
 from onebit.kernels._numba import to_numpy as _np
@@ -647,7 +647,8 @@ class NumbaUpdates:
         active: Sequence[bool],
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
-    ) -> Tensor:
+        trust: TrustBound | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """(``scratch`` is unused: the momentum is decoded on the fly, from a result in the
         flat layout or of one segment per tensor.)"""
         hyper, on = _Hyper(flat), _active(active)
@@ -676,10 +677,11 @@ class NumbaUpdates:
         sums = _per_segment(flat, blocks, partials[:, :2])
         maxima = np.full(len(flat.params), -np.inf)
         np.maximum.at(maxima, blocks[:, 0], partials[:, 2])
+        full_norm = _tensor(flat, np.sqrt(sums[:, 1]))
         factor = compression_factor(
             _tensor(flat, maxima),
             _tensor(flat, np.sqrt(sums[:, 0])),
-            _tensor(flat, np.sqrt(sums[:, 1])),
+            full_norm,
             last_factor,
             _tensor(flat, hyper.key("factor_min")),
             _tensor(flat, hyper.key("factor_max")),
@@ -687,9 +689,13 @@ class NumbaUpdates:
         )
         factor = torch.where(torch.from_numpy(on), factor, last_factor)
         # (-lr c_frz) f, multiplied in the reference's order
-        step = ((-hyper.key("lr") * _np(lamb_coeff_freeze)) * _np(factor)).astype(hyper.dtype)
+        lr = _tensor(flat, hyper.key("lr"))
+        steps, coefficient = -lr * lamb_coeff_freeze * factor, lamb_coeff_freeze * factor
+        if trust is not None:
+            steps, coefficient = trust.apply(steps, coefficient, lr, full_norm)
+        step = _np(steps).astype(hyper.dtype)
         _KERNELS("apply_step")(_blocks(flat), on, m, v, p, eps, wd, step)
-        return factor
+        return factor, coefficient
 
     def onebit_adam_compressed_step_(
         self,

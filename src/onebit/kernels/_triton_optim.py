@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
+from onebit.coefficients import TrustBound, compression_factor, momentum_rebuild, trust_ratio
 from onebit.compression import ExchangeResult
 from onebit.kernels._triton import _INTERPRETED
 
@@ -648,7 +648,8 @@ class TritonUpdates:
         active: Sequence[bool],
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
-    ) -> Tensor:
+        trust: TrustBound | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """The momentum is decoded on the fly, or into ``scratch`` first
         (:func:`_exchange_inputs`)."""
         table, constants = _table(flat, _active_segments(active)), _Constants(flat)
@@ -668,10 +669,11 @@ class TritonUpdates:
         size = len(flat.params)
         sums = _scatter(table.per_segment(partials[:, :2], "sum"), table, size, 0.0)
         maxima = _scatter(table.per_segment(partials[:, 2], "max"), table, size, -np.inf)
+        full_norm = sums[:, 1].sqrt().to(flat.dtype)
         factor = compression_factor(
             maxima.to(flat.dtype),
             sums[:, 0].sqrt().to(flat.dtype),
-            sums[:, 1].sqrt().to(flat.dtype),
+            full_norm,
             last_factor,
             constants["factor_min"],
             constants["factor_max"],
@@ -679,9 +681,12 @@ class TritonUpdates:
         )
         factor = torch.where(_taking_part(table, size), factor, last_factor)
         steps = -constants["lr"] * lamb_coeff_freeze * factor  # the reference's order
+        coefficient = lamb_coeff_freeze * factor
+        if trust is not None:
+            steps, coefficient = trust.apply(steps, coefficient, constants["lr"], full_norm)
         state = (flat.exp_avg, flat.exp_avg_sq, flat.weights, constants.table)
         _launch(_apply_step_kernel, table, *state, steps)
-        return factor
+        return factor, coefficient
 
     def onebit_adam_compressed_step_(
         self,

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from onebit.coefficients import TrustBound
 from onebit.compression import ExchangeResult
 from onebit.kernels import UpdateKernels
 from onebit.optim._flat import FlatState
@@ -96,7 +97,7 @@ class OneBitLambRule(UpdateRule):
 
     scalars = {
         "scaling_coeff": 1.0,
-        "lamb_coeff": 1.0,  # the last step's coefficient: c, or c_frz * f
+        "lamb_coeff": 1.0,  # the last step's coefficient: c, or c_frz * f (bounded)
         "lamb_coeff_freeze": 0.0,  # c_frz
         "last_factor": 1.0,  # f_last
     }
@@ -114,17 +115,20 @@ class OneBitLambRule(UpdateRule):
         return True
 
     def start_compression(self, flat: FlatState) -> None:
-        """At every freeze: ``v_fresh = copy(v)``, ``f_last = 1``."""
+        """At every freeze: ``v_fresh = copy(v)``, ``f_last = 1``, and the coefficient the
+        next update is predicted with ``c_frz``."""
         flat.enable_fresh_variance().copy_(flat.exp_avg_sq)
         flat.scalars["last_factor"].fill_(1.0)
+        flat.scalars["lamb_coeff"].copy_(flat.scalars["lamb_coeff_freeze"])
 
     def prediction_coefficients(self, flat: FlatState) -> Tensor:
-        """``c_frz f_last``."""
-        return flat.scalars["lamb_coeff_freeze"] * flat.scalars["last_factor"]
+        """The last compression step's coefficient (``c_frz f_last``, or the bound where it
+        held); ``c_frz`` before the first."""
+        return flat.scalars["lamb_coeff"]
 
     def compressed(self, updates, flat, packed, scratch, mask, active, per_tensor) -> None:
         scalars = flat.scalars
-        factor = updates.onebit_lamb_compressed_step_(
+        factor, coefficient = updates.onebit_lamb_compressed_step_(
             flat,
             packed,
             scratch,
@@ -133,9 +137,23 @@ class OneBitLambRule(UpdateRule):
             active,
             scalars["lamb_coeff_freeze"],
             scalars["last_factor"],
+            _trust_bound(flat),
         )
         scalars["last_factor"].copy_(factor)
-        scalars["lamb_coeff"].copy_(scalars["lamb_coeff_freeze"] * factor)
+        scalars["lamb_coeff"].copy_(coefficient)
+
+
+def _trust_bound(flat: FlatState) -> TrustBound | None:
+    """The groups' ``trust_bound`` with the weights' norms before the step; ``None`` where no
+    group has one."""
+    if not any(group.get("trust_bound") for group in flat.groups):
+        return None
+    return TrustBound(
+        flat.segment_values(lambda group: group.get("trust_bound") or 0.0),
+        flat.norms(flat.weight_views()),
+        flat.segment_values(lambda group: group["min_coeff"]),
+        flat.segment_values(lambda group: group["max_coeff"]),
+    )
 
 
 class AdamRule(UpdateRule):

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from onebit.coefficients import compression_factor, momentum_rebuild, trust_ratio
+from onebit.coefficients import TrustBound, compression_factor, momentum_rebuild, trust_ratio
 from onebit.compression import ExchangeResult
 from onebit.optim._flat import FlatState
 
@@ -228,16 +228,18 @@ def onebit_lamb_compressed_step_(
     active: Sequence[bool],
     lamb_coeff_freeze: Tensor,
     last_factor: Tensor,
-) -> Tensor:
-    """A compression-stage 1-bit LAMB step with the exchanged momentum; returns ``f``.
+    trust: TrustBound | None = None,
+) -> tuple[Tensor, Tensor]:
+    """A compression-stage 1-bit LAMB step with the exchanged momentum; returns ``f`` and the
+    coefficient the step used.
 
     ``m_new = decoded / s (* mask)``; ``g = (m_new - b1 m) / (1 - b1)``;
     ``v_fresh = b2 v_fresh + (1 - b2) g^2``; ``m = m_new``; ``d = sqrt(v) + eps``;
     ``u0 = m / d``; ``u = u0 + wd p``; ``f`` from :func:`compression_factor`
-    (``last_factor`` kept for inactive parameters); ``p <- p - lr (c_frz f) u`` (no
-    c_min/c_max clamp in this stage). ``packed`` is the exchange's result, decoded on the fly
-    or into ``scratch`` (the exchange buffer). Divisions by ``s`` and ``1 - b1`` are
-    multiplications by their reciprocals.
+    (``last_factor`` kept for inactive parameters); ``p <- p - lr c u`` with ``c = c_frz f``
+    (no c_min/c_max clamp in this stage), bounded by ``trust`` where given. ``packed`` is the
+    exchange's result, decoded on the fly or into ``scratch`` (the exchange buffer). Divisions
+    by ``s`` and ``1 - b1`` are multiplications by their reciprocals.
     """
     indices = _active_indices(active)
     new = _decode_momentum(flat, packed, scaling, mask, scratch)
@@ -266,20 +268,25 @@ def onebit_lamb_compressed_step_(
         if group["weight_decay"]:
             torch._foreach_add_(_pick(update, idx), _pick(p, idx), alpha=group["weight_decay"])
     max_ratio = flat.segment_max(flat.scratch(1)[: flat.numel])
+    full_norm = flat.norms(_pick(update, indices))  # ||u||
     factor = compression_factor(
         max_ratio[indices],
         base_norm,
-        flat.norms(_pick(update, indices)),
+        full_norm,
         last_factor[indices],
         flat.segment_values(lambda g: g["factor_min"])[indices],
         flat.segment_values(lambda g: g["factor_max"])[indices],
         flat.segment_values(lambda g: g["factor_threshold"])[indices],
     )
-    steps = -flat.segment_values(lambda g: g["lr"])[indices] * lamb_coeff_freeze[indices] * factor
+    lr = flat.segment_values(lambda g: g["lr"])[indices]
+    frozen = lamb_coeff_freeze[indices]
+    steps, coefficient = -lr * frozen * factor, frozen * factor
+    if trust is not None:
+        steps, coefficient = trust.select(indices).apply(steps, coefficient, lr, full_norm)
     _step_(flat, indices, update, steps)
-    full = last_factor.clone()
-    full[indices] = factor
-    return full
+    full_factor, full_coefficient = last_factor.clone(), lamb_coeff_freeze * last_factor
+    full_factor[indices], full_coefficient[indices] = factor, coefficient
+    return full_factor, full_coefficient
 
 
 def predict_weights_(

@@ -115,6 +115,11 @@ class OneBitLamb(OneBitOptimizer):
             steps that refresh the variance until it has caught up, then a new freeze, with a
             warning; ``"warn"``, the warning alone; ``"off"``, nothing (DeepSpeed's).
             :attr:`refreshes` lists the refreshes; their bytes count under ``"refresh"``.
+        trust_bound: κ > 0 bounds every compression step's coefficient by κ times LAMB's
+            trust ratio of that step, ``min(c_frz f, κ clamp(||p|| / ||u||, c_min, c_max))``,
+            so that no step moves a tensor more than κ times a LAMB step with the same ``u``
+            (ALGORITHM.md, "A bound on the frozen coefficient"); ``None`` (default): the
+            paper's ``c_frz f`` alone.
 
     Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
     ``scaler.step(optimizer)``): the step unscales the
@@ -149,8 +154,11 @@ class OneBitLamb(OneBitOptimizer):
         max_freeze_step: int | None = None,
         delayed_exchange: bool = False,
         variance_guard: str = "refresh",
+        trust_bound: float | None = None,
     ) -> None:
         checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if trust_bound is not None:
+            checks.check_positive("trust_bound", trust_bound)
         checks.check_coeff_bounds(min_coeff, max_coeff)
         checks.check_unit_interval("coeff_beta", coeff_beta)
         checks.check_factor_bounds(factor_min, factor_max)
@@ -166,6 +174,7 @@ class OneBitLamb(OneBitOptimizer):
             factor_max=factor_max,
             factor_min=factor_min,
             factor_threshold=factor_threshold,
+            trust_bound=trust_bound,
         )
         super().__init__(
             params,
@@ -186,6 +195,7 @@ class OneBitLamb(OneBitOptimizer):
         )
 
     def get_lamb_coeffs(self) -> list[float]:
-        """Each parameter's last step coefficient (``c``, then ``c_frz * f``), in parameter
-        order, for the parameters that have state (one host read)."""
+        """Each parameter's last step coefficient (``c``, then ``c_frz * f``, or its
+        ``trust_bound`` where that held), in parameter order, for the parameters that have
+        state (one host read)."""
         return last_coefficients(self._parameters.flat, self._parameters.has_state)

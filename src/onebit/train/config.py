@@ -179,6 +179,12 @@ class TrainConfig:
     factor_threshold: float = option(
         0.1, group=_HYPER, help="1-bit LAMB: largest relative change of the factor per step"
     )
+    trust_bound: float | None = option(
+        None,
+        group=_HYPER,
+        help="1-bit LAMB: bound every compression step's coefficient by this many times LAMB's "
+        "trust ratio of the step (1: no step larger than LAMB's); default: none, the paper's",
+    )
     compression: str | None = option(
         None,
         group=_HYPER,
@@ -452,6 +458,12 @@ class TrainConfig:
         check_non_negative("--weight-decay", self.weight_decay)
         check_coeff_bounds(self.min_coeff, self.max_coeff)
         check_non_negative("--factor-threshold", self.factor_threshold)
+        if self.trust_bound is not None:
+            check_positive("--trust-bound", self.trust_bound)
+            if self.optimizer != "onebit-lamb":
+                raise ValueError(
+                    f"--trust-bound bounds onebit-lamb's compression steps, not {self.optimizer}'s"
+                )
         check_unit_interval("--coeff-beta", self.coeff_beta)
         check_factor_bounds(self.factor_min, self.factor_max)
 
