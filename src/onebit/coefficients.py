@@ -51,27 +51,35 @@ def compression_factor(
 class TrustBound:
     """1-bit LAMB's bound on the compression stage's coefficient, per parameter
     (ALGORITHM.md, "A bound on the frozen coefficient"): ``bound`` (κ; 0 where there is none),
-    ``weight_norm`` (||p|| before the step) and LAMB's clamp ``[min_coeff, max_coeff]``."""
+    ``weight_norm`` (||p|| before the step) and ``base``, the stage's first ratio ρ of step to
+    weights (0 until measured; updated in place by :meth:`apply`)."""
 
     bound: Tensor
     weight_norm: Tensor
-    min_coeff: Tensor
-    max_coeff: Tensor
-
-    def select(self, indices: Tensor | list[int]) -> TrustBound:
-        """The entries of the parameters ``indices``."""
-        return TrustBound(*(x[indices] for x in vars(self).values()))
+    base: Tensor
 
     def apply(
-        self, steps: Tensor, coefficient: Tensor, lr: Tensor, update_norm: Tensor
+        self,
+        steps: Tensor,
+        coefficient: Tensor,
+        lr: Tensor,
+        update_norm: Tensor,
+        indices: list[int] | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """``c = min(c_frz f, κ clamp(||p|| / ||u||, c_min, c_max))``: where the bound is
-        smaller (κ > 0, both norms positive), the step ``-lr κ c(p, u)`` and that coefficient
-        replace ``steps`` and ``coefficient`` (``c_frz f``); elsewhere they are kept, bit for
-        bit."""
-        ratio, defined = trust_ratio(self.weight_norm, update_norm, self.min_coeff, self.max_coeff)
-        bounded = self.bound * ratio
-        binds = defined & (self.bound > 0) & (bounded < coefficient)
+        """``ρ = c_frz f ||u|| / ||p||`` measures ``base`` where it is still 0; then
+        ``c = min(c_frz f, κ base ||p|| / ||u||)``: where that bound is smaller (κ > 0, both
+        norms positive, a base), the step ``-lr c`` and ``c`` replace ``steps`` and
+        ``coefficient`` (``c_frz f``); elsewhere they are kept, bit for bit. ``indices``: the
+        parameters the other vectors hold (default: all)."""
+        picked = slice(None) if indices is None else indices
+        bound, weight_norm, base = self.bound[picked], self.weight_norm[picked], self.base[picked]
+        defined = (bound > 0) & (weight_norm > 0) & (update_norm > 0)
+        safe_weight = torch.where(defined, weight_norm, 1)
+        safe_update = torch.where(defined, update_norm, 1)
+        base = torch.where(defined & (base == 0), coefficient * update_norm / safe_weight, base)
+        self.base[picked] = base
+        bounded = bound * base * weight_norm / safe_update
+        binds = defined & (base > 0) & (bounded < coefficient)
         return torch.where(binds, -lr * bounded, steps), torch.where(binds, bounded, coefficient)
 
 

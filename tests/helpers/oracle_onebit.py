@@ -60,6 +60,7 @@ def oracle_run(
     v_fresh = [None] * k
     c_frz = [0.0] * k
     f_last = [1.0] * k
+    trust_base = [0.0] * k  # trust_bound's ratio of step to weights at the stage's first step
     scaling = None
     sizes = [p.numel() for p in params]
     total = sum(sizes)
@@ -155,6 +156,7 @@ def oracle_run(
                 if freezes_after:
                     v_fresh[i] = v[i].clone()
                     f_last[i] = 1.0
+                    trust_base[i] = 0.0
         else:
             decoded = exchange(t)
             for i in range(k):
@@ -179,8 +181,9 @@ def oracle_run(
                     kappa = hyper.get("trust_bound")
                     pn, un = params[i].norm().item(), u.norm().item()
                     if kappa and pn > 0 and un > 0:
-                        ratio = min(max(pn / un, hyper["min_coeff"]), hyper["max_coeff"])
-                        c = min(c, kappa * ratio)
+                        if trust_base[i] == 0:
+                            trust_base[i] = c * un / pn
+                        c = min(c, kappa * trust_base[i] * pn / un)
                     params[i] = params[i] - lr * c * u
                 else:
                     params[i] = params[i] - lr * u

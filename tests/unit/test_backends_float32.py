@@ -51,7 +51,7 @@ def _build(kind: str, backend: str, dtype: torch.dtype, device: torch.device):
         return params, onebit.Lamb(groups, kernels=backend)
     compression = "fused" if kind.endswith("-fused") else "per_tensor"
     if kind.startswith("onebit-lamb"):
-        bound = {"trust_bound": 0.2} if kind.endswith("-bounded") else {}
+        bound = {"trust_bound": 1.0} if kind.endswith("-bounded") else {}
         optimizer = onebit.OneBitLamb(
             groups,
             freeze_step=8,

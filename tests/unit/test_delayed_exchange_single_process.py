@@ -84,7 +84,7 @@ def test_the_pending_update_lands_at_the_next_step_or_when_finished(cls):
     [
         (onebit.OneBitLamb, dict(weight_decay=0.1)),
         (onebit.OneBitLamb, dict(compression="fused")),
-        (onebit.OneBitLamb, dict(weight_decay=0.1, trust_bound=0.05)),
+        (onebit.OneBitLamb, dict(weight_decay=0.1, trust_bound=1.0)),
         (onebit.OneBitAdam, dict(weight_decay=0.1)),
     ],
 )

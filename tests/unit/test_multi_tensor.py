@@ -86,7 +86,7 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
         "lamb": lambda: onebit.Lamb(groups, max_coeff=0.3),
         "onebit-lamb": lambda: onebit.OneBitLamb(groups, freeze_step=4, max_coeff=0.3),
         "onebit-lamb-bounded": lambda: onebit.OneBitLamb(
-            groups, freeze_step=4, max_coeff=0.3, trust_bound=0.2
+            groups, freeze_step=4, max_coeff=0.3, trust_bound=1.0
         ),
         "onebit-adam": lambda: onebit.OneBitAdam(groups, freeze_step=4),
         # every kind of step within 12: variance updates 1, 2, 4, 6; 1-bit gradients 3, 5;

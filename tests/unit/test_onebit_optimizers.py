@@ -51,9 +51,9 @@ def test_world_size_one_matches_the_model(kind, compression):
 @pytest.mark.parametrize("compression", ["fused", "per_tensor"])
 def test_the_trust_bound_matches_the_model_and_changes_the_steps(compression):
     """With ``trust_bound`` the compression steps follow the model's
-    ``min(c_frz f, κ clamp(||p|| / ||u||, c_min, c_max))``; κ = 0.2 binds on this problem, so
-    the trajectory leaves the unbounded one."""
-    params, opt = build("lamb", torch.float64, compression, trust_bound=0.2)
+    ``min(c_frz f, κ ρ_0 ||p|| / ||u||)``, ρ_0 the stage's first ``c_frz f ||u|| / ||p||``;
+    κ = 1.5 binds on this problem, so the trajectory leaves the unbounded one."""
+    params, opt = build("lamb", torch.float64, compression, trust_bound=1.5)
     expected = oracle_run(
         "lamb",
         initial_params(),
@@ -62,7 +62,7 @@ def test_the_trust_bound_matches_the_model_and_changes_the_steps(compression):
         STEPS,
         FREEZE,
         GROUP_HYPER,
-        HYPER | {"trust_bound": 0.2},
+        HYPER | {"trust_bound": 1.5},
         [None, None, None, MASK],
         compression=compression,
     )
@@ -84,6 +84,37 @@ def test_the_trust_bound_matches_the_model_and_changes_the_steps(compression):
         for got, ref in zip(params, expected[step], strict=True):
             torch.testing.assert_close(got.detach(), ref, rtol=1e-9, atol=1e-9)
     assert max((a - b).abs().max() for a, b in zip(expected[-1], unbounded[-1], strict=True)) > 1e-3
+
+
+def test_a_run_with_the_trust_bound_resumes_exactly():
+    """The bound's base ρ_0 is in the checkpoint: a run resumed after the stage began (and
+    before the bound first binds) ends bit for bit as the uninterrupted one."""
+
+    def run(start, stop, saved=None):
+        params, opt = build("lamb", torch.float64, "per_tensor", trust_bound=1.5)
+        if saved is not None:
+            with torch.no_grad():
+                for p, value in zip(params, saved["params"], strict=True):
+                    p.copy_(value)
+            opt.load_state_dict(saved["optimizer"])
+        checkpoint = None
+        for step in range(start, stop):
+            set_grads(params, 0)
+            opt.step()
+            if step + 1 == FREEZE + 2:
+                buffer = io.BytesIO()
+                torch.save(
+                    {"params": [p.detach() for p in params], "optimizer": opt.state_dict()}, buffer
+                )
+                checkpoint = buffer.getvalue()
+        return [p.detach().clone() for p in params], checkpoint
+
+    straight, checkpoint = run(0, STEPS)
+    saved = torch.load(io.BytesIO(checkpoint), weights_only=True)
+    bases = [float(state["trust_base"]) for state in saved["optimizer"]["state"].values()]
+    assert bases[2] == 0 and min(bases[:2] + bases[3:]) > 0  # tensor 2 never moves: no base
+    resumed, _ = run(FREEZE + 2, STEPS, saved)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
 
 def test_a_trust_bound_that_is_not_positive_is_refused_by_name():

@@ -100,6 +100,7 @@ class OneBitLambRule(UpdateRule):
         "lamb_coeff": 1.0,  # the last step's coefficient: c, or c_frz * f (bounded)
         "lamb_coeff_freeze": 0.0,  # c_frz
         "last_factor": 1.0,  # f_last
+        "trust_base": 0.0,  # trust_bound's ρ at the stage's first step (0: not yet measured)
     }
 
     def dense(self, updates, flat, grads, present) -> bool:
@@ -115,11 +116,12 @@ class OneBitLambRule(UpdateRule):
         return True
 
     def start_compression(self, flat: FlatState) -> None:
-        """At every freeze: ``v_fresh = copy(v)``, ``f_last = 1``, and the coefficient the
-        next update is predicted with ``c_frz``."""
+        """At every freeze: ``v_fresh = copy(v)``, ``f_last = 1``, the coefficient the next
+        update is predicted with ``c_frz``, and ``trust_bound``'s base measured anew."""
         flat.enable_fresh_variance().copy_(flat.exp_avg_sq)
         flat.scalars["last_factor"].fill_(1.0)
         flat.scalars["lamb_coeff"].copy_(flat.scalars["lamb_coeff_freeze"])
+        flat.scalars["trust_base"].zero_()
 
     def prediction_coefficients(self, flat: FlatState) -> Tensor:
         """The last compression step's coefficient (``c_frz f_last``, or the bound where it
@@ -144,15 +146,14 @@ class OneBitLambRule(UpdateRule):
 
 
 def _trust_bound(flat: FlatState) -> TrustBound | None:
-    """The groups' ``trust_bound`` with the weights' norms before the step; ``None`` where no
-    group has one."""
+    """The groups' ``trust_bound`` with the weights' norms before the step and the base;
+    ``None`` where no group has one."""
     if not any(group.get("trust_bound") for group in flat.groups):
         return None
     return TrustBound(
         flat.segment_values(lambda group: group.get("trust_bound") or 0.0),
         flat.norms(flat.weight_views()),
-        flat.segment_values(lambda group: group["min_coeff"]),
-        flat.segment_values(lambda group: group["max_coeff"]),
+        flat.scalars["trust_base"],
     )
 
 

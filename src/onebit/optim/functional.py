@@ -282,7 +282,7 @@ def onebit_lamb_compressed_step_(
     frozen = lamb_coeff_freeze[indices]
     steps, coefficient = -lr * frozen * factor, frozen * factor
     if trust is not None:
-        steps, coefficient = trust.select(indices).apply(steps, coefficient, lr, full_norm)
+        steps, coefficient = trust.apply(steps, coefficient, lr, full_norm, indices)
     _step_(flat, indices, update, steps)
     full_factor, full_coefficient = last_factor.clone(), lamb_coeff_freeze * last_factor
     full_factor[indices], full_coefficient[indices] = factor, coefficient

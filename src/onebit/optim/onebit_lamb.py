@@ -115,11 +115,10 @@ class OneBitLamb(OneBitOptimizer):
             steps that refresh the variance until it has caught up, then a new freeze, with a
             warning; ``"warn"``, the warning alone; ``"off"``, nothing (DeepSpeed's).
             :attr:`refreshes` lists the refreshes; their bytes count under ``"refresh"``.
-        trust_bound: κ > 0 bounds every compression step's coefficient by κ times LAMB's
-            trust ratio of that step, ``min(c_frz f, κ clamp(||p|| / ||u||, c_min, c_max))``,
-            so that no step moves a tensor more than κ times a LAMB step with the same ``u``
-            (ALGORITHM.md, "A bound on the frozen coefficient"); ``None`` (default): the
-            paper's ``c_frz f`` alone.
+        trust_bound: κ > 0 lets a compression step grow at most κ-fold against the weights
+            over the stage: ``c = min(c_frz f, κ ρ_0 ||p|| / ||u||)``, ρ_0 the stage's first
+            ``c_frz f ||u|| / ||p||`` (ALGORITHM.md, "A bound on the frozen coefficient");
+            ``None`` (default): the paper's ``c_frz f`` alone.
 
     Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
     ``scaler.step(optimizer)``): the step unscales the
@@ -196,6 +195,6 @@ class OneBitLamb(OneBitOptimizer):
 
     def get_lamb_coeffs(self) -> list[float]:
         """Each parameter's last step coefficient (``c``, then ``c_frz * f``, or its
-        ``trust_bound`` where that held), in parameter order, for the parameters that have
+        ``trust_bound``'s bound where that held), in parameter order, for the parameters that have
         state (one host read)."""
         return last_coefficients(self._parameters.flat, self._parameters.has_state)

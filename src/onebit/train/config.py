@@ -182,8 +182,9 @@ class TrainConfig:
     trust_bound: float | None = option(
         None,
         group=_HYPER,
-        help="1-bit LAMB: bound every compression step's coefficient by this many times LAMB's "
-        "trust ratio of the step (1: no step larger than LAMB's); default: none, the paper's",
+        help="1-bit LAMB: let a compression step grow at most this many times against the "
+        "weights over the stage (ALGORITHM.md, 'A bound on the frozen coefficient'); default: "
+        "none, the paper's",
     )
     compression: str | None = option(
         None,
