@@ -101,6 +101,8 @@ COMMIT_DATES = {
     "252367a": "2026-12-05",
     "bb71905": "2026-12-05",
     "c2eea4d": "2026-12-05",
+    "828a2f9": "2026-12-05",
+    "96a0853": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -161,6 +163,9 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-k3-d5": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-torchft": "252367a",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-torchft": "252367a",
+    "docs/convergence/variance-guard/trust-bound": "96a0853",
+    "docs/main-job/trust-bound": "96a0853",
+    "docs/main-job/trust-bound/simulated-lamb-ratio": "828a2f9",
 }
 
 RUN = "python3 run.py onebit"
@@ -737,6 +742,8 @@ def table_convergence_defaults() -> Table:
 
 #: The main job's runs, one installation and library commit for all (the tables of
 #: CONVERGENCE.md and VARIANCE-READINESS.md read the same files): folder -> (label, command).
+#: The commit whose ``trust_bound`` bounded the coefficient by LAMB's ratio itself.
+TRUST_BOUND_OF_LAMB_RATIO = "828a2f9"
 MAIN_JOB_RUNS = {
     "lamb": ("LAMB", "python3 run.py train --optimizer lamb"),
     "default": ("1-bit LAMB, frozen after step 200 (the default)", "python3 run.py train"),
@@ -769,6 +776,19 @@ MAIN_JOB_RUNS = {
     "longer/onebit-lamb-1000x64-freeze-200": (
         "1-bit LAMB, 1000 steps of 64 sequences, frozen after step 200 (simulated)",
         f"{RUN} simulate --eval-every 500 --threads 1",
+    ),
+    "trust-bound/bound-2": (
+        "1-bit LAMB, trust_bound 2",
+        "python3 run.py train --trust-bound 2",
+    ),
+    "trust-bound/simulated-bound-2": (
+        "1-bit LAMB, trust_bound 2 (simulated)",
+        f"{RUN} simulate --trust-bound 2 --eval-every 500 --threads 1",
+    ),
+    "trust-bound/simulated-lamb-ratio": (
+        "1-bit LAMB, c at most LAMB's ratio clamp(‖p‖/‖u‖, c_min, c_max) (simulated)",
+        f"at commit {TRUST_BOUND_OF_LAMB_RATIO}: {RUN} simulate --trust-bound 1 --eval-every 500 "
+        "--threads 1",
     ),
 }
 
@@ -1622,6 +1642,21 @@ def table_main_job_longer() -> Table:
     return _main_job_table("main-job-longer", groups, GUARD_HEADER, _guard_cells)
 
 
+def table_main_job_trust_bound() -> Table:
+    """The main job with 1-bit LAMB's trust bound, on 4 processes and simulated, beside LAMB
+    and the unbounded run; simulated also with the bound by LAMB's ratio itself."""
+    groups = [
+        ["lamb", "default", "trust-bound/bound-2"],
+        [
+            "longer/lamb-1000x64",
+            "longer/onebit-lamb-1000x64-freeze-200",
+            "trust-bound/simulated-bound-2",
+            "trust-bound/simulated-lamb-ratio",
+        ],
+    ]
+    return _main_job_table("main-job-trust-bound", groups, GUARD_HEADER, _guard_cells)
+
+
 # ---------------------------------------------------------------------------------------------
 # the variance's readiness: docs/convergence/readiness
 
@@ -1821,6 +1856,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "variance-guard": table_variance_guard,
     "main-job-guard": table_main_job_guard,
     "main-job-longer": table_main_job_longer,
+    "main-job-trust-bound": table_main_job_trust_bound,
     "readiness-trajectory": table_readiness_trajectory,
     "plateau-readiness": table_plateau_readiness,
     "seed-study": table_seed_study,
