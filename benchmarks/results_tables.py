@@ -787,8 +787,8 @@ MAIN_JOB_RUNS = {
     ),
     "trust-bound/simulated-lamb-ratio": (
         "1-bit LAMB, c at most LAMB's ratio clamp(‖p‖/‖u‖, c_min, c_max) (simulated)",
-        f"at commit {TRUST_BOUND_OF_LAMB_RATIO}: {RUN} simulate --trust-bound 1 --eval-every 500 "
-        "--threads 1",
+        f"{RUN} simulate --trust-bound 1 --eval-every 500 --threads 1 (at commit "
+        f"{TRUST_BOUND_OF_LAMB_RATIO}, whose trust_bound was this bound)",
     ),
 }
 
