@@ -57,7 +57,6 @@ What had to match torchft's semantics (torchft/local_sgd.py and manager.py, 0.2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -351,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         print("torchft is not installed: pip install torchft==0.2.0", file=sys.stderr)
         return 77
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+    from onebit.train.torchft_diloco import quiet_torchft_logs
+
+    quiet_torchft_logs()
     print(
         f"torch {torch.__version__}, torchft {torchft_version}: {args.workers} workers, "
         f"{args.rounds} rounds of H={args.sync_every} inner steps, {args.fragments} "

@@ -30,7 +30,13 @@ from onebit.collectives import allreduce_bytes
 from onebit.exchange import TrafficCounter
 from onebit.optim import holding_weights
 
-__all__ = ["IMPLEMENTATIONS", "TorchftDiLoCo", "replica_manager", "torchft_missing"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "TorchftDiLoCo",
+    "quiet_torchft_logs",
+    "replica_manager",
+    "torchft_missing",
+]
 
 #: Who runs DiLoCo's rounds in the job: onebit, or torchft (dense exchange only).
 IMPLEMENTATIONS = ("onebit", "torchft")
@@ -63,7 +69,7 @@ class TorchftDiLoCo:
         sync_every: int,
         timeout: float,
     ) -> None:
-        os.environ.setdefault("RUST_LOG", "warn")  # its Rust side logs every quorum at info
+        quiet_torchft_logs()
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
 
@@ -151,6 +157,12 @@ class TorchftDiLoCo:
             self._lighthouse.shutdown()
 
 
+def quiet_torchft_logs() -> None:
+    """torchft's Rust side logs every quorum at info: warnings only, unless ``RUST_LOG``
+    says otherwise (set before a lighthouse or manager starts)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
 def replica_manager(
     replica: int,
     workers: int,
@@ -162,7 +174,7 @@ def replica_manager(
     """torchft's ``Manager`` of replica group ``replica``, of one rank, among ``workers``
     under the lighthouse at ``lighthouse`` (gloo, a synchronous quorum, no healing at the
     start), and the store it meets on, which must live as long as it."""
-    os.environ.setdefault("RUST_LOG", "warn")  # its Rust side logs every quorum at info
+    quiet_torchft_logs()
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
