@@ -1657,6 +1657,26 @@ def table_main_job_trust_bound() -> Table:
     return _main_job_table("main-job-trust-bound", groups, GUARD_HEADER, _guard_cells)
 
 
+def table_study_trust_bound() -> Table:
+    """The convergence study's 1-bit LAMB arm with and without the trust bound, beside LAMB."""
+    study = "docs/convergence/diloco-study"
+    arms = [
+        (f"{study}/lamb", "LAMB"),
+        (f"{study}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
+        (
+            "docs/convergence/variance-guard/trust-bound/onebit-lamb-n4-trust-bound",
+            "1-bit LAMB, trust_bound 2",
+        ),
+    ]
+    return _arms_table(
+        "study-trust-bound",
+        arms,
+        None,
+        f"{STUDY} --out runs/study --arms <run>",
+        measured=True,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # the variance's readiness: docs/convergence/readiness
 
@@ -1857,6 +1877,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "main-job-guard": table_main_job_guard,
     "main-job-longer": table_main_job_longer,
     "main-job-trust-bound": table_main_job_trust_bound,
+    "study-trust-bound": table_study_trust_bound,
     "readiness-trajectory": table_readiness_trajectory,
     "plateau-readiness": table_plateau_readiness,
     "seed-study": table_seed_study,
