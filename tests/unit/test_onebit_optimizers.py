@@ -25,27 +25,27 @@ import onebit
 from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 
 
-@pytest.mark.parametrize("compression", ["fused", "per_tensor"])
-@pytest.mark.parametrize("kind", ["lamb", "adam"])
-def test_world_size_one_matches_the_model(kind, compression):
-    params, opt = build(kind, torch.float64, compression)
-    expected = oracle_run(
-        kind,
-        initial_params(),
-        grad_fn,
-        1,
-        STEPS,
-        FREEZE,
-        GROUP_HYPER,
-        HYPER,
-        [None, None, None, MASK],
-        compression=compression,
+def _model(kind, compression, hyper=HYPER):
+    """The float64 model's parameters after every step of the problem, on one worker."""
+    masks = [None, None, None, MASK]
+    return oracle_run(
+        kind, initial_params(), grad_fn, 1, STEPS, FREEZE, GROUP_HYPER, hyper, masks, compression
     )
+
+
+def _assert_follows(params, opt, expected):
     for step in range(STEPS):
         set_grads(params, 0)
         opt.step()
         for got, ref in zip(params, expected[step], strict=True):
             torch.testing.assert_close(got.detach(), ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("compression", ["fused", "per_tensor"])
+@pytest.mark.parametrize("kind", ["lamb", "adam"])
+def test_world_size_one_matches_the_model(kind, compression):
+    params, opt = build(kind, torch.float64, compression)
+    _assert_follows(params, opt, _model(kind, compression))
 
 
 @pytest.mark.parametrize("compression", ["fused", "per_tensor"])
@@ -54,35 +54,9 @@ def test_the_trust_bound_matches_the_model_and_changes_the_steps(compression):
     ``min(c_frz f, κ ρ_0 ||p|| / ||u||)``, ρ_0 the stage's first ``c_frz f ||u|| / ||p||``;
     κ = 1.5 binds on this problem, so the trajectory leaves the unbounded one."""
     params, opt = build("lamb", torch.float64, compression, trust_bound=1.5)
-    expected = oracle_run(
-        "lamb",
-        initial_params(),
-        grad_fn,
-        1,
-        STEPS,
-        FREEZE,
-        GROUP_HYPER,
-        HYPER | {"trust_bound": 1.5},
-        [None, None, None, MASK],
-        compression=compression,
-    )
-    unbounded = oracle_run(
-        "lamb",
-        initial_params(),
-        grad_fn,
-        1,
-        STEPS,
-        FREEZE,
-        GROUP_HYPER,
-        HYPER,
-        [None, None, None, MASK],
-        compression=compression,
-    )
-    for step in range(STEPS):
-        set_grads(params, 0)
-        opt.step()
-        for got, ref in zip(params, expected[step], strict=True):
-            torch.testing.assert_close(got.detach(), ref, rtol=1e-9, atol=1e-9)
+    expected = _model("lamb", compression, HYPER | {"trust_bound": 1.5})
+    _assert_follows(params, opt, expected)
+    unbounded = _model("lamb", compression)
     assert max((a - b).abs().max() for a, b in zip(expected[-1], unbounded[-1], strict=True)) > 1e-3
 
 
