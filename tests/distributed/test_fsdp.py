@@ -282,3 +282,41 @@ def test_the_guard_after_the_freeze_decides_alike_on_every_shard():
     both ranks take the decision the whole tensors give."""
     (sharded, replicated), (other, _) = spawn_workers(_guarded, 2, args=(60,), timeout_s=240)
     assert sharded and sharded == other == replicated, (sharded, other, replicated)
+
+
+def _trust_bounded(rank: int, world: int, steps: int):
+    """1-bit LAMB with ``trust_bound`` on FSDP slices: after each step, each tensor's ρ_0,
+    coefficient and unbounded coefficient c_frz f on this rank."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = _shard(_model(), mesh)
+    opt = onebit.OneBitLamb(
+        model.parameters(), lr=0.05, freeze_step=4, weight_decay=0.01, trust_bound=1.0
+    )
+    history = []
+    for step in range(steps):
+        _loss(model, *_batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        states = [opt.state[p] for p in model.parameters()]
+        history.append(
+            [
+                (
+                    float(s["trust_base"]),
+                    float(s["lamb_coeff"]),
+                    float(s["lamb_coeff_freeze"] * s["last_factor"]),
+                )
+                for s in states
+            ]
+        )
+    return history
+
+
+@pytest.mark.slow
+def test_the_trust_bound_is_the_whole_tensors_on_every_shard():
+    """ρ_0 and the bound come from whole-tensor norms (summed over the shard group), so both
+    shards hold the same base and take the same coefficient, and the bound binds."""
+    steps = 12
+    first, second = spawn_workers(_trust_bounded, 2, args=(steps,), timeout_s=240)
+    assert first == second
+    assert all(base > 0 for base, _, _ in first[-1])
+    assert any(c < unbounded for step in first[4:] for _, c, unbounded in step)
