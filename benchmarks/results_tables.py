@@ -103,6 +103,7 @@ COMMIT_DATES = {
     "c2eea4d": "2026-12-05",
     "828a2f9": "2026-12-05",
     "96a0853": "2026-12-05",
+    "d879708": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -140,8 +141,8 @@ RECORDED_IN = {
     "docs/convergence/readiness": "94bcbc4",
     "docs/convergence/readiness/seed-study.json": "894403e",
     "docs/convergence/variance-guard/zero-one-adam": "94bcbc4",
-    "docs/main-job/diloco": "dc88f59",
-    "docs/main-job/diloco-outer": "5ca0ad9",
+    "docs/main-job/diloco": "d879708",
+    "docs/main-job/diloco-outer": "d879708",
     "docs/main-job/longer": "24d5ed9",
     "docs/main-job/lamb": "c2eea4d",
     "docs/main-job/default": "c2eea4d",
