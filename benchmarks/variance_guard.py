@@ -1,8 +1,9 @@
 """The guard after the freeze on a family of tasks: which runs miss their dense counterpart
 without it and with it, where it fires on runs that did not need it, and what each refresh costs.
 
-For every task, seed and freeze point it trains 1-bit Adam, 1-bit LAMB (also with
-``trust_bound=2``: ``onebit-lamb-bounded``) and 0/1 Adam (every
+For every task, seed and freeze point it trains 1-bit Adam, 1-bit LAMB (also, when named,
+with ``trust_bound=2``: ``onebit-lamb-bounded``, or with ``momentum_bound=True``:
+``onebit-lamb-momentum-bound``) and 0/1 Adam (every
 step dense up to the freeze, a synchronisation every step after it) with
 ``variance_guard="off"`` and with the default ``"refresh"``, beside their dense counterparts
 (torch's Adam, onebit's LAMB) on the same samples, and writes one JSON line per run. A run
@@ -71,19 +72,22 @@ ARMS = {
     "onebit-adam": ("adam", 1e-3),
     "onebit-lamb": ("lamb", 1e-2),
     "onebit-lamb-bounded": ("lamb", 1e-2),
+    "onebit-lamb-momentum-bound": ("lamb", 1e-2),
     "zero-one-adam": ("adam", 1e-3),
 }
 #: The optimizers ``--simulate`` can run.
-SIMULATABLE = ("onebit-adam", "onebit-lamb", "onebit-lamb-bounded")
+SIMULATABLE = ("onebit-adam", "onebit-lamb", "onebit-lamb-bounded", "onebit-lamb-momentum-bound")
+#: The arms that are options of 1-bit LAMB, off by default: run only when named.
+OPTIONAL_ARMS = ("onebit-lamb-bounded", "onebit-lamb-momentum-bound")
 #: ``onebit-lamb-bounded``'s ``trust_bound``: a compression step may grow to twice its size
 #: at the freeze, against the weights.
 TRUST_BOUND = 2.0
 
 
 def default_optimizers(simulate: bool) -> list[str]:
-    """What runs without ``--optimizers``: every arm but ``onebit-lamb-bounded`` (that
+    """What runs without ``--optimizers``: every arm but the :data:`OPTIONAL_ARMS` (that
     ``--simulate`` can run)."""
-    return [n for n in ARMS if n != "onebit-lamb-bounded" and (not simulate or n in SIMULATABLE)]
+    return [n for n in ARMS if n not in OPTIONAL_ARMS and (not simulate or n in SIMULATABLE)]
 
 
 def build_optimizer(
@@ -101,6 +105,10 @@ def build_optimizer(
     if name == "onebit-lamb-bounded":
         return onebit.OneBitLamb(
             params, lr=lr, freeze_step=freeze, variance_guard=guard, trust_bound=TRUST_BOUND
+        )
+    if name == "onebit-lamb-momentum-bound":
+        return onebit.OneBitLamb(
+            params, lr=lr, freeze_step=freeze, variance_guard=guard, momentum_bound=True
         )
     cls = onebit.OneBitAdam if name == "onebit-adam" else onebit.OneBitLamb
     return cls(params, lr=lr, freeze_step=freeze, variance_guard=guard)
@@ -263,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         choices=list(ARMS),
-        help="default: all of them but onebit-lamb-bounded (with --simulate: those it can run)",
+        help="default: all of them but onebit-lamb-bounded and onebit-lamb-momentum-bound "
+        "(with --simulate: those it can run)",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--workers", type=int, default=2, help="data-parallel workers")

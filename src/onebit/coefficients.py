@@ -1,15 +1,33 @@
 """The per-tensor coefficients of LAMB and 1-bit LAMB, and 0/1 Adam's momentum rebuild
-(ALGORITHM.md), on device vectors of one entry per parameter: the maths every update backend
-shares (torch only, no other import)."""
+(ALGORITHM.md), on device vectors of one entry per parameter, and Adam's bound on
+``|m| / sqrt(v)``: the maths every update backend shares (torch only, no other import)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["TrustBound", "compression_factor", "momentum_rebuild", "trust_ratio"]
+__all__ = [
+    "TrustBound",
+    "adam_momentum_bound",
+    "compression_factor",
+    "momentum_rebuild",
+    "trust_ratio",
+]
+
+
+def adam_momentum_bound(betas: Sequence[float]) -> float:
+    """``B = (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))``: Adam's momentum and variance, from
+    zero and without bias correction, keep ``|m| <= B sqrt(v)`` whatever the gradients
+    (Cauchy-Schwarz); ``inf`` where ``b1^2 >= b2`` (no such bound)."""
+    beta1, beta2 = betas
+    if beta1 * beta1 >= beta2:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
 
 
 def trust_ratio(

@@ -28,6 +28,7 @@ KINDS = {
     "onebit-lamb": {"warmup", "compression"},  # each tensor compressed alone (the default)
     "onebit-lamb-fused": {"warmup", "compression"},
     "onebit-lamb-bounded": {"warmup", "compression"},  # with trust_bound
+    "onebit-lamb-momentum-bound": {"warmup", "compression"},  # with momentum_bound
     "onebit-adam": {"warmup", "compression"},
     "onebit-adam-fused": {"warmup", "compression"},
     "zero-one-adam": {"variance_update", "gradient_1bit", "local", "sync"},
@@ -52,6 +53,8 @@ def _build(kind: str, backend: str, dtype: torch.dtype, device: torch.device):
     compression = "fused" if kind.endswith("-fused") else "per_tensor"
     if kind.startswith("onebit-lamb"):
         bound = {"trust_bound": 1.0} if kind.endswith("-bounded") else {}
+        if kind.endswith("-momentum-bound"):
+            bound = {"momentum_bound": True}
         optimizer = onebit.OneBitLamb(
             groups,
             freeze_step=8,
@@ -89,6 +92,8 @@ def _run(
         step_kind = getattr(optimizer, "stage", "lamb")
         for index, p in enumerate(params):
             grad = torch.randn(p.shape, generator=gen, dtype=torch.float64) * (0.1 + index)
+            if kind.endswith("-momentum-bound") and index == 0:
+                grad[:, ::2] *= 1e-4  # elements far below their tensor's scale: the bound binds
             p.grad = None if index == 1 and t >= 3 else grad.to(device, dtype)  # one stops
         optimizer.step()
         flat = optimizer.flat_state  # every buffer the step wrote

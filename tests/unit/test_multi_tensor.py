@@ -88,6 +88,9 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
         "onebit-lamb-bounded": lambda: onebit.OneBitLamb(
             groups, freeze_step=4, max_coeff=0.3, trust_bound=1.0
         ),
+        "onebit-lamb-momentum-bound": lambda: onebit.OneBitLamb(
+            groups, freeze_step=4, max_coeff=0.3, momentum_bound=True
+        ),
         "onebit-adam": lambda: onebit.OneBitAdam(groups, freeze_step=4),
         # every kind of step within 12: variance updates 1, 2, 4, 6; 1-bit gradients 3, 5;
         # after the freeze at 6, synchronisations 7, 8, 10, 12 and local steps 9, 11
@@ -102,6 +105,8 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
     for step in range(12):
         for index, p in enumerate(params):
             p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            if kind.endswith("-momentum-bound") and index == 0:
+                p.grad[:, ::2] *= 1e-4  # elements far below their tensor's scale: it binds
             if index == 3 and step < 2:
                 p.grad = None  # a parameter that starts late
         optimizer.step()
@@ -111,7 +116,15 @@ def _trajectory(kind: str, backend: str, monkeypatch) -> list[torch.Tensor]:
 
 @pytest.mark.skipif(len(BACKENDS) < 2, reason="needs the numba backend")
 @pytest.mark.parametrize(
-    "kind", ["lamb", "onebit-lamb", "onebit-lamb-bounded", "onebit-adam", "zero-one-adam"]
+    "kind",
+    [
+        "lamb",
+        "onebit-lamb",
+        "onebit-lamb-bounded",
+        "onebit-lamb-momentum-bound",
+        "onebit-adam",
+        "zero-one-adam",
+    ],
 )
 def test_fused_backend_follows_the_torch_reference(kind, monkeypatch):
     """float64: the backends differ only in summation order (~1e-16), so 1e-10 would catch

@@ -22,6 +22,7 @@ from helpers.onebit_problem import (
 from helpers.oracle_onebit import oracle_run
 
 import onebit
+from onebit.coefficients import adam_momentum_bound
 from onebit.optim.zero_one_adam import DEEPSPEED_SCHEDULE
 
 
@@ -89,6 +90,49 @@ def test_a_run_with_the_trust_bound_resumes_exactly():
     assert bases[2] == 0 and min(bases[:2] + bases[3:]) > 0  # tensor 2 never moves: no base
     resumed, _ = run(FREEZE + 2, STEPS, saved)
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+@pytest.mark.parametrize("compression", ["fused", "per_tensor"])
+def test_the_momentum_bound_matches_the_model_and_changes_the_steps(compression):
+    """With ``momentum_bound`` every decoded momentum is clamped to ``+-B sqrt(v)`` (times
+    the mask), as in the model; on this problem the bound binds, so the trajectory leaves
+    the unbounded one."""
+    params, opt = build("lamb", torch.float64, compression, momentum_bound=True)
+    expected = _model("lamb", compression, HYPER | {"momentum_bound": True})
+    _assert_follows(params, opt, expected)
+    unbounded = _model("lamb", compression)
+    assert max((a - b).abs().max() for a, b in zip(expected[-1], unbounded[-1], strict=True)) > 1e-6
+
+
+def test_adams_momentum_bound_holds_and_is_reached():
+    """``|m| <= B sqrt(v)`` for Adam's moments of any gradients; gradients growing as
+    ``(b2 / b1)^t`` come within 1e-3 of it (Cauchy-Schwarz is tight there)."""
+    b1, b2 = 0.9, 0.999
+    bound = adam_momentum_bound((b1, b2))
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(400, 64, generator=gen, dtype=torch.float64)]
+    cases.append(cases[0] * torch.rand(400, 64, generator=gen, dtype=torch.float64) ** 8)
+    cases.append(((b2 / b1) ** torch.arange(400, dtype=torch.float64))[:, None].expand(400, 64))
+    for grads in cases:
+        m, v, ratio = torch.zeros(64, dtype=torch.float64), torch.zeros(64, dtype=torch.float64), 0
+        for g in grads:
+            m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+            ratio = max(ratio, float((m.abs() / v.sqrt()).max()))
+        assert ratio <= bound * (1 + 1e-12)
+    assert ratio > bound * (1 - 1e-3)
+    assert adam_momentum_bound((0.9, 0.8)) == float("inf")
+
+
+def test_a_momentum_bound_that_cannot_hold_is_refused_by_name():
+    param = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"momentum_bound needs betas with beta1\*\*2 < beta2"):
+        onebit.OneBitLamb([param], betas=(0.9, 0.8), momentum_bound=True)
+    with pytest.raises(ValueError, match="momentum_bound must be True or False"):
+        onebit.OneBitLamb([param], momentum_bound=1.0)
+    opt = onebit.OneBitLamb([param], momentum_bound=True)
+    with pytest.raises(ValueError, match="momentum_bound needs"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (0.5, 0.2)})
+    assert len(opt.param_groups) == 1
 
 
 def test_a_trust_bound_that_is_not_positive_is_refused_by_name():

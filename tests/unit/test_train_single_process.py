@@ -46,6 +46,14 @@ from onebit.train.run_dir import prepare_run_dir
             ["--trust-bound", "1", "--optimizer", "onebit-adam"],
             "--trust-bound bounds onebit-lamb's compression steps, not onebit-adam's",
         ),
+        (
+            ["--momentum-bound", "--optimizer", "lamb"],
+            "--momentum-bound bounds onebit-lamb's exchanged momentum, not lamb's",
+        ),
+        (
+            ["--momentum-bound", "--betas", "0.9", "0.8"],
+            "momentum_bound needs betas with beta1**2 < beta2",
+        ),
         (["--betas", "0.9", "1.0"], "Invalid betas[1]=1.0: it must be in [0, 1)"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--batch-size", "10", "--workers", "4"], "--batch-size 10 (global) is not divisible"),

@@ -196,7 +196,7 @@ class UpdateKernels(Protocol):
         packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
@@ -209,7 +209,7 @@ class UpdateKernels(Protocol):
         packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
     ) -> None: ...
 
@@ -218,7 +218,7 @@ class UpdateKernels(Protocol):
         flat: Any,
         packed: ExchangeResult,
         exchanged: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
     ) -> None: ...
 

@@ -64,9 +64,20 @@ def _decode_chunk(signs, first, count, value, wide):
 
 
 @njit(inline="always", error_model="numpy", cache=True)
-def _masked(decoded, mask, i):
-    """The decoded momentum of element ``i``, times the mask where one is given."""
-    return decoded[i] * mask[i] if mask.size else decoded[i]
+def _clamped(value, bound):
+    """``value`` clamped to ``[-bound, bound]`` (NaN stays NaN, as in ``torch.clamp``)."""
+    if value > bound:
+        return bound
+    if value < -bound:
+        return -bound
+    return value
+
+
+@njit(inline="always", error_model="numpy", cache=True)
+def _limited(decoded, limit, i):
+    """The decoded momentum of element ``i``, clamped to ``+-limit[i]`` where a limit is
+    given."""
+    return _clamped(decoded[i], limit[i]) if limit.size else decoded[i]
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -115,12 +126,12 @@ def _fresh_variance(new, m, fresh, b1, inv_omb1, b2, omb2):
 
 
 @njit(fastmath=_SUM_FLAGS, error_model="numpy", cache=True, nogil=True)
-def _onebit_lamb_chunk_a(decoded, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, ratio):
+def _onebit_lamb_chunk_a(decoded, limit, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, ratio):
     """Decode the momentum and refresh ``v_fresh``; returns the sums of ``u0^2`` and ``u^2``
     and writes ``d / (sqrt(v_fresh) + eps)`` into ``ratio``."""
     sum_base, sum_full = 0.0, 0.0
     for i in range(m.size):
-        new = _masked(decoded, mask, i)
+        new = _limited(decoded, limit, i)
         f = _fresh_variance(new, m[i], fresh[i], b1, inv_omb1, b2, omb2)
         fresh[i] = f
         m[i] = new
@@ -144,7 +155,7 @@ def _max_bits(bits):
 
 @njit(error_model="numpy", cache=True, nogil=True)
 def _onebit_lamb_block_a(
-    signs, start, value, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
+    signs, start, value, limit, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
 ):
     """:func:`_onebit_lamb_chunk_a` chunk by chunk on the momentum decoded from ``signs``
     (``+-value``, from bit ``start``); returns the two sums and the maximum ratio
@@ -158,7 +169,7 @@ def _onebit_lamb_block_a(
         offset = _decode_chunk(signs, start + c, e - c, value, wide)
         base, full = _onebit_lamb_chunk_a(
             wide[offset : offset + e - c],
-            mask[c:e] if mask.size else mask,
+            limit[c:e] if limit.size else limit,
             m[c:e],
             v[c:e],
             fresh[c:e],
@@ -197,24 +208,25 @@ def _momentum_step_block(m, g, v, p, b1, omb1, eps, wd, step):
 
 
 @njit(error_model="numpy", cache=True, nogil=True)
-def _onebit_adam_chunk(decoded, mask, m, v, p, eps, wd, step):
+def _onebit_adam_chunk(decoded, limit, m, v, p, eps, wd, step):
     for i in range(m.size):
-        new = _masked(decoded, mask, i)
+        new = _limited(decoded, limit, i)
         m[i] = new
         _, u, _ = _direction(new, v[i], p[i], eps, wd)
         p[i] += step * u
 
 
 @njit(error_model="numpy", cache=True, nogil=True)
-def _onebit_adam_block(signs, start, value, mask, m, v, p, eps, wd, step):
-    """``m = decoded (* mask)``; ``p += step * (m / (sqrt(v) + eps) + wd p)``, by chunks."""
+def _onebit_adam_block(signs, start, value, limit, m, v, p, eps, wd, step):
+    """``m = clamp(decoded, -limit, limit)``; ``p += step * (m / (sqrt(v) + eps) + wd p)``, by
+    chunks."""
     wide = np.empty(CHUNK + 16, m.dtype)
     for c in range(0, m.size, CHUNK):
         e = min(c + CHUNK, m.size)
         offset = _decode_chunk(signs, start + c, e - c, value, wide)
         _onebit_adam_chunk(
             wide[offset : offset + e - c],
-            mask[c:e] if mask.size else mask,
+            limit[c:e] if limit.size else limit,
             m[c:e],
             v[c:e],
             p[c:e],
@@ -284,7 +296,7 @@ def momentum(blocks, active, m, grads, offsets, b1, omb1, scale, out):
 
 
 def onebit_lamb_a(
-    blocks, active, signs, values, mask, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
+    blocks, active, signs, values, limit, m, v, fresh, p, b1, inv_omb1, b2, omb2, eps, wd, bits_like
 ):
     """Pass A over the rows ``(segment, start, end, first bit)`` of a sign table
     (:func:`_sign_table`): elements ``start .. end - 1``, their momentum ``+-values[b]`` from
@@ -297,7 +309,7 @@ def onebit_lamb_a(
                 signs,
                 blocks[b, 3],
                 values[b],
-                mask[s:e] if mask.size else mask,
+                limit[s:e] if limit.size else limit,
                 m[s:e],
                 v[s:e],
                 fresh[s:e],
@@ -330,7 +342,7 @@ def momentum_step(blocks, active, m, grads, offsets, v, p, b1, omb1, eps, wd, st
             )
 
 
-def onebit_adam(blocks, active, signs, values, mask, m, v, p, eps, wd, step):
+def onebit_adam(blocks, active, signs, values, limit, m, v, p, eps, wd, step):
     """Over the rows of a sign table, as :func:`onebit_lamb_a`."""
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
@@ -339,7 +351,7 @@ def onebit_adam(blocks, active, signs, values, mask, m, v, p, eps, wd, step):
                 signs,
                 blocks[b, 3],
                 values[b],
-                mask[s:e] if mask.size else mask,
+                limit[s:e] if limit.size else limit,
                 m[s:e],
                 v[s:e],
                 p[s:e],
@@ -349,14 +361,14 @@ def onebit_adam(blocks, active, signs, values, mask, m, v, p, eps, wd, step):
             )
 
 
-def frozen_adam(blocks, active, exchanged, mask, m, v, p, eps, wd, step):
-    """``m = exchanged (* mask)``; ``p += step * (m / (sqrt(v) + eps) + wd p)``."""
+def frozen_adam(blocks, active, exchanged, limit, m, v, p, eps, wd, step):
+    """``m = clamp(exchanged, -limit, limit)``; ``p += step * (m / (sqrt(v) + eps) + wd p)``."""
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
         if active[seg]:
             _onebit_adam_chunk(
                 exchanged[s:e],
-                mask[s:e] if mask.size else mask,
+                limit[s:e] if limit.size else limit,
                 m[s:e],
                 v[s:e],
                 p[s:e],
@@ -401,18 +413,19 @@ def synchronised(blocks, active, delta, m, synced, p, v, eps, rebuild):
 
 
 @njit(error_model="numpy", cache=True, nogil=True)
-def _predict_block(shared, momentum, mask, v, out, inverse_scale, eps, wd, step):
-    """``u = (mask momentum / s) / (sqrt(v) + eps) + wd shared``; ``out = shared + step u``
-    where ``step u`` is finite, else ``out = shared``."""
+def _predict_block(shared, momentum, limit, v, out, inverse_scale, eps, wd, step):
+    """``u = clamp(momentum / s, -limit, limit) / (sqrt(v) + eps) + wd shared``;
+    ``out = shared + step u`` where ``step u`` is finite, else ``out = shared``."""
     for i in range(out.size):
-        moved = momentum[i] * mask[i] if mask.size else momentum[i]
-        moved = moved * inverse_scale
+        moved = momentum[i] * inverse_scale
+        if limit.size:
+            moved = _clamped(moved, limit[i])
         moved = moved / (np.sqrt(v[i]) + eps) + wd * shared[i]
         moved = moved * step
         out[i] = shared[i] + moved if np.isfinite(moved) else shared[i]
 
 
-def predict(blocks, active, shared, momentum, mask, v, out, inverse_scale, eps, wd, step):
+def predict(blocks, active, shared, momentum, limit, v, out, inverse_scale, eps, wd, step):
     """:func:`_predict_block` over the active parameters; ``out = shared`` elsewhere."""
     for b in prange(blocks.shape[0]):
         seg, s, e = blocks[b, 0], blocks[b, 1], blocks[b, 2]
@@ -420,7 +433,7 @@ def predict(blocks, active, shared, momentum, mask, v, out, inverse_scale, eps, 
             _predict_block(
                 shared[s:e],
                 momentum[s:e],
-                mask[s:e] if mask.size else mask,
+                limit[s:e] if limit.size else limit,
                 v[s:e],
                 out[s:e],
                 inverse_scale[seg],
@@ -544,8 +557,8 @@ def _momentum_inputs(flat: Any, grads: Sequence[Tensor], active: Sequence[bool])
     )
 
 
-def _mask_array(flat: Any, mask: Tensor | None) -> np.ndarray:
-    return np.zeros(0, dtype=_Hyper(flat).dtype) if mask is None else _np(mask)
+def _limit_array(flat: Any, limit: Tensor | None) -> np.ndarray:
+    return np.zeros(0, dtype=_Hyper(flat).dtype) if limit is None else _np(limit)
 
 
 def _sign_table(flat: Any, packed: ExchangeResult, scaling: Tensor):
@@ -643,7 +656,7 @@ class NumbaUpdates:
         packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
@@ -661,7 +674,7 @@ class NumbaUpdates:
             on,
             signs,
             values,
-            _mask_array(flat, mask),
+            _limit_array(flat, limit),
             m,
             v,
             _np(flat.exp_avg_sq_fresh),
@@ -703,7 +716,7 @@ class NumbaUpdates:
         packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
     ) -> None:
         """(``scratch`` is unused: the momentum is decoded on the fly.)"""
@@ -714,7 +727,7 @@ class NumbaUpdates:
             _active(active),
             signs,
             values,
-            _mask_array(flat, mask),
+            _limit_array(flat, limit),
             _np(flat.exp_avg),
             _np(flat.exp_avg_sq),
             _np(flat.weights),
@@ -728,7 +741,7 @@ class NumbaUpdates:
         flat: Any,
         packed: ExchangeResult,
         exchanged: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
     ) -> None:
         """The momentum is decoded into ``exchanged`` first (one segment per tensor)."""
@@ -738,7 +751,7 @@ class NumbaUpdates:
             _blocks(flat),
             _active(active),
             _np(exchanged),
-            _mask_array(flat, mask),
+            _limit_array(flat, limit),
             _np(flat.exp_avg),
             _np(flat.exp_avg_sq),
             _np(flat.weights),
@@ -754,7 +767,7 @@ class NumbaUpdates:
         out: Tensor,
         momentum: Tensor,
         scaling: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         coefficients: Tensor | None,
         active: Sequence[bool],
     ) -> None:
@@ -768,7 +781,7 @@ class NumbaUpdates:
             _active(active),
             _np(shared),
             _np(momentum),
-            _mask_array(flat, mask),
+            _limit_array(flat, limit),
             _np(flat.exp_avg_sq),
             _np(out),
             _np(scaling.reciprocal()),

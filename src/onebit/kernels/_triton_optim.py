@@ -132,22 +132,28 @@ def _sum_of_squares(x, in_range):
 
 
 @triton.jit
+def _clamped(value, bound):
+    """``value`` clamped to ``[-bound, bound]`` (NaN stays NaN, as in ``torch.clamp``)."""
+    return tl.where(value > bound, bound, tl.where(value < -bound, -bound, value))
+
+
+@triton.jit
 def _exchanged(
     signs,
     chunk_elements,
     chunk_scales,
     inverse,
-    mask,
+    limit,
     segment,
     offsets,
     in_range,
-    HAS_MASK,
+    HAS_LIMIT,
     DECODED,
 ):
     """The exchanged momentum ``+-(b_c * (1 / s))`` of each element (its bit MSB first in
     ``signs``, ``b_c`` the scale of its chunk of ``chunk_elements`` elements; where
-    ``DECODED``, ``+-b_c`` read from ``signs``, a buffer of decoded values), times the mask
-    where ``HAS_MASK``."""
+    ``DECODED``, ``+-b_c`` read from ``signs``, a buffer of decoded values), clamped to
+    ``+-limit`` where ``HAS_LIMIT``."""
     if DECODED:
         value = tl.load(signs + offsets, mask=in_range, other=0.0) * tl.load(inverse + segment)
     else:
@@ -156,8 +162,8 @@ def _exchanged(
         scale = tl.load(chunk_scales + offsets // chunk_elements, mask=in_range, other=0.0)
         value = scale * tl.load(inverse + segment)
         value = tl.where(positive, value, -value)
-    if HAS_MASK:
-        value = value * tl.load(mask + offsets, mask=in_range, other=0.0)
+    if HAS_LIMIT:
+        value = _clamped(value, tl.load(limit + offsets, mask=in_range, other=0.0))
     return value
 
 
@@ -262,14 +268,14 @@ def _onebit_lamb_a_kernel(
     chunk_elements,
     chunk_scales,
     inverse,
-    mask,
+    limit,
     m,
     v,
     fresh,
     p,
     hyper,
     partials,
-    HAS_MASK: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
     DECODED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -281,11 +287,11 @@ def _onebit_lamb_a_kernel(
         chunk_elements,
         chunk_scales,
         inverse,
-        mask,
+        limit,
         segment,
         offsets,
         in_range,
-        HAS_MASK,
+        HAS_LIMIT,
         DECODED,
     )
     grad = (new - c[0] * tl.load(m + offsets, mask=in_range)) * c[7]
@@ -329,12 +335,12 @@ def _decoded_adam_kernel(
     chunk_elements,
     chunk_scales,
     inverse,
-    mask,
+    limit,
     m,
     v,
     p,
     hyper,
-    HAS_MASK: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
     DECODED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -345,11 +351,11 @@ def _decoded_adam_kernel(
         chunk_elements,
         chunk_scales,
         inverse,
-        mask,
+        limit,
         segment,
         offsets,
         in_range,
-        HAS_MASK,
+        HAS_LIMIT,
         DECODED,
     )
     _frozen_adam_update(new, m, v, p, c, offsets, in_range)
@@ -357,13 +363,14 @@ def _decoded_adam_kernel(
 
 @triton.jit
 def _frozen_adam_kernel(
-    rows, exchanged, mask, m, v, p, hyper, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr
+    rows, exchanged, limit, m, v, p, hyper, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """The frozen-variance Adam update with the decoded momentum ``exchanged`` (* mask)."""
+    """The frozen-variance Adam update with the decoded momentum ``exchanged``, clamped to
+    ``+-limit``."""
     _, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
     new = tl.load(exchanged + offsets, mask=in_range)
-    if HAS_MASK:
-        new = new * tl.load(mask + offsets, mask=in_range, other=0.0)
+    if HAS_LIMIT:
+        new = _clamped(new, tl.load(limit + offsets, mask=in_range, other=0.0))
     _frozen_adam_update(new, m, v, p, c, offsets, in_range)
 
 
@@ -535,9 +542,9 @@ def _exchange_inputs(
     }
 
 
-def _mask_input(flat: Any, mask: Tensor | None) -> dict[str, Any]:
-    """The mask arguments: the mask (any tensor where there is none) and whether to use it."""
-    return {"mask": flat.exp_avg if mask is None else mask, "HAS_MASK": mask is not None}
+def _limit_input(flat: Any, limit: Tensor | None) -> dict[str, Any]:
+    """The limit arguments: the limit (any tensor where there is none) and whether to use it."""
+    return {"limit": flat.exp_avg if limit is None else limit, "HAS_LIMIT": limit is not None}
 
 
 def _apply_adam(flat: Any, launches: list, constants: _Constants, steps: Tensor, stored: bool):
@@ -644,7 +651,7 @@ class TritonUpdates:
         packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
         lamb_coeff_freeze: Tensor,
         last_factor: Tensor,
@@ -664,7 +671,7 @@ class TritonUpdates:
             p=flat.weights,
             hyper=constants.table,
             partials=partials,
-            **_mask_input(flat, mask),
+            **_limit_input(flat, limit),
         )
         size = len(flat.params)
         sums = _scatter(table.per_segment(partials[:, :2], "sum"), table, size, 0.0)
@@ -694,7 +701,7 @@ class TritonUpdates:
         packed: ExchangeResult,
         scratch: Tensor,
         scaling: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
     ) -> None:
         """The momentum is decoded on the fly, or into ``scratch`` first
@@ -707,7 +714,7 @@ class TritonUpdates:
             v=flat.exp_avg_sq,
             p=flat.weights,
             hyper=_Constants(flat).table,
-            **_mask_input(flat, mask),
+            **_limit_input(flat, limit),
         )
 
     def onebit_adam_per_tensor_step_(
@@ -715,7 +722,7 @@ class TritonUpdates:
         flat: Any,
         packed: ExchangeResult,
         exchanged: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
     ) -> None:
         """The momentum is decoded into ``exchanged`` first (one segment per tensor)."""
@@ -728,7 +735,7 @@ class TritonUpdates:
             v=flat.exp_avg_sq,
             p=flat.weights,
             hyper=_Constants(flat).table,
-            **_mask_input(flat, mask),
+            **_limit_input(flat, limit),
         )
 
     def accumulated_update(self, flat: Any, active: Sequence[bool], out: Tensor) -> Tensor:

@@ -1,22 +1,31 @@
 """The compression stage's own state: the buffer the momentum is exchanged in, the masks of the
-tensors' elements (``exp_avg_mask`` and the elements whose variance is 0) and the scaling
-coefficients ``s_p`` set at the switch (ALGORITHM.md, "1-bit LAMB", "Elements whose variance
-is 0")."""
+tensors' elements (``exp_avg_mask`` and the elements whose variance is 0), the limits of the
+decoded momentum they give (with ``momentum_bound``, Adam's largest ``|m| / sqrt(v)``) and the
+scaling coefficients ``s_p`` set at the switch (ALGORITHM.md, "1-bit LAMB", "Elements whose
+variance is 0", "A bound on each element's momentum")."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from onebit.coefficients import adam_momentum_bound
 from onebit.exchange import Exchange
 from onebit.optim._flat import FlatState
 from onebit.optim._sharding import ShardGroup
 
-__all__ = ["CompressionStage", "check_group_masks", "flat_mask", "scaling_coefficients_"]
+__all__ = [
+    "CompressionStage",
+    "check_group_masks",
+    "flat_limit",
+    "flat_mask",
+    "scaling_coefficients_",
+]
 
 logger = logging.getLogger("onebit")
 
@@ -75,20 +84,50 @@ def flat_mask(
     return None if bool(least == 1) and bool(most == 1) else mask
 
 
+def flat_limit(
+    flat: FlatState,
+    has_state: Sequence[bool],
+    param_groups: Sequence[Mapping[str, Any]],
+    shards: ShardGroup | None,
+) -> Tensor | None:
+    """The limit ``l`` of the decoded momentum, ``m = clamp(decoded, -l, l)``, as one flat
+    buffer: 0 where :func:`flat_mask` is 0; elsewhere ``B sqrt(v)`` in the groups with
+    ``momentum_bound`` (:func:`adam_momentum_bound` of their betas), ``inf`` in the others and
+    in tensors without state. ``None`` where it is ``inf`` everywhere."""
+    mask = flat_mask(flat, has_state, param_groups, shards)
+    bounds = [
+        adam_momentum_bound(group["betas"]) if active and group.get("momentum_bound") else math.inf
+        for group, active in zip(flat.groups, has_state, strict=True)
+    ]
+    if mask is None and not any(map(math.isfinite, bounds)):
+        return None
+    limit = torch.sqrt(flat.exp_avg_sq)
+    for index, bound in enumerate(bounds):
+        if math.isfinite(bound):
+            flat.view(limit, index).mul_(bound)
+        else:
+            flat.view(limit, index).fill_(math.inf)
+    if mask is not None:
+        limit.masked_fill_(mask == 0, 0)
+    return limit
+
+
 class CompressionStage:
-    """The momentum's exchange buffer and the flat mask, set up at the stage's first step
-    (:meth:`set_up`) and again after a checkpoint load (:meth:`reset`)."""
+    """The momentum's exchange buffer and the limits of its decoded values (:func:`flat_limit`),
+    set up at the stage's first step (:meth:`set_up`) and again after a checkpoint load
+    (:meth:`reset`); 0/1 Adam's buffer and mask (:meth:`set_up_accumulator`)."""
 
     def __init__(self) -> None:
         self.buffer: Tensor | None = None
         self.mask: Tensor | None = None
+        self.limit: Tensor | None = None
 
     @property
     def ready(self) -> bool:
         return self.buffer is not None
 
     def reset(self) -> None:
-        self.buffer = self.mask = None
+        self.buffer = self.mask = self.limit = None
 
     def set_up(
         self,
@@ -99,7 +138,7 @@ class CompressionStage:
         shards: ShardGroup | None,
     ) -> Tensor:
         """The buffer (the bound ``exchange``'s own, padded as it needs: its error updates go
-        there early) and the mask."""
+        there early) and the limits."""
         if not any(has_state):
             raise RuntimeError(
                 "no parameter received a gradient during the warm-up stage; nothing to compress"
@@ -111,7 +150,7 @@ class CompressionStage:
                 "left out of the compression stage and no longer updated",
                 skipped,
             )
-        self.mask = flat_mask(flat, has_state, param_groups, shards)
+        self.limit = flat_limit(flat, has_state, param_groups, shards)
         self.buffer = exchange.send_buffer()
         return self.buffer
 

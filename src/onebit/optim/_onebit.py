@@ -394,7 +394,7 @@ class OneBitOptimizer(Optimizer):
         applied = self._where_some_rank_had(step, COMPRESSION, flat, active, grads)
         per_tensor = data_parallel.compression == "per_tensor"
         self.rule.compressed(
-            self.updates, flat, packed, buffer, self._stage.mask, applied, per_tensor
+            self.updates, flat, packed, buffer, self._stage.limit, applied, per_tensor
         )
         self._watch_variance(step, flat)
         return True
@@ -433,7 +433,7 @@ class OneBitOptimizer(Optimizer):
             out,
             momentum,
             flat.scalars["scaling_coeff"],
-            self._stage.mask,
+            self._stage.limit,
             self.rule.prediction_coefficients(flat),
             active,
         )
@@ -461,7 +461,7 @@ class OneBitOptimizer(Optimizer):
             flat,
             landed.result,
             buffer,
-            self._stage.mask,
+            self._stage.limit,
             landed.applies_to,
             per_tensor,
         )
@@ -1064,6 +1064,8 @@ class OneBitOptimizer(Optimizer):
                 "before loading, or build the optimizer with every group"
             )
         param_group = check_group_masks(_common.checked_real(param_group))
+        group = {**self.defaults, **param_group}
+        checks.check_momentum_bound(group.get("momentum_bound", False), group["betas"])
         super().add_param_group(param_group)
         self._parameters.regroup(self.param_groups)
         if self._overlap is not None:

@@ -71,7 +71,7 @@ class UpdateRule:
         flat: FlatState,
         packed: ExchangeResult,
         scratch: Tensor,
-        mask: Tensor | None,
+        limit: Tensor | None,
         active: Sequence[bool],
         per_tensor: bool,
     ) -> None:
@@ -128,14 +128,14 @@ class OneBitLambRule(UpdateRule):
         held); ``c_frz`` before the first."""
         return flat.scalars["lamb_coeff"]
 
-    def compressed(self, updates, flat, packed, scratch, mask, active, per_tensor) -> None:
+    def compressed(self, updates, flat, packed, scratch, limit, active, per_tensor) -> None:
         scalars = flat.scalars
         factor, coefficient = updates.onebit_lamb_compressed_step_(
             flat,
             packed,
             scratch,
             scalars["scaling_coeff"],
-            mask,
+            limit,
             active,
             scalars["lamb_coeff_freeze"],
             scalars["last_factor"],
@@ -166,12 +166,12 @@ class AdamRule(UpdateRule):
     def dense(self, updates, flat, grads, present) -> bool:
         return updates.adam_step_(flat, grads, present, True)
 
-    def compressed(self, updates, flat, packed, scratch, mask, active, per_tensor) -> None:
+    def compressed(self, updates, flat, packed, scratch, limit, active, per_tensor) -> None:
         if per_tensor:
-            updates.onebit_adam_per_tensor_step_(flat, packed, scratch, mask, active)
+            updates.onebit_adam_per_tensor_step_(flat, packed, scratch, limit, active)
         else:
             updates.onebit_adam_compressed_step_(
-                flat, packed, scratch, flat.scalars["scaling_coeff"], mask, active
+                flat, packed, scratch, flat.scalars["scaling_coeff"], limit, active
             )
 
 

@@ -4,8 +4,11 @@ the value that was wrong (also used by the tools that take the same arguments)."
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from torch import Tensor
+
+from onebit.coefficients import adam_momentum_bound
 
 __all__ = [
     "check_max_grad_norm",
@@ -19,6 +22,7 @@ __all__ = [
     "check_unit_interval",
     "check_factor_bounds",
     "check_coeff_bounds",
+    "check_momentum_bound",
 ]
 
 
@@ -105,4 +109,16 @@ def check_coeff_bounds(min_coeff: float, max_coeff: float) -> None:
     if not min_coeff <= max_coeff:
         raise ValueError(
             f"Invalid coefficient bounds: min_coeff={min_coeff} > max_coeff={max_coeff}"
+        )
+
+
+def check_momentum_bound(momentum_bound: object, betas: Sequence[float]) -> None:
+    """``momentum_bound`` is a bool, and where set the betas have Adam's bound
+    (``b1^2 < b2``)."""
+    if not isinstance(momentum_bound, bool):
+        raise ValueError(f"momentum_bound must be True or False, got {momentum_bound!r}")
+    if momentum_bound and not math.isfinite(adam_momentum_bound(betas)):
+        raise ValueError(
+            f"momentum_bound needs betas with beta1**2 < beta2 (Adam's |m| / sqrt(v) has no "
+            f"bound otherwise), got betas={tuple(betas)}"
         )

@@ -206,16 +206,21 @@ def scaled_momentum(
         torch._foreach_zero_(inactive)
 
 
+def _limit_(values: Tensor, limit: Tensor | None) -> None:
+    """``values = clamp(values, -limit, limit)`` in place (``None``: no limit)."""
+    if limit is not None:
+        torch.clamp(values, min=limit.neg(), max=limit, out=values)
+
+
 def _decode_momentum(
-    flat: FlatState, packed: ExchangeResult, scaling: Tensor, mask: Tensor | None, out: Tensor
+    flat: FlatState, packed: ExchangeResult, scaling: Tensor, limit: Tensor | None, out: Tensor
 ) -> list[Tensor]:
-    """``m_new = decoded * (1 / s)`` (times the mask) into ``out``; each parameter's view.
-    (The decoded value is ``+-b_j``, so the product rounds once.)"""
+    """``m_new = clamp(decoded * (1 / s), -limit, limit)`` into ``out``; each parameter's
+    view. (The decoded value is ``+-b_j``, so the product rounds once.)"""
     packed.decode(out)
     new = flat.views(out)
     torch._foreach_mul_(new, list(scaling.reciprocal().unbind()))
-    if mask is not None:
-        out[: flat.numel].mul_(mask)
+    _limit_(out[: flat.numel], limit)
     return new
 
 
@@ -224,7 +229,7 @@ def onebit_lamb_compressed_step_(
     packed: ExchangeResult,
     scratch: Tensor,
     scaling: Tensor,
-    mask: Tensor | None,
+    limit: Tensor | None,
     active: Sequence[bool],
     lamb_coeff_freeze: Tensor,
     last_factor: Tensor,
@@ -233,7 +238,7 @@ def onebit_lamb_compressed_step_(
     """A compression-stage 1-bit LAMB step with the exchanged momentum; returns ``f`` and the
     coefficient the step used.
 
-    ``m_new = decoded / s (* mask)``; ``g = (m_new - b1 m) / (1 - b1)``;
+    ``m_new = clamp(decoded / s, -limit, limit)``; ``g = (m_new - b1 m) / (1 - b1)``;
     ``v_fresh = b2 v_fresh + (1 - b2) g^2``; ``m = m_new``; ``d = sqrt(v) + eps``;
     ``u0 = m / d``; ``u = u0 + wd p``; ``f`` from :func:`compression_factor`
     (``last_factor`` kept for inactive parameters); ``p <- p - lr c u`` with ``c = c_frz f``
@@ -242,7 +247,7 @@ def onebit_lamb_compressed_step_(
     by ``s`` and ``1 - b1`` are multiplications by their reciprocals.
     """
     indices = _active_indices(active)
-    new = _decode_momentum(flat, packed, scaling, mask, scratch)
+    new = _decode_momentum(flat, packed, scaling, limit, scratch)
     m, v, p = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq), flat.weight_views()
     fresh = flat.views(flat.exp_avg_sq_fresh)
     update, denom = flat.views(flat.scratch(0)), flat.views(flat.scratch(1))
@@ -295,21 +300,22 @@ def predict_weights_(
     out: Tensor,
     momentum: Tensor,
     scaling: Tensor,
-    mask: Tensor | None,
+    limit: Tensor | None,
     coefficients: Tensor | None,
     active: Sequence[bool],
 ) -> None:
     """The delayed exchange's prediction (ALGORITHM.md, "Delayed exchange"), from the flat
     weights ``shared`` into the flat ``out`` (the flat weights, or a buffer of their size):
-    ``out = p - lr c (mask (buf / s) / (sqrt(v) + eps) + wd p)``, ``p`` from ``shared``, for
-    every active parameter (``out = p`` for the others and for an element whose move is not
-    finite), ``buf`` this rank's scaled momentum before the exchange (``momentum``, left as
-    it is), ``c`` the rule's coefficient (``None``: 1)."""
+    ``out = p - lr c (clamp(buf / s, -limit, limit) / (sqrt(v) + eps) + wd p)``, ``p`` from
+    ``shared``, for every active parameter (``out = p`` for the others and for an element
+    whose move is not finite), ``buf`` this rank's scaled momentum before the exchange
+    (``momentum``, left as it is), ``c`` the rule's coefficient (``None``: 1)."""
     indices = _active_indices(active)
     move = flat.scratch(0)[: flat.numel]
-    torch.mul(momentum[: flat.numel], mask if mask is not None else 1, out=move)
+    move.copy_(momentum[: flat.numel])
     moves, weights = flat.views(move), flat.views(shared)
     torch._foreach_mul_(moves, list(scaling.reciprocal().unbind()))
+    _limit_(move, limit)
     v, denom = flat.views(flat.exp_avg_sq), flat.views(flat.scratch(1))
     for group, idx in _by_group(flat, indices):
         _adam_direction(
@@ -336,12 +342,12 @@ def onebit_adam_compressed_step_(
     packed: ExchangeResult,
     scratch: Tensor,
     scaling: Tensor,
-    mask: Tensor | None,
+    limit: Tensor | None,
     active: Sequence[bool],
 ) -> None:
-    """A compression-stage 1-bit Adam step: ``m = decoded / s (* mask)``;
+    """A compression-stage 1-bit Adam step: ``m = clamp(decoded / s, -limit, limit)``;
     ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v`` frozen."""
-    new = _decode_momentum(flat, packed, scaling, mask, scratch)
+    new = _decode_momentum(flat, packed, scaling, limit, scratch)
     _frozen_adam_update_(flat, new, _active_indices(active))
 
 
@@ -365,15 +371,14 @@ def onebit_adam_per_tensor_step_(
     flat: FlatState,
     packed: ExchangeResult,
     exchanged: Tensor,
-    mask: Tensor | None,
+    limit: Tensor | None,
     active: Sequence[bool],
 ) -> None:
     """A compression-stage 1-bit Adam step with the momentum exchanged tensor by tensor
-    (``packed``, decoded into ``exchanged``): ``m = exchanged (* mask)``;
+    (``packed``, decoded into ``exchanged``): ``m = clamp(exchanged, -limit, limit)``;
     ``p <- p - lr (m / (sqrt(v) + eps) + wd p)`` with ``v`` frozen."""
     packed.decode(exchanged)
-    if mask is not None:
-        exchanged[: flat.numel].mul_(mask)
+    _limit_(exchanged[: flat.numel], limit)
     _frozen_adam_update_(flat, flat.views(exchanged), _active_indices(active))
 
 

@@ -119,6 +119,11 @@ class OneBitLamb(OneBitOptimizer):
             over the stage: ``c = min(c_frz f, κ ρ_0 ||p|| / ||u||)``, ρ_0 the stage's first
             ``c_frz f ||u|| / ||p||`` (ALGORITHM.md, "A bound on the frozen coefficient");
             ``None`` (default): the paper's ``c_frz f`` alone.
+        momentum_bound: clamp each element's exchanged momentum to ``+-B sqrt(v)``, ``B =
+            (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))`` the largest ``|m| / sqrt(v)`` Adam
+            itself can reach (ALGORITHM.md, "A bound on each element's momentum"), so that an
+            element whose own gradients are far below its tensor's 1-bit scale does not step
+            by that scale over its small ``sqrt(v)``; ``False`` (default): the paper's.
 
     Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
     ``scaler.step(optimizer)``): the step unscales the
@@ -154,6 +159,7 @@ class OneBitLamb(OneBitOptimizer):
         delayed_exchange: bool = False,
         variance_guard: str = "refresh",
         trust_bound: float | None = None,
+        momentum_bound: bool = False,
     ) -> None:
         checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
         if trust_bound is not None:
@@ -174,6 +180,7 @@ class OneBitLamb(OneBitOptimizer):
             factor_min=factor_min,
             factor_threshold=factor_threshold,
             trust_bound=trust_bound,
+            momentum_bound=momentum_bound,
         )
         super().__init__(
             params,

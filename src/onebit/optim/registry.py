@@ -105,6 +105,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "delayed_exchange",
                 "variance_guard",
                 "trust_bound",
+                "momentum_bound",
                 *_AUTO_FREEZE,
             ),
             deepspeed_type="onebitlamb",

@@ -16,6 +16,7 @@ from onebit.optim.checks import (
     check_betas,
     check_coeff_bounds,
     check_factor_bounds,
+    check_momentum_bound,
     check_non_negative,
     check_positive,
     check_unit_interval,
@@ -185,6 +186,13 @@ class TrainConfig:
         help="1-bit LAMB: let a compression step grow at most this many times against the "
         "weights over the stage (ALGORITHM.md, 'A bound on the frozen coefficient'); default: "
         "none, the paper's",
+    )
+    momentum_bound: bool = option(
+        False,
+        group=_HYPER,
+        help="1-bit LAMB: clamp each element's exchanged momentum to Adam's largest "
+        "|m| / sqrt(v) (ALGORITHM.md, 'A bound on each element's momentum'); default: off, "
+        "the paper's",
     )
     compression: str | None = option(
         None,
@@ -465,6 +473,11 @@ class TrainConfig:
                 raise ValueError(
                     f"--trust-bound bounds onebit-lamb's compression steps, not {self.optimizer}'s"
                 )
+        check_momentum_bound(self.momentum_bound, self.betas)
+        if self.momentum_bound and self.optimizer != "onebit-lamb":
+            raise ValueError(
+                f"--momentum-bound bounds onebit-lamb's exchanged momentum, not {self.optimizer}'s"
+            )
         check_unit_interval("--coeff-beta", self.coeff_beta)
         check_factor_bounds(self.factor_min, self.factor_max)
 
