@@ -104,6 +104,7 @@ COMMIT_DATES = {
     "828a2f9": "2026-12-05",
     "96a0853": "2026-12-05",
     "d879708": "2026-12-05",
+    "e47b06b": "2026-12-05",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -166,6 +167,8 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-torchft": "252367a",
     "docs/convergence/variance-guard/trust-bound": "96a0853",
     "docs/main-job/trust-bound": "96a0853",
+    "docs/convergence/variance-guard/momentum-bound": "e47b06b",
+    "docs/main-job/momentum-bound": "e47b06b",
     "docs/main-job/trust-bound/simulated-lamb-ratio": "828a2f9",
 }
 
@@ -790,6 +793,14 @@ MAIN_JOB_RUNS = {
         "1-bit LAMB, c at most LAMB's ratio clamp(‖p‖/‖u‖, c_min, c_max) (simulated)",
         f"{RUN} simulate --trust-bound 1 --eval-every 500 --threads 1 (at commit "
         f"{TRUST_BOUND_OF_LAMB_RATIO}, whose trust_bound was this bound)",
+    ),
+    "momentum-bound/bound": (
+        "1-bit LAMB, momentum_bound",
+        "python3 run.py train --momentum-bound",
+    ),
+    "momentum-bound/simulated-bound": (
+        "1-bit LAMB, momentum_bound (simulated)",
+        f"{RUN} simulate --momentum-bound --eval-every 500 --threads 1",
     ),
 }
 
@@ -1658,23 +1669,47 @@ def table_main_job_trust_bound() -> Table:
     return _main_job_table("main-job-trust-bound", groups, GUARD_HEADER, _guard_cells)
 
 
-def table_study_trust_bound() -> Table:
-    """The convergence study's 1-bit LAMB arm with and without the trust bound, beside LAMB."""
+def table_main_job_momentum_bound() -> Table:
+    """The main job with 1-bit LAMB's momentum bound, on 4 processes and simulated, beside
+    LAMB and the run without it."""
+    groups = [
+        ["lamb", "default", "momentum-bound/bound"],
+        [
+            "longer/lamb-1000x64",
+            "longer/onebit-lamb-1000x64-freeze-200",
+            "momentum-bound/simulated-bound",
+        ],
+    ]
+    return _main_job_table("main-job-momentum-bound", groups, GUARD_HEADER, _guard_cells)
+
+
+def _study_beside_the_default(name: str, run: str, label: str) -> Table:
+    """The convergence study's default 1-bit LAMB arm and LAMB, beside ``run`` (the arm with
+    one of 1-bit LAMB's options, ``label``)."""
     study = "docs/convergence/diloco-study"
     arms = [
         (f"{study}/lamb", "LAMB"),
         (f"{study}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
-        (
-            "docs/convergence/variance-guard/trust-bound/onebit-lamb-n4-trust-bound",
-            "1-bit LAMB, trust_bound 2",
-        ),
+        (run, label),
     ]
-    return _arms_table(
+    return _arms_table(name, arms, None, f"{STUDY} --out runs/study --arms <run>", measured=True)
+
+
+def table_study_momentum_bound() -> Table:
+    """The convergence study's 1-bit LAMB arm with and without the momentum bound."""
+    return _study_beside_the_default(
+        "study-momentum-bound",
+        "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n4-momentum-bound",
+        "1-bit LAMB, momentum_bound",
+    )
+
+
+def table_study_trust_bound() -> Table:
+    """The convergence study's 1-bit LAMB arm with and without the trust bound."""
+    return _study_beside_the_default(
         "study-trust-bound",
-        arms,
-        None,
-        f"{STUDY} --out runs/study --arms <run>",
-        measured=True,
+        "docs/convergence/variance-guard/trust-bound/onebit-lamb-n4-trust-bound",
+        "1-bit LAMB, trust_bound 2",
     )
 
 
@@ -1879,6 +1914,8 @@ TABLES: dict[str, Callable[[], Table]] = {
     "main-job-longer": table_main_job_longer,
     "main-job-trust-bound": table_main_job_trust_bound,
     "study-trust-bound": table_study_trust_bound,
+    "main-job-momentum-bound": table_main_job_momentum_bound,
+    "study-momentum-bound": table_study_momentum_bound,
     "readiness-trajectory": table_readiness_trajectory,
     "plateau-readiness": table_plateau_readiness,
     "seed-study": table_seed_study,
