@@ -77,11 +77,15 @@ ARMS = {
 }
 #: The optimizers ``--simulate`` can run.
 SIMULATABLE = ("onebit-adam", "onebit-lamb", "onebit-lamb-bounded", "onebit-lamb-momentum-bound")
-#: The arms that are options of 1-bit LAMB, off by default: run only when named.
-OPTIONAL_ARMS = ("onebit-lamb-bounded", "onebit-lamb-momentum-bound")
 #: ``onebit-lamb-bounded``'s ``trust_bound``: a compression step may grow to twice its size
 #: at the freeze, against the weights.
 TRUST_BOUND = 2.0
+#: The arms that are 1-bit LAMB with an option off by default (run only when named): its
+#: arguments.
+OPTIONAL_ARMS = {
+    "onebit-lamb-bounded": {"trust_bound": TRUST_BOUND},
+    "onebit-lamb-momentum-bound": {"momentum_bound": True},
+}
 
 
 def default_optimizers(simulate: bool) -> list[str]:
@@ -102,13 +106,9 @@ def build_optimizer(
         return onebit.ZeroOneAdam(
             params, lr=lr, var_freeze_step=freeze, var_warmup_steps=freeze, variance_guard=guard
         )
-    if name == "onebit-lamb-bounded":
+    if name in OPTIONAL_ARMS:
         return onebit.OneBitLamb(
-            params, lr=lr, freeze_step=freeze, variance_guard=guard, trust_bound=TRUST_BOUND
-        )
-    if name == "onebit-lamb-momentum-bound":
-        return onebit.OneBitLamb(
-            params, lr=lr, freeze_step=freeze, variance_guard=guard, momentum_bound=True
+            params, lr=lr, freeze_step=freeze, variance_guard=guard, **OPTIONAL_ARMS[name]
         )
     cls = onebit.OneBitAdam if name == "onebit-adam" else onebit.OneBitLamb
     return cls(params, lr=lr, freeze_step=freeze, variance_guard=guard)
@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         choices=list(ARMS),
-        help="default: all of them but onebit-lamb-bounded and onebit-lamb-momentum-bound "
-        "(with --simulate: those it can run)",
+        help=f"default: all of them but {' and '.join(OPTIONAL_ARMS)} (with --simulate: those "
+        "it can run)",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--workers", type=int, default=2, help="data-parallel workers")

@@ -52,9 +52,10 @@ def _build(kind: str, backend: str, dtype: torch.dtype, device: torch.device):
         return params, onebit.Lamb(groups, kernels=backend)
     compression = "fused" if kind.endswith("-fused") else "per_tensor"
     if kind.startswith("onebit-lamb"):
-        bound = {"trust_bound": 1.0} if kind.endswith("-bounded") else {}
-        if kind.endswith("-momentum-bound"):
-            bound = {"momentum_bound": True}
+        bound = {
+            "onebit-lamb-bounded": {"trust_bound": 1.0},
+            "onebit-lamb-momentum-bound": {"momentum_bound": True},
+        }.get(kind, {})
         optimizer = onebit.OneBitLamb(
             groups,
             freeze_step=8,

@@ -47,6 +47,10 @@ REAL_WORKER_OPTIONS = (
     "outer_implementation",
 )
 
+#: 1-bit LAMB's optional bounds (off: ``None`` or ``False``) and what each bounds; another
+#: optimizer refuses them by name.
+_ONEBIT_LAMB_BOUNDS = {"trust_bound": "compression steps", "momentum_bound": "exchanged momentum"}
+
 #: Options of the simulated workers alone (``onebit train`` has none).
 SIMULATION_OPTIONS = ("delayed_prediction",)
 
@@ -469,15 +473,13 @@ class TrainConfig:
         check_non_negative("--factor-threshold", self.factor_threshold)
         if self.trust_bound is not None:
             check_positive("--trust-bound", self.trust_bound)
-            if self.optimizer != "onebit-lamb":
-                raise ValueError(
-                    f"--trust-bound bounds onebit-lamb's compression steps, not {self.optimizer}'s"
-                )
         check_momentum_bound(self.momentum_bound, self.betas)
-        if self.momentum_bound and self.optimizer != "onebit-lamb":
-            raise ValueError(
-                f"--momentum-bound bounds onebit-lamb's exchanged momentum, not {self.optimizer}'s"
-            )
+        for name, bounded in _ONEBIT_LAMB_BOUNDS.items():
+            if getattr(self, name) not in (None, False) and self.optimizer != "onebit-lamb":
+                raise ValueError(
+                    f"--{name.replace('_', '-')} bounds onebit-lamb's {bounded}, not "
+                    f"{self.optimizer}'s"
+                )
         check_unit_interval("--coeff-beta", self.coeff_beta)
         check_factor_bounds(self.factor_min, self.factor_max)
 
