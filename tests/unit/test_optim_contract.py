@@ -189,6 +189,91 @@ def test_complex_parameters_are_refused_before_anything_changes(name):
     assert len(optimizer.param_groups) == 1
 
 
+#: A bad value of each hyper-parameter every optimizer takes, and what its error names.
+BAD_HYPERPARAMETERS = [
+    ({"lr": -1.0}, "lr=-1.0"),
+    ({"lr": "0.1"}, "lr='0.1': it must be a number"),
+    ({"betas": (0.9, 1.0)}, r"betas\[1\]=1.0"),
+    ({"betas": 0.9}, "betas=0.9: expected a pair"),
+    ({"eps": 0.0}, "eps=0.0"),
+    ({"weight_decay": -0.1}, "weight_decay=-0.1"),
+    ({"weight_decay": True}, "weight_decay=True: it must be a number"),
+]
+
+#: Each optimizer's own: a bad value, and what its error names.
+OWN_BAD_HYPERPARAMETERS = {
+    "Lamb": [({"min_coeff": 0.5, "max_coeff": 0.1}, "min_coeff=0.5 > max_coeff=0.1")],
+    "OneBitLamb": [
+        ({"max_coeff": 0.001}, "min_coeff=0.01 > max_coeff=0.001"),
+        ({"coeff_beta": 1.0}, "coeff_beta=1.0"),
+        ({"factor_min": 0.0}, "factor_min=0.0"),
+        ({"factor_threshold": -1.0}, "factor_threshold=-1.0"),
+        ({"trust_bound": 0.0}, "trust_bound=0.0"),
+        ({"momentum_bound": 1}, "momentum_bound must be True or False"),
+    ],
+    "OneBitAdam": [],
+    "ZeroOneAdam": [],
+}
+
+
+def bad_groups():
+    return [
+        (name, *case)
+        for name in OPTIMIZERS
+        for case in BAD_HYPERPARAMETERS + OWN_BAD_HYPERPARAMETERS[name]
+    ]
+
+
+@pytest.mark.parametrize(("name", "values", "message"), bad_groups())
+def test_a_bad_hyper_parameter_is_refused_by_name_in_the_constructor_and_in_a_group(
+    name, values, message
+):
+    with pytest.raises(ValueError, match=message):
+        build(name, make_params(), **values)
+    with pytest.raises(ValueError, match=message):
+        build(name, [{"params": make_params(), **values}])
+    optimizer = build(name, make_params())
+    with pytest.raises(ValueError, match=message):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], **values})
+    assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_group_setting_an_argument_of_the_whole_optimizer_is_refused_by_name(name):
+    optimizer = build(name, make_params())
+    with pytest.raises(ValueError, match=f"kernels is an argument of {name} as a whole"):
+        optimizer.add_param_group(
+            {"params": [torch.nn.Parameter(torch.zeros(2))], "kernels": "torch"}
+        )
+    assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "option", "value"),
+    [
+        ("Lamb", "exp_avg_mask", None),
+        ("OneBitAdam", "trust_bound", 2.0),
+        ("ZeroOneAdam", "max_coeff", 1.0),
+    ],
+)
+def test_a_group_setting_another_optimizers_option_is_refused_by_name(name, option, value):
+    optimizer = build(name, make_params())
+    extra = {"params": [torch.nn.Parameter(torch.zeros(2))], option: value}
+    with pytest.raises(ValueError, match=f"{name}'s parameter groups do not take {option}"):
+        optimizer.add_param_group(extra)
+    assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_group_may_carry_keys_of_its_own_as_with_torch(name):
+    optimizer = build(name, make_params())
+    optimizer.add_param_group(
+        {"params": [torch.nn.Parameter(torch.zeros(2))], "name": "decoder", "lr": 0.5}
+    )
+    assert optimizer.param_groups[1]["name"] == "decoder"
+    assert optimizer.param_groups[1]["lr"] == 0.5
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_group_given_as_a_generator_is_taken_whole(name):
     params = make_params()

@@ -3,13 +3,15 @@ finiteness check, and checkpoints checked and loaded per parameter."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import inspect
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from onebit.optim import checks
 from onebit.optim._sharding import ShardGroup, local_tensor
 
 
@@ -108,6 +110,33 @@ def checked_real(param_group: Mapping[str, Any]) -> dict[str, Any]:
                 "parameter (torch.view_as_real) instead"
             )
     return {**param_group, "params": params}
+
+
+def check_group_options(
+    optimizer: Optimizer, param_group: Mapping[str, Any], group_only: Collection[str] = ()
+) -> None:
+    """Refuse, by name, a key of ``param_group`` that ``optimizer`` would ignore though onebit
+    knows it (an argument of the optimizer as a whole, or a group option of another onebit
+    optimizer), then check the hyper-parameters of the group merged with the optimizer's
+    defaults (:func:`onebit.optim.checks.check_group`). Other keys pass, as torch's
+    optimizers let them. ``group_only``: options the groups take beyond the defaults."""
+    name = type(optimizer).__name__
+    takes = {*optimizer.defaults, *group_only, "params"}
+    arguments = set(inspect.signature(type(optimizer).__init__).parameters) - {"self"}
+    for key in param_group:
+        if key in takes:
+            continue
+        if key in arguments:
+            raise ValueError(
+                f"{key} is an argument of {name} as a whole, not of a parameter group: pass it "
+                f"to {name}(...)"
+            )
+        if key in checks.GROUP_OPTIONS:
+            raise ValueError(
+                f"{name}'s parameter groups do not take {key} (they take "
+                f"{', '.join(sorted(takes - {'params'}))})"
+            )
+    checks.check_group({**optimizer.defaults, **param_group})
 
 
 def load_checked(

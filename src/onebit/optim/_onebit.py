@@ -1054,8 +1054,8 @@ class OneBitOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, before the first step and before a checkpoint load, after checking the
-        group (complex parameters, ``exp_avg_mask``, ``momentum_bound``; nothing is added when
-        it is wrong); the overlap's hooks go on its parameters."""
+        group (complex parameters, ``exp_avg_mask``, its options and hyper-parameters; nothing
+        is added when it is wrong); the overlap's hooks go on its parameters."""
         self._parameters.check_can_add()
         if self._loaded:
             raise RuntimeError(
@@ -1064,12 +1064,7 @@ class OneBitOptimizer(Optimizer):
                 "before loading, or build the optimizer with every group"
             )
         param_group = check_group_masks(_common.checked_real(param_group))
-        if "momentum_bound" in param_group and "momentum_bound" not in self.defaults:
-            raise ValueError(
-                f"momentum_bound is an option of OneBitLamb; {type(self).__name__} does not take it"
-            )
-        group = {**self.defaults, **param_group}
-        checks.check_momentum_bound(group.get("momentum_bound", False), group["betas"])
+        _common.check_group_options(self, param_group, group_only=("exp_avg_mask",))
         super().add_param_group(param_group)
         self._parameters.regroup(self.param_groups)
         if self._overlap is not None:

@@ -4,7 +4,9 @@ the value that was wrong (also used by the tools that take the same arguments)."
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -18,12 +20,26 @@ __all__ = [
     "check_positive",
     "check_bucket_cap_mb",
     "check_positive_int",
-    "check_adam_hyperparameters",
     "check_unit_interval",
     "check_factor_bounds",
     "check_coeff_bounds",
     "check_momentum_bound",
+    "check_group",
+    "GROUP_OPTIONS",
 ]
+
+
+def _check_number(name: str, value: object, *, tensor: bool = False) -> None:
+    """``value`` a real number (not a bool), or with ``tensor`` a tensor of one element."""
+    if tensor and isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"Invalid {name}: a tensor {name} must have one element, got shape "
+                f"{tuple(value.shape)}"
+            )
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"Invalid {name}={value!r}: it must be a number")
 
 
 def check_max_grad_norm(max_grad_norm: float) -> None:
@@ -36,29 +52,28 @@ def check_max_grad_norm(max_grad_norm: float) -> None:
 
 def check_lr(lr: float | Tensor) -> None:
     """``lr >= 0``: a number, or a tensor of one element (as torch's optimizers take)."""
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError(
-            f"Invalid learning rate lr: a tensor lr must have one element, got shape "
-            f"{tuple(lr.shape)}"
-        )
+    _check_number("lr", lr, tensor=True)
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate lr={lr}: it must be >= 0")
 
 
 def check_betas(betas: tuple[float, float]) -> None:
-    if len(betas) != 2:
-        raise ValueError(f"Invalid betas={betas}: expected a pair (beta1, beta2)")
+    if not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"Invalid betas={betas!r}: expected a pair (beta1, beta2)")
     for index, beta in enumerate(betas):
+        _check_number(f"betas[{index}]", beta, tensor=True)
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid betas[{index}]={beta}: it must be in [0, 1)")
 
 
 def check_non_negative(name: str, value: float) -> None:
+    _check_number(name, value)
     if not value >= 0.0:
         raise ValueError(f"Invalid {name}={value}: it must be >= 0")
 
 
 def check_positive(name: str, value: float) -> None:
+    _check_number(name, value)
     if not value > 0.0:
         raise ValueError(f"Invalid {name}={value}: it must be > 0")
 
@@ -79,18 +94,9 @@ def check_positive_int(name: str, value: int, meaning: str) -> None:
         raise ValueError(f"Invalid {name}={value!r}: it must be an int >= 1 ({meaning})")
 
 
-def check_adam_hyperparameters(
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
-) -> None:
-    """The checks every onebit optimizer makes of its Adam-style arguments."""
-    check_lr(lr)
-    check_betas(betas)
-    check_positive("eps", eps)
-    check_non_negative("weight_decay", weight_decay)
-
-
 def check_unit_interval(name: str, value: float) -> None:
     """``value`` in ``[0, 1)`` (an EMA factor)."""
+    _check_number(name, value)
     if not 0.0 <= value < 1.0:
         raise ValueError(f"Invalid {name}={value}: it must be in [0, 1)")
 
@@ -98,6 +104,7 @@ def check_unit_interval(name: str, value: float) -> None:
 def check_factor_bounds(factor_min: float, factor_max: float) -> None:
     """1-bit LAMB's factor bounds: ``0 < factor_min <= factor_max``."""
     check_positive("factor_min", factor_min)
+    _check_number("factor_max", factor_max)
     if not factor_min <= factor_max:
         raise ValueError(
             f"Invalid factor bounds: factor_min={factor_min} > factor_max={factor_max}"
@@ -106,6 +113,7 @@ def check_factor_bounds(factor_min: float, factor_max: float) -> None:
 
 def check_coeff_bounds(min_coeff: float, max_coeff: float) -> None:
     check_positive("min_coeff", min_coeff)
+    _check_number("max_coeff", max_coeff)
     if not min_coeff <= max_coeff:
         raise ValueError(
             f"Invalid coefficient bounds: min_coeff={min_coeff} > max_coeff={max_coeff}"
@@ -122,3 +130,39 @@ def check_momentum_bound(momentum_bound: object, betas: Sequence[float]) -> None
             f"momentum_bound needs betas with beta1**2 < beta2 (Adam's |m| / sqrt(v) has no "
             f"bound otherwise), got betas={tuple(betas)}"
         )
+
+
+def _check_trust_bound(trust_bound: float | None) -> None:
+    if trust_bound is not None:
+        check_positive("trust_bound", trust_bound)
+
+
+#: The hyper-parameters a parameter group may set, each with its check of the group (the
+#: group merged with its optimizer's defaults); a pair is checked together.
+_GROUP_CHECKS: dict[str, Callable[[Mapping[str, Any]], None]] = {
+    "lr": lambda group: check_lr(group["lr"]),
+    "betas": lambda group: check_betas(group["betas"]),
+    "eps": lambda group: check_positive("eps", group["eps"]),
+    "weight_decay": lambda group: check_non_negative("weight_decay", group["weight_decay"]),
+    "min_coeff": lambda group: check_coeff_bounds(group["min_coeff"], group["max_coeff"]),
+    "max_coeff": lambda group: check_coeff_bounds(group["min_coeff"], group["max_coeff"]),
+    "coeff_beta": lambda group: check_unit_interval("coeff_beta", group["coeff_beta"]),
+    "factor_min": lambda group: check_factor_bounds(group["factor_min"], group["factor_max"]),
+    "factor_max": lambda group: check_factor_bounds(group["factor_min"], group["factor_max"]),
+    "factor_threshold": lambda group: check_non_negative(
+        "factor_threshold", group["factor_threshold"]
+    ),
+    "trust_bound": lambda group: _check_trust_bound(group["trust_bound"]),
+    "momentum_bound": lambda group: check_momentum_bound(group["momentum_bound"], group["betas"]),
+}
+
+#: Every option a parameter group of some onebit optimizer takes.
+GROUP_OPTIONS = frozenset({*_GROUP_CHECKS, "exp_avg_mask"})
+
+
+def check_group(group: Mapping[str, Any]) -> None:
+    """Check each hyper-parameter ``group`` sets (a parameter group merged with its
+    optimizer's defaults); other keys are not looked at."""
+    for name, check in _GROUP_CHECKS.items():
+        if name in group:
+            check(group)

@@ -59,12 +59,6 @@ class Lamb(Optimizer):
         kernels: str | None = None,
         max_grad_norm: float = 0.0,
     ) -> None:
-        checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        checks.check_coeff_bounds(min_coeff, max_coeff)
-        checks.check_max_grad_norm(max_grad_norm)
-        self.max_grad_norm = max_grad_norm
-        self.rule = LambRule()
-        self._parameters = FlatParameters(self.rule.scalars, kernels, takes_fsdp_hsdp=True)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -73,6 +67,11 @@ class Lamb(Optimizer):
             max_coeff=max_coeff,
             min_coeff=min_coeff,
         )
+        checks.check_group(defaults)
+        checks.check_max_grad_norm(max_grad_norm)
+        self.max_grad_norm = max_grad_norm
+        self.rule = LambRule()
+        self._parameters = FlatParameters(self.rule.scalars, kernels, takes_fsdp_hsdp=True)
         super().__init__(params, defaults)
 
     kernels, flat_state, backend, updates, shards = views_of_flat_parameters()
@@ -93,9 +92,12 @@ class Lamb(Optimizer):
         }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's, before the first step; complex parameters are refused."""
+        """torch's, before the first step, after checking the group (complex parameters, its
+        options and hyper-parameters; nothing is added when it is wrong)."""
         self._parameters.check_can_add()
-        super().add_param_group(_common.checked_real(param_group))
+        param_group = _common.checked_real(param_group)
+        _common.check_group_options(self, param_group)
+        super().add_param_group(param_group)
         self._parameters.regroup(self.param_groups)
 
     def memory_bytes(self) -> dict[str, int]:

@@ -66,10 +66,11 @@ class OneBitAdam(OneBitOptimizer):
         delayed_exchange: bool = False,
         variance_guard: str = "refresh",
     ) -> None:
-        checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        checks.check_group(defaults)
         super().__init__(
             params,
-            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            defaults,
             schedule=FreezeSchedule(freeze_step, max_freeze_step),
             rule=AdamRule(),
             process_group=process_group,

@@ -39,9 +39,12 @@ class OneBitLamb(OneBitOptimizer):
     collectives); ``compression="fused"`` exchanges DeepSpeed's one buffer scaled by ``s_p``.
 
     Argument names and defaults follow DeepSpeed's ``OnebitLamb``. Param groups may override
-    every hyper-parameter except ``freeze_step``, and may carry ``exp_avg_mask`` (a tensor, or
-    one per parameter, of the parameter's shape) that multiplies the exchanged momentum so
-    masked entries stay zero. Every ``step()`` updates the parameters.
+    the hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, the coefficient and
+    factor bounds, ``coeff_beta``, ``trust_bound``, ``momentum_bound``) and may carry
+    ``exp_avg_mask`` (a tensor, or one per parameter, of the parameter's shape) that
+    multiplies the exchanged momentum so masked entries stay zero; a bad value, or an
+    argument of the optimizer as a whole (``freeze_step``, ...) set in a group, is refused
+    by name. Every ``step()`` updates the parameters.
 
     Gradients: in a plain loop each rank calls ``backward()`` and ``step()``; the optimizer
     averages warm-up gradients itself. Under ``DistributedDataParallel``, register
@@ -161,13 +164,6 @@ class OneBitLamb(OneBitOptimizer):
         trust_bound: float | None = None,
         momentum_bound: bool = False,
     ) -> None:
-        checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        if trust_bound is not None:
-            checks.check_positive("trust_bound", trust_bound)
-        checks.check_coeff_bounds(min_coeff, max_coeff)
-        checks.check_unit_interval("coeff_beta", coeff_beta)
-        checks.check_factor_bounds(factor_min, factor_max)
-        checks.check_non_negative("factor_threshold", factor_threshold)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -182,6 +178,7 @@ class OneBitLamb(OneBitOptimizer):
             trust_bound=trust_bound,
             momentum_bound=momentum_bound,
         )
+        checks.check_group(defaults)
         super().__init__(
             params,
             defaults,

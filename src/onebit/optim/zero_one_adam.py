@@ -143,7 +143,8 @@ class ZeroOneAdam(OneBitOptimizer):
         var_warmup_steps: int | str | None = AUTO,
         variance_guard: str = MODE_REFRESH,
     ) -> None:
-        checks.check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        checks.check_group(defaults)
         schedule = ZeroOneSchedule(
             var_freeze_step,
             max_var_freeze_step,
@@ -155,7 +156,7 @@ class ZeroOneAdam(OneBitOptimizer):
         )
         super().__init__(
             params,
-            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            defaults,
             schedule=schedule,
             rule=ZeroOneAdamRule(),
             process_group=process_group,
