@@ -1,5 +1,6 @@
 """What the optimizers share beyond their parts: gradients in state precision, clipping, the
-finiteness check, and checkpoints checked and loaded per parameter."""
+finiteness check, the parameter groups' options checked, and checkpoints checked and loaded
+per parameter."""
 
 from __future__ import annotations
 
