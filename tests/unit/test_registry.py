@@ -104,3 +104,10 @@ def test_memory_bytes_counts_the_tensors_the_optimizer_holds() -> None:
     assert memory["error_feedback"] == nbytes([worker_error, server_error]) > 0
     buffer = optimizer.local_momentum()
     assert memory["scratch"] >= nbytes([buffer]) + optimizer.exchange.nbytes()
+
+    bounded_parameters = params()
+    bounded = onebit.OneBitLamb(bounded_parameters, lr=0.01, freeze_step=1, momentum_bound=True)
+    for _ in range(2):
+        step(bounded, bounded_parameters)
+    # the limits of the decoded momentum: one float32 per element
+    assert bounded.memory_bytes()["scratch"] == memory["scratch"] + 4 * 22

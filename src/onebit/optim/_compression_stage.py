@@ -172,7 +172,9 @@ class CompressionStage:
         return self.buffer
 
     def nbytes(self) -> int:
-        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+        """Bytes of the buffer, the limits and the mask, where they exist."""
+        held = [t for t in (self.buffer, self.limit, self.mask) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 def scaling_coefficients_(flat: FlatState, has_state: Sequence[bool]) -> None:
