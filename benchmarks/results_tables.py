@@ -105,6 +105,9 @@ COMMIT_DATES = {
     "96a0853": "2026-12-05",
     "d879708": "2026-12-05",
     "e47b06b": "2026-12-05",
+    "6526e94": "2026-12-05",
+    "9454f48": "2026-12-05",
+    "ebe7139": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -168,6 +171,13 @@ RECORDED_IN = {
     "docs/convergence/variance-guard/trust-bound": "96a0853",
     "docs/main-job/trust-bound": "96a0853",
     "docs/convergence/variance-guard/momentum-bound": "e47b06b",
+    "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n4-fused-momentum-bound": "6526e94",
+    "docs/convergence/variance-guard/momentum-bound/"
+    "onebit-lamb-n4-buckets-momentum-bound": "9454f48",
+    "docs/convergence/variance-guard/momentum-bound/"
+    "onebit-lamb-n4-delayed-momentum-bound": "ebe7139",
+    "docs/convergence/variance-guard/momentum-bound/"
+    "onebit-lamb-n4-trust-bound-momentum-bound": "ebe7139",
     "docs/main-job/momentum-bound": "e47b06b",
     "docs/main-job/trust-bound/simulated-lamb-ratio": "828a2f9",
 }
@@ -1683,33 +1693,50 @@ def table_main_job_momentum_bound() -> Table:
     return _main_job_table("main-job-momentum-bound", groups, GUARD_HEADER, _guard_cells)
 
 
-def _study_beside_the_default(name: str, run: str, label: str) -> Table:
-    """The convergence study's default 1-bit LAMB arm and LAMB, beside ``run`` (the arm with
-    one of 1-bit LAMB's options, ``label``)."""
+def _study_beside_the_default(name: str, runs: Sequence[tuple[str, str]]) -> Table:
+    """The convergence study's default 1-bit LAMB arm and LAMB, beside ``runs`` (arms with
+    1-bit LAMB's options: run folder, label)."""
     study = "docs/convergence/diloco-study"
     arms = [
         (f"{study}/lamb", "LAMB"),
         (f"{study}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
-        (run, label),
+        *runs,
     ]
     return _arms_table(name, arms, None, f"{STUDY} --out runs/study --arms <run>", measured=True)
 
 
+MOMENTUM_BOUND = "docs/convergence/variance-guard/momentum-bound"
+TRUST_BOUND_ARM = "docs/convergence/variance-guard/trust-bound/onebit-lamb-n4-trust-bound"
+
+
 def table_study_momentum_bound() -> Table:
-    """The convergence study's 1-bit LAMB arm with and without the momentum bound."""
+    """The convergence study's 1-bit LAMB arms with the momentum bound, beside those without
+    it that ran on the same inputs."""
+    bounded = f"{MOMENTUM_BOUND}/onebit-lamb-n4"
     return _study_beside_the_default(
         "study-momentum-bound",
-        "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n4-momentum-bound",
-        "1-bit LAMB, momentum_bound",
+        [
+            (f"{bounded}-momentum-bound", "1-bit LAMB, momentum_bound"),
+            (f"{bounded}-fused-momentum-bound", "1-bit LAMB, fused exchange, momentum_bound"),
+            (
+                f"{bounded}-buckets-momentum-bound",
+                "1-bit LAMB, fused exchange in buckets, momentum_bound",
+            ),
+            (
+                "docs/convergence/delayed/prediction/onebit-lamb-n4-delayed",
+                "1-bit LAMB, delayed exchange",
+            ),
+            (f"{bounded}-delayed-momentum-bound", "1-bit LAMB, delayed exchange, momentum_bound"),
+            (TRUST_BOUND_ARM, "1-bit LAMB, trust_bound 2"),
+            (f"{bounded}-trust-bound-momentum-bound", "1-bit LAMB, trust_bound 2, momentum_bound"),
+        ],
     )
 
 
 def table_study_trust_bound() -> Table:
     """The convergence study's 1-bit LAMB arm with and without the trust bound."""
     return _study_beside_the_default(
-        "study-trust-bound",
-        "docs/convergence/variance-guard/trust-bound/onebit-lamb-n4-trust-bound",
-        "1-bit LAMB, trust_bound 2",
+        "study-trust-bound", [(TRUST_BOUND_ARM, "1-bit LAMB, trust_bound 2")]
     )
 
 
