@@ -178,6 +178,7 @@ RECORDED_IN = {
     "onebit-lamb-n4-delayed-momentum-bound": "ebe7139",
     "docs/convergence/variance-guard/momentum-bound/"
     "onebit-lamb-n4-trust-bound-momentum-bound": "ebe7139",
+    "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n16-momentum-bound": "ebe7139",
     "docs/main-job/momentum-bound": "e47b06b",
     "docs/main-job/trust-bound/simulated-lamb-ratio": "828a2f9",
 }
@@ -1711,7 +1712,7 @@ TRUST_BOUND_ARM = "docs/convergence/variance-guard/trust-bound/onebit-lamb-n4-tr
 
 def table_study_momentum_bound() -> Table:
     """The convergence study's 1-bit LAMB arms with the momentum bound, beside those without
-    it that ran on the same inputs."""
+    it that ran on the same inputs (LAMB's update does not depend on the number of workers)."""
     bounded = f"{MOMENTUM_BOUND}/onebit-lamb-n4"
     return _study_beside_the_default(
         "study-momentum-bound",
@@ -1729,6 +1730,10 @@ def table_study_momentum_bound() -> Table:
             (f"{bounded}-delayed-momentum-bound", "1-bit LAMB, delayed exchange, momentum_bound"),
             (TRUST_BOUND_ARM, "1-bit LAMB, trust_bound 2"),
             (f"{bounded}-trust-bound-momentum-bound", "1-bit LAMB, trust_bound 2, momentum_bound"),
+            (
+                f"{MOMENTUM_BOUND}/onebit-lamb-n16-momentum-bound",
+                "1-bit LAMB (simulated), fused exchange, momentum_bound",
+            ),
         ],
     )
 
