@@ -130,9 +130,6 @@ RECORDED_IN = {
     "docs/convergence/onebit-lamb-n256": "86773e0",
     "docs/convergence/lamb-n256": "86773e0",
     "docs/convergence/powersgd/lamb": "306b326",
-    "docs/convergence/powersgd/onebit-lamb-n4-per-tensor": "306b326",
-    "docs/convergence/powersgd/lamb-powersgd-r4": "306b326",
-    "docs/convergence/powersgd/lamb-powersgd-r1": "306b326",
     "docs/convergence/onebit-adam-n4-per-tensor": "8ac4669",
     "docs/convergence/zero-one-adam-n4-auto": "8ac4669",
     "docs/convergence/delayed/onebit-lamb-n4-delayed": "95bcdd9",
@@ -149,7 +146,8 @@ RECORDED_IN = {
     "docs/main-job/diloco-outer": "d879708",
     "docs/main-job/longer": "24d5ed9",
     "docs/main-job/lamb": "c2eea4d",
-    "docs/main-job/default": "c2eea4d",
+    "docs/main-job/default": "e47b06b",
+    "docs/main-job/momentum-bound/off": "c2eea4d",
     "docs/main-job/longer/lamb-1000x64": "252367a",
     "docs/main-job/longer/onebit-lamb-1000x64-freeze-200": "252367a",
     "docs/convergence/diloco-study": "ae839b0",
@@ -188,6 +186,8 @@ RUN = "python3 run.py onebit"
 #: 20 % of them: the options that rerun a run of then (1-bit runs froze after step 100).
 EARLIER_MAIN_JOB = "--steps 250 --batch-size 256"
 EARLIER_FREEZE = f"{EARLIER_MAIN_JOB} --freeze-step 100"
+#: What runs of 1-bit LAMB recorded before ``momentum_bound`` was its default need today.
+NO_MOMENTUM_BOUND = "--no-momentum-bound"
 STUDY = f"{RUN} study run --spec docs/convergence/study.json"
 
 
@@ -662,14 +662,14 @@ STUDY_ARMS = [
     ("docs/convergence/onebit-lamb-n256", "1-bit LAMB (simulated, fused exchange)"),
 ]
 
-#: The arms run later in one installation with the library's defaults, against its LAMB arm.
+#: The arms with the library's defaults on the study's current inputs, against its LAMB arm.
 DEFAULT_ARMS = [
-    ("docs/convergence/powersgd/lamb", "LAMB"),
-    ("docs/convergence/powersgd/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
-    ("docs/convergence/onebit-adam-n4-per-tensor", "1-bit Adam"),
-    ("docs/convergence/zero-one-adam-n4-auto", "0/1 Adam"),
-    ("docs/convergence/powersgd/lamb-powersgd-r4", "LAMB + PowerSGD rank 4"),
-    ("docs/convergence/powersgd/lamb-powersgd-r1", "LAMB + PowerSGD rank 1"),
+    ("docs/convergence/diloco-study/lamb", "LAMB"),
+    ("docs/convergence/variance-guard/momentum-bound/onebit-lamb-n4-momentum-bound", "1-bit LAMB"),
+    ("docs/convergence/diloco-study/onebit-adam-n4-per-tensor", "1-bit Adam"),
+    ("docs/convergence/diloco-study/zero-one-adam-n4-auto", "0/1 Adam"),
+    ("docs/convergence/diloco-study/adam-n4", "AdamW"),
+    ("docs/convergence/diloco-study/lamb-powersgd-r4", "LAMB + PowerSGD rank 4"),
 ]
 
 
@@ -749,8 +749,8 @@ def table_convergence_defaults() -> Table:
         "convergence-defaults",
         DEFAULT_ARMS,
         None,
-        f"{STUDY} --out runs/defaults --arms lamb onebit-lamb-n4-per-tensor "
-        "onebit-adam-n4-per-tensor zero-one-adam-n4-auto lamb-powersgd-r4 lamb-powersgd-r1",
+        f"{STUDY} --out runs/defaults --arms lamb onebit-lamb-n4-momentum-bound "
+        "onebit-adam-n4-per-tensor zero-one-adam-n4-auto adam-n4 lamb-powersgd-r4",
         measured=False,
     )
 
@@ -762,17 +762,21 @@ TRUST_BOUND_OF_LAMB_RATIO = "828a2f9"
 MAIN_JOB_RUNS = {
     "lamb": ("LAMB", "python3 run.py train --optimizer lamb"),
     "default": ("1-bit LAMB, frozen after step 200 (the default)", "python3 run.py train"),
+    "momentum-bound/off": (
+        "1-bit LAMB, frozen after step 200, without momentum_bound",
+        f"python3 run.py train {NO_MOMENTUM_BOUND}",
+    ),
     "steps-250/lamb": (
         "LAMB, 250 steps of 256",
         f"python3 run.py train --optimizer lamb {EARLIER_MAIN_JOB}",
     ),
     "steps-250/default": (
         "1-bit LAMB, 250 steps of 256, frozen after step 100",
-        f"python3 run.py train {EARLIER_FREEZE}",
+        f"python3 run.py train {EARLIER_FREEZE} {NO_MOMENTUM_BOUND}",
     ),
     "steps-250/freeze-50": (
         "1-bit LAMB, 250 steps of 256, frozen after step 50",
-        f"python3 run.py train {EARLIER_MAIN_JOB} --freeze-step 50",
+        f"python3 run.py train {EARLIER_MAIN_JOB} --freeze-step 50 {NO_MOMENTUM_BOUND}",
     ),
     "longer/lamb": (
         "LAMB, 500 steps of 128 sequences (simulated)",
@@ -782,36 +786,33 @@ MAIN_JOB_RUNS = {
     "longer/onebit-lamb-freeze-100": (
         "1-bit LAMB, 500 steps of 128 sequences, frozen after step 100 (simulated)",
         f"{RUN} simulate --steps 500 --batch-size 128 --freeze-step 100 --eval-every 250 "
-        "--threads 1",
+        f"--threads 1 {NO_MOMENTUM_BOUND}",
     ),
     "longer/lamb-1000x64": (
         "LAMB, 1000 steps of 64 sequences (simulated)",
         f"{RUN} simulate --optimizer lamb --eval-every 500 --threads 1",
     ),
     "longer/onebit-lamb-1000x64-freeze-200": (
-        "1-bit LAMB, 1000 steps of 64 sequences, frozen after step 200 (simulated)",
-        f"{RUN} simulate --eval-every 500 --threads 1",
+        "1-bit LAMB, 1000 steps of 64 sequences, frozen after step 200, without "
+        "momentum_bound (simulated)",
+        f"{RUN} simulate --eval-every 500 --threads 1 {NO_MOMENTUM_BOUND}",
     ),
     "trust-bound/bound-2": (
         "1-bit LAMB, trust_bound 2",
-        "python3 run.py train --trust-bound 2",
+        f"python3 run.py train --trust-bound 2 {NO_MOMENTUM_BOUND}",
     ),
     "trust-bound/simulated-bound-2": (
         "1-bit LAMB, trust_bound 2 (simulated)",
-        f"{RUN} simulate --trust-bound 2 --eval-every 500 --threads 1",
+        f"{RUN} simulate --trust-bound 2 --eval-every 500 --threads 1 {NO_MOMENTUM_BOUND}",
     ),
     "trust-bound/simulated-lamb-ratio": (
         "1-bit LAMB, c at most LAMB's ratio clamp(‖p‖/‖u‖, c_min, c_max) (simulated)",
         f"{RUN} simulate --trust-bound 1 --eval-every 500 --threads 1 (at commit "
         f"{TRUST_BOUND_OF_LAMB_RATIO}, whose trust_bound was this bound)",
     ),
-    "momentum-bound/bound": (
-        "1-bit LAMB, momentum_bound",
-        "python3 run.py train --momentum-bound",
-    ),
     "momentum-bound/simulated-bound": (
-        "1-bit LAMB, momentum_bound (simulated)",
-        f"{RUN} simulate --momentum-bound --eval-every 500 --threads 1",
+        "1-bit LAMB, 1000 steps of 64 sequences, frozen after step 200 (the default; simulated)",
+        f"{RUN} simulate --eval-every 500 --threads 1",
     ),
 }
 
@@ -1193,7 +1194,7 @@ def table_delayed_oracle() -> Table:
         commits,
         dates,
         [
-            f"{RUN} simulate {EARLIER_FREEZE} --workers W --threads 1{flags}"
+            f"{RUN} simulate {EARLIER_FREEZE} --workers W --threads 1{flags} {NO_MOMENTUM_BOUND}"
             for _, _, flags in DELAYED_ORACLE_ARMS
         ],
     )
@@ -1228,7 +1229,7 @@ def table_delayed_convergence() -> Table:
         commits,
         dates,
         [
-            f"python3 run.py train {EARLIER_FREEZE} [--delayed-exchange]",
+            f"python3 run.py train {EARLIER_FREEZE} [--delayed-exchange] {NO_MOMENTUM_BOUND}",
             f"{STUDY} --out runs/study-delay-n4 --arms onebit-lamb-n4-delayed",
         ],
         measured=False,
@@ -1514,7 +1515,7 @@ def table_readme_results() -> Table:
         r["settings"]["bandwidth"]: (p, r) for p, r in ((p, _read(p)) for p in ZERO_ONE_CLUSTER)
     }
     defaults = {d: _summary(d) for d, _ in DEFAULT_ARMS}
-    lamb_loss = defaults["docs/convergence/powersgd/lamb"]["final_validation_loss"]
+    lamb_loss = defaults[DEFAULT_ARMS[0][0]]["final_validation_loss"]
     links = ["100mbit", "1gbit", None]
 
     def speed(source: dict[Any, tuple[str, dict[str, Any]]], method: str) -> list[str]:
@@ -1529,16 +1530,12 @@ def table_readme_results() -> Table:
         return cells
 
     rows = []
-    for label, run_dir, source, method in [
-        (
-            "1-bit LAMB",
-            "docs/convergence/powersgd/onebit-lamb-n4-per-tensor",
-            steady,
-            "onebit-lamb",
-        ),
-        ("1-bit Adam", "docs/convergence/onebit-adam-n4-per-tensor", zero_one, "onebit-adam"),
-        ("0/1 Adam", "docs/convergence/zero-one-adam-n4-auto", zero_one, "zero-one-adam"),
-    ]:
+    for (run_dir, label), source, method in zip(
+        DEFAULT_ARMS[1:4],
+        [steady, zero_one, zero_one],
+        ["onebit-lamb", "onebit-adam", "zero-one-adam"],
+        strict=True,
+    ):
         s = defaults[run_dir]
         rows.append(
             [
@@ -1669,7 +1666,7 @@ def table_main_job_trust_bound() -> Table:
     """The main job with 1-bit LAMB's trust bound, on 4 processes and simulated, beside LAMB
     and the unbounded run; simulated also with the bound by LAMB's ratio itself."""
     groups = [
-        ["lamb", "default", "trust-bound/bound-2"],
+        ["lamb", "momentum-bound/off", "trust-bound/bound-2"],
         [
             "longer/lamb-1000x64",
             "longer/onebit-lamb-1000x64-freeze-200",
@@ -1684,7 +1681,7 @@ def table_main_job_momentum_bound() -> Table:
     """The main job with 1-bit LAMB's momentum bound, on 4 processes and simulated, beside
     LAMB and the run without it."""
     groups = [
-        ["lamb", "default", "momentum-bound/bound"],
+        ["lamb", "momentum-bound/off", "default"],
         [
             "longer/lamb-1000x64",
             "longer/onebit-lamb-1000x64-freeze-200",
@@ -1694,15 +1691,14 @@ def table_main_job_momentum_bound() -> Table:
     return _main_job_table("main-job-momentum-bound", groups, GUARD_HEADER, _guard_cells)
 
 
-def _study_beside_the_default(name: str, runs: Sequence[tuple[str, str]]) -> Table:
-    """The convergence study's default 1-bit LAMB arm and LAMB, beside ``runs`` (arms with
-    1-bit LAMB's options: run folder, label)."""
-    study = "docs/convergence/diloco-study"
-    arms = [
-        (f"{study}/lamb", "LAMB"),
-        (f"{study}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
-        *runs,
-    ]
+#: The convergence study's per-tensor 1-bit LAMB arm without ``momentum_bound``.
+UNBOUNDED_ARM = (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "1-bit LAMB, without momentum_bound")
+
+
+def _study_beside_lamb(name: str, runs: Sequence[tuple[str, str]]) -> Table:
+    """The convergence study's LAMB arm beside ``runs`` (arms of 1-bit LAMB on its inputs:
+    run folder, label)."""
+    arms = [(f"{DILOCO_STUDY}/lamb", "LAMB"), *runs]
     return _arms_table(name, arms, None, f"{STUDY} --out runs/study --arms <run>", measured=True)
 
 
@@ -1714,25 +1710,23 @@ def table_study_momentum_bound() -> Table:
     """The convergence study's 1-bit LAMB arms with the momentum bound, beside those without
     it that ran on the same inputs (LAMB's update does not depend on the number of workers)."""
     bounded = f"{MOMENTUM_BOUND}/onebit-lamb-n4"
-    return _study_beside_the_default(
+    return _study_beside_lamb(
         "study-momentum-bound",
         [
-            (f"{bounded}-momentum-bound", "1-bit LAMB, momentum_bound"),
-            (f"{bounded}-fused-momentum-bound", "1-bit LAMB, fused exchange, momentum_bound"),
-            (
-                f"{bounded}-buckets-momentum-bound",
-                "1-bit LAMB, fused exchange in buckets, momentum_bound",
-            ),
+            UNBOUNDED_ARM,
+            (f"{bounded}-momentum-bound", "1-bit LAMB (the default)"),
+            (f"{bounded}-fused-momentum-bound", "1-bit LAMB, fused exchange"),
+            (f"{bounded}-buckets-momentum-bound", "1-bit LAMB, fused exchange in buckets"),
             (
                 "docs/convergence/delayed/prediction/onebit-lamb-n4-delayed",
-                "1-bit LAMB, delayed exchange",
+                "1-bit LAMB, delayed exchange, without momentum_bound",
             ),
-            (f"{bounded}-delayed-momentum-bound", "1-bit LAMB, delayed exchange, momentum_bound"),
-            (TRUST_BOUND_ARM, "1-bit LAMB, trust_bound 2"),
-            (f"{bounded}-trust-bound-momentum-bound", "1-bit LAMB, trust_bound 2, momentum_bound"),
+            (f"{bounded}-delayed-momentum-bound", "1-bit LAMB, delayed exchange"),
+            (TRUST_BOUND_ARM, "1-bit LAMB, trust_bound 2, without momentum_bound"),
+            (f"{bounded}-trust-bound-momentum-bound", "1-bit LAMB, trust_bound 2"),
             (
                 f"{MOMENTUM_BOUND}/onebit-lamb-n16-momentum-bound",
-                "1-bit LAMB (simulated), fused exchange, momentum_bound",
+                "1-bit LAMB (simulated), fused exchange",
             ),
         ],
     )
@@ -1740,8 +1734,9 @@ def table_study_momentum_bound() -> Table:
 
 def table_study_trust_bound() -> Table:
     """The convergence study's 1-bit LAMB arm with and without the trust bound."""
-    return _study_beside_the_default(
-        "study-trust-bound", [(TRUST_BOUND_ARM, "1-bit LAMB, trust_bound 2")]
+    return _study_beside_lamb(
+        "study-trust-bound",
+        [UNBOUNDED_ARM, (TRUST_BOUND_ARM, "1-bit LAMB, trust_bound 2, without momentum_bound")],
     )
 
 

@@ -32,20 +32,22 @@ JOB = [
     "--seq-len", "32", "--vocab-size", "4096", "--heads", "2", "--architecture", "bert",
     "--eval-every", "25", "--eval-seqs", "2048", "--checkpoint-every", "150",
 ]  # fmt: skip
+#: 1-bit LAMB's exchange in the study's arms: the paper's, without ``momentum_bound``.
+UNBOUNDED = ["--no-momentum-bound"]
 #: The arms: name -> (optimizer, options beyond JOB, the dense baseline).
 ARMS = {
     "lamb": ("lamb", [], None),
-    "onebit-lamb": ("onebit-lamb", [], "lamb"),
+    "onebit-lamb": ("onebit-lamb", UNBOUNDED, "lamb"),
     "adam": ("adam", [], None),
     "onebit-adam": ("onebit-adam", [], "adam"),
     "zero-one-adam": ("zero-one-adam", [], "adam"),
-    "onebit-lamb-auto": ("onebit-lamb", ["--freeze-step", "auto"], "lamb"),
+    "onebit-lamb-auto": ("onebit-lamb", ["--freeze-step", "auto", *UNBOUNDED], "lamb"),
     "onebit-adam-auto": ("onebit-adam", ["--freeze-step", "auto"], "adam"),
     # DeepSpeed's exchange for 1-bit LAMB (its default until it diverged here)
-    "onebit-lamb-fused": ("onebit-lamb", ["--compression", "fused"], "lamb"),
+    "onebit-lamb-fused": ("onebit-lamb", ["--compression", "fused", *UNBOUNDED], "lamb"),
     "onebit-lamb-fused-auto": (
         "onebit-lamb",
-        ["--compression", "fused", "--freeze-step", "auto"],
+        ["--compression", "fused", "--freeze-step", "auto", *UNBOUNDED],
         "lamb",
     ),
 }

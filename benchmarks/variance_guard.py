@@ -1,9 +1,9 @@
 """The guard after the freeze on a family of tasks: which runs miss their dense counterpart
 without it and with it, where it fires on runs that did not need it, and what each refresh costs.
 
-For every task, seed and freeze point it trains 1-bit Adam, 1-bit LAMB (also, when named,
-with ``trust_bound=2``: ``onebit-lamb-bounded``, or with ``momentum_bound=True``:
-``onebit-lamb-momentum-bound``) and 0/1 Adam (every
+For every task, seed and freeze point it trains 1-bit Adam, 1-bit LAMB with its default
+``momentum_bound=True`` (``onebit-lamb-momentum-bound``) and without it (``onebit-lamb``; also,
+when named, with ``trust_bound=2``: ``onebit-lamb-bounded``) and 0/1 Adam (every
 step dense up to the freeze, a synchronisation every step after it) with
 ``variance_guard="off"`` and with the default ``"refresh"``, beside their dense counterparts
 (torch's Adam, onebit's LAMB) on the same samples, and writes one JSON line per run. A run
@@ -80,12 +80,15 @@ SIMULATABLE = ("onebit-adam", "onebit-lamb", "onebit-lamb-bounded", "onebit-lamb
 #: ``onebit-lamb-bounded``'s ``trust_bound``: a compression step may grow to twice its size
 #: at the freeze, against the weights.
 TRUST_BOUND = 2.0
-#: The arms that are 1-bit LAMB with an option off by default (run only when named): its
-#: arguments.
-OPTIONAL_ARMS = {
-    "onebit-lamb-bounded": {"trust_bound": TRUST_BOUND},
+#: The 1-bit LAMB arms' arguments: the paper's unbounded exchange (``onebit-lamb``), with
+#: ``trust_bound`` as well, and with ``momentum_bound`` (1-bit LAMB's default).
+ONEBIT_LAMB_ARMS = {
+    "onebit-lamb": {"momentum_bound": False},
+    "onebit-lamb-bounded": {"trust_bound": TRUST_BOUND, "momentum_bound": False},
     "onebit-lamb-momentum-bound": {"momentum_bound": True},
 }
+#: The arms that run only when named.
+OPTIONAL_ARMS = ("onebit-lamb-bounded",)
 
 
 def default_optimizers(simulate: bool) -> list[str]:
@@ -106,12 +109,11 @@ def build_optimizer(
         return onebit.ZeroOneAdam(
             params, lr=lr, var_freeze_step=freeze, var_warmup_steps=freeze, variance_guard=guard
         )
-    if name in OPTIONAL_ARMS:
+    if name in ONEBIT_LAMB_ARMS:
         return onebit.OneBitLamb(
-            params, lr=lr, freeze_step=freeze, variance_guard=guard, **OPTIONAL_ARMS[name]
+            params, lr=lr, freeze_step=freeze, variance_guard=guard, **ONEBIT_LAMB_ARMS[name]
         )
-    cls = onebit.OneBitAdam if name == "onebit-adam" else onebit.OneBitLamb
-    return cls(params, lr=lr, freeze_step=freeze, variance_guard=guard)
+    return onebit.OneBitAdam(params, lr=lr, freeze_step=freeze, variance_guard=guard)
 
 
 def _train_simulated(task: Task, build: Callable, workers: int, seed: int, batch: int):

@@ -80,9 +80,10 @@ _DEEPSPEED_CHOICES: dict[type, tuple[dict[str, Any], str]] = {
         "freeze: docs/VARIANCE-READINESS.md)",
     ),
     OneBitLamb: (
-        {"compression": "fused"},
-        "OneBitLamb's default (compression='per_tensor', which did not diverge where "
-        "DeepSpeed's fused exchange did: docs/VARIANCE-READINESS.md)",
+        {"compression": "fused", "momentum_bound": False},
+        "OneBitLamb's defaults (compression='per_tensor', which did not diverge where "
+        "DeepSpeed's fused exchange did; momentum_bound=True, which keeps each element's "
+        "exchanged momentum within Adam's reach of its variance: docs/VARIANCE-READINESS.md)",
     ),
 }
 

@@ -38,7 +38,8 @@ def oracle_run(
     """Return the parameters after each step, as lists of float64 tensors.
 
     groups[i] = (lr, weight_decay) of tensor i; hyper holds betas, eps, the LAMB bounds and
-    1-bit LAMB's trust_bound and momentum_bound (if any);
+    1-bit LAMB's trust_bound (if any) and momentum_bound (default: on for 1-bit LAMB, as in
+    OneBitLamb);
     masks[i] is tensor i's exp_avg_mask or None (the elements whose variance is 0 are masked
     too); grad_fn(rank, i, p) is worker rank's gradient of tensor i at parameter value p.
     compression="per_tensor" exchanges each tensor alone (s_p = 1), as DeepSpeed's OnebitAdam
@@ -163,7 +164,8 @@ def oracle_run(
                 lr, wd = groups[i]
                 m_prev = m[i]
                 m[i] = decoded[i] * mask(i)
-                if hyper.get("momentum_bound"):  # |m| <= B sqrt(v), B Adam's largest |m|/sqrt(v)
+                if hyper.get("momentum_bound", kind == "lamb"):  # |m| <= B sqrt(v), B Adam's
+                    # largest |m| / sqrt(v)
                     bound = (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
                     limit = bound * v[i].sqrt() * mask(i)
                     m[i] = torch.minimum(torch.maximum(decoded[i], -limit), limit)

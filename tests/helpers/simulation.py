@@ -52,6 +52,9 @@ def build_optimizer(
     if name.endswith("-delayed"):  # ALGORITHM.md, "Delayed exchange"
         name = name.removesuffix("-delayed")
         clip["delayed_exchange"] = True
+    if name.endswith("-unbounded"):  # 1-bit LAMB without momentum_bound
+        name = name.removesuffix("-unbounded")
+        clip["momentum_bound"] = False
     if name == "lamb":
         return onebit.Lamb(params, lr=0.02, weight_decay=0.01, **clip)
     clip["compression"] = "fused"

@@ -93,6 +93,18 @@ def test_keys_left_out_take_deepspeeds_defaults():
     assert optimizer.freeze_step == 100000
 
 
+def test_onebit_lamb_takes_deepspeeds_exchange_unless_options_choose_onebits():
+    deepspeeds = onebit.from_deepspeed_config(config(), params())
+    assert deepspeeds.compression == "fused"
+    assert deepspeeds.defaults["momentum_bound"] is False
+    onebits = onebit.from_deepspeed_config(
+        config(), params(), compression="per_tensor", momentum_bound=True
+    )
+    assert onebits.compression == "per_tensor"
+    assert onebits.defaults["momentum_bound"] is True
+    assert onebit.OneBitLamb(params()).defaults["momentum_bound"] is True
+
+
 def test_types_are_case_insensitive_and_options_pass_through():
     lamb = onebit.from_deepspeed_config(
         config("LAMB", betas=[0.8, 0.99], max_coeff=0.3, bias_correction=False), params()

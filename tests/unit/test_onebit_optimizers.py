@@ -53,11 +53,13 @@ def test_world_size_one_matches_the_model(kind, compression):
 def test_the_trust_bound_matches_the_model_and_changes_the_steps(compression):
     """With ``trust_bound`` the compression steps follow the model's
     ``min(c_frz f, κ ρ_0 ||p|| / ||u||)``, ρ_0 the stage's first ``c_frz f ||u|| / ||p||``;
-    κ = 1.5 binds on this problem, so the trajectory leaves the unbounded one."""
-    params, opt = build("lamb", torch.float64, compression, trust_bound=1.5)
-    expected = _model("lamb", compression, HYPER | {"trust_bound": 1.5})
+    κ = 1.5 binds on this problem without ``momentum_bound`` (with it the steps stay below
+    the bound), so the trajectory leaves the unbounded one."""
+    unbounded_momentum = HYPER | {"momentum_bound": False}
+    params, opt = build("lamb", torch.float64, compression, trust_bound=1.5, momentum_bound=False)
+    expected = _model("lamb", compression, unbounded_momentum | {"trust_bound": 1.5})
     _assert_follows(params, opt, expected)
-    unbounded = _model("lamb", compression)
+    unbounded = _model("lamb", compression, unbounded_momentum)
     assert max((a - b).abs().max() for a, b in zip(expected[-1], unbounded[-1], strict=True)) > 1e-3
 
 
@@ -66,7 +68,9 @@ def test_a_run_with_the_trust_bound_resumes_exactly():
     before the bound first binds) ends bit for bit as the uninterrupted one."""
 
     def run(start, stop, saved=None):
-        params, opt = build("lamb", torch.float64, "per_tensor", trust_bound=1.5)
+        params, opt = build(
+            "lamb", torch.float64, "per_tensor", trust_bound=1.5, momentum_bound=False
+        )
         if saved is not None:
             with torch.no_grad():
                 for p, value in zip(params, saved["params"], strict=True):
@@ -94,14 +98,17 @@ def test_a_run_with_the_trust_bound_resumes_exactly():
 
 @pytest.mark.parametrize("compression", ["fused", "per_tensor"])
 def test_the_momentum_bound_matches_the_model_and_changes_the_steps(compression):
-    """With ``momentum_bound`` every decoded momentum is clamped to ``+-B sqrt(v)`` (times
-    the mask), as in the model; on this problem the bound binds, so the trajectory leaves
-    the unbounded one."""
-    params, opt = build("lamb", torch.float64, compression, momentum_bound=True)
-    expected = _model("lamb", compression, HYPER | {"momentum_bound": True})
-    _assert_follows(params, opt, expected)
-    unbounded = _model("lamb", compression)
-    assert max((a - b).abs().max() for a, b in zip(expected[-1], unbounded[-1], strict=True)) > 1e-6
+    """With ``momentum_bound`` (the default) every decoded momentum is clamped to
+    ``+-B sqrt(v)`` (times the mask), as in the model, and without it it is not; on this
+    problem the bound binds, so the two trajectories part."""
+    trajectories = []
+    for momentum_bound in (True, False):
+        params, opt = build("lamb", torch.float64, compression, momentum_bound=momentum_bound)
+        expected = _model("lamb", compression, HYPER | {"momentum_bound": momentum_bound})
+        _assert_follows(params, opt, expected)
+        trajectories.append(expected[-1])
+    bounded, unbounded = trajectories
+    assert max((a - b).abs().max() for a, b in zip(bounded, unbounded, strict=True)) > 1e-6
 
 
 def test_adams_momentum_bound_holds_and_is_reached():

@@ -112,10 +112,12 @@ def test_resume_from_a_checkpoint_continues_the_same_trajectory(
         ).load_state_dict(simulated)
 
 
-def _points_of_each_worker(prediction: str) -> tuple[list[list[torch.Tensor]], list]:
+def _points_of_each_worker(
+    prediction: str, name: str = "onebit-lamb-unbounded-delayed"
+) -> tuple[list[list[torch.Tensor]], list]:
     """Per step, the weights each of 3 workers' gradients are taken at; and the shared ones."""
     model = build_model()
-    optimizer = build_optimizer("onebit-lamb-delayed", model.parameters(), "torch")
+    optimizer = build_optimizer(name, model.parameters(), "torch")
     simulation = SimulatedDataParallel(optimizer, 3, prediction=prediction)
     points, shared = [], []
     for step in range(STEPS):
@@ -133,8 +135,12 @@ def _points_of_each_worker(prediction: str) -> tuple[list[list[torch.Tensor]], l
 
 
 def test_the_mean_prediction_is_one_point_the_mean_of_the_workers_own() -> None:
-    """The prediction is affine in the momentum, so the one made from the workers' mean
-    momentum is the mean of their own predictions (ALGORITHM.md, "Delayed exchange")."""
+    """Without ``momentum_bound`` the prediction is affine in the momentum, so the one made
+    from the workers' mean momentum is the mean of their own predictions (ALGORITHM.md,
+    "Delayed exchange"); with it (the default) it is still one point for all workers."""
+    bounded, _ = _points_of_each_worker("mean", "onebit-lamb-delayed")
+    for point in bounded[FREEZE + 1][1:]:
+        assert torch.equal(point, bounded[FREEZE + 1][0])
     own, own_shared = _points_of_each_worker("own")
     mean, mean_shared = _points_of_each_worker("mean")
     first = FREEZE + 1  # the second compression step: the first at a prediction

@@ -54,6 +54,8 @@ from onebit.train.run_dir import prepare_run_dir
             ["--momentum-bound", "--betas", "0.9", "0.8"],
             "momentum_bound needs betas with beta1**2 < beta2",
         ),
+        # the bound is onebit-lamb's default
+        (["--betas", "0.9", "0.8"], "pass momentum_bound=False"),
         (["--betas", "0.9", "1.0"], "Invalid betas[1]=1.0: it must be in [0, 1)"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--batch-size", "10", "--workers", "4"], "--batch-size 10 (global) is not divisible"),
@@ -149,6 +151,18 @@ def test_bad_options_are_named(
     assert onebit_main(["train", "--out", str(tmp_path / "run"), *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_the_momentum_bound_is_on_with_onebit_lamb_unless_given() -> None:
+    def bound(*args: str) -> bool:
+        parsed = build_parser().parse_args(["train", *args])
+        return TrainConfig(**given_options(TrainConfig, parsed)).resolved().momentum_bound
+
+    assert bound() is True
+    assert bound("--no-momentum-bound") is False
+    assert bound("--no-momentum-bound", "--betas", "0.9", "0.8") is False
+    for optimizer in ("lamb", "onebit-adam", "zero-one-adam", "adam"):
+        assert bound("--optimizer", optimizer) is False
 
 
 def test_torchft_missing_is_named_before_anything_is_written(

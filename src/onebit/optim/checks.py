@@ -128,7 +128,8 @@ def check_momentum_bound(momentum_bound: object, betas: Sequence[float]) -> None
     if momentum_bound and not math.isfinite(adam_momentum_bound(betas)):
         raise ValueError(
             f"momentum_bound needs betas with beta1**2 < beta2 (Adam's |m| / sqrt(v) has no "
-            f"bound otherwise), got betas={tuple(betas)}"
+            f"bound otherwise), got betas={tuple(betas)}; pass momentum_bound=False to exchange "
+            "the momentum unbounded"
         )
 
 

@@ -126,7 +126,8 @@ class OneBitLamb(OneBitOptimizer):
             (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))`` the largest ``|m| / sqrt(v)`` Adam
             itself can reach (ALGORITHM.md, "A bound on each element's momentum"), so that an
             element whose own gradients are far below its tensor's 1-bit scale does not step
-            by that scale over its small ``sqrt(v)``; ``False`` (default): the paper's.
+            by that scale over its small ``sqrt(v)`` (default); ``False``: the paper's, and
+            DeepSpeed's.
 
     Works with ``torch.amp.GradScaler`` (without ``overlap_backward``;
     ``scaler.step(optimizer)``): the step unscales the
@@ -162,7 +163,7 @@ class OneBitLamb(OneBitOptimizer):
         delayed_exchange: bool = False,
         variance_guard: str = "refresh",
         trust_bound: float | None = None,
-        momentum_bound: bool = False,
+        momentum_bound: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
