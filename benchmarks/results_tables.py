@@ -108,6 +108,7 @@ COMMIT_DATES = {
     "6526e94": "2026-12-05",
     "9454f48": "2026-12-05",
     "ebe7139": "2026-12-06",
+    "dc382fb": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -177,6 +178,7 @@ RECORDED_IN = {
     "docs/convergence/variance-guard/momentum-bound/"
     "onebit-lamb-n4-trust-bound-momentum-bound": "ebe7139",
     "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n16-momentum-bound": "ebe7139",
+    "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n64-momentum-bound": "dc382fb",
     "docs/main-job/momentum-bound": "e47b06b",
     "docs/main-job/trust-bound/simulated-lamb-ratio": "828a2f9",
 }
@@ -1726,6 +1728,10 @@ def table_study_momentum_bound() -> Table:
             (f"{bounded}-trust-bound-momentum-bound", "1-bit LAMB, trust_bound 2"),
             (
                 f"{MOMENTUM_BOUND}/onebit-lamb-n16-momentum-bound",
+                "1-bit LAMB (simulated), fused exchange",
+            ),
+            (
+                f"{MOMENTUM_BOUND}/onebit-lamb-n64-momentum-bound",
                 "1-bit LAMB (simulated), fused exchange",
             ),
         ],
