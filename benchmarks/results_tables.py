@@ -109,6 +109,7 @@ COMMIT_DATES = {
     "9454f48": "2026-12-05",
     "ebe7139": "2026-12-06",
     "dc382fb": "2026-12-06",
+    "27d3025": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -179,6 +180,8 @@ RECORDED_IN = {
     "onebit-lamb-n4-trust-bound-momentum-bound": "ebe7139",
     "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n16-momentum-bound": "ebe7139",
     "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n64-momentum-bound": "dc382fb",
+    "docs/convergence/variance-guard/momentum-bound/"
+    "onebit-lamb-n64-delayed-momentum-bound": "27d3025",
     "docs/main-job/momentum-bound": "e47b06b",
     "docs/main-job/trust-bound/simulated-lamb-ratio": "828a2f9",
 }
@@ -1008,6 +1011,7 @@ def table_diloco_outer() -> Table:
 
 DILOCO_STUDY = "docs/convergence/diloco-study"
 DELAYED_PREDICTION = "docs/convergence/delayed/prediction"
+MOMENTUM_BOUND = "docs/convergence/variance-guard/momentum-bound"
 #: The study's DiLoCo arms, in the order of its table.
 DILOCO_STUDY_DILOCO = [
     "diloco-adam-n4-h20-dense",
@@ -1140,10 +1144,30 @@ def table_link_choice_bert_base() -> Table:
 DELAYED_RUNS = [
     (f"{DELAYED_PREDICTION}/main-job/undelayed", "main job", "1-bit LAMB"),
     (f"{DELAYED_PREDICTION}/main-job/delayed", "main job", "delayed, at the prediction"),
-    (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "study, 4 workers", "1-bit LAMB"),
+    (
+        f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor",
+        "study, 4 workers, without momentum_bound",
+        "1-bit LAMB",
+    ),
     (
         f"{DELAYED_PREDICTION}/onebit-lamb-n4-delayed",
+        "study, 4 workers, without momentum_bound",
+        "delayed, at the prediction",
+    ),
+    (f"{MOMENTUM_BOUND}/onebit-lamb-n4-momentum-bound", "study, 4 workers", "1-bit LAMB"),
+    (
+        f"{MOMENTUM_BOUND}/onebit-lamb-n4-delayed-momentum-bound",
         "study, 4 workers",
+        "delayed, at the prediction",
+    ),
+    (
+        f"{MOMENTUM_BOUND}/onebit-lamb-n64-momentum-bound",
+        "study, 64 simulated workers, fused exchange",
+        "1-bit LAMB",
+    ),
+    (
+        f"{MOMENTUM_BOUND}/onebit-lamb-n64-delayed-momentum-bound",
+        "study, 64 simulated workers, fused exchange",
         "delayed, at the prediction",
     ),
     ("docs/main-job/steps-250/default", "main job (another tokenizer)", "1-bit LAMB"),
@@ -1233,6 +1257,9 @@ def table_delayed_convergence() -> Table:
         [
             f"python3 run.py train {EARLIER_FREEZE} [--delayed-exchange] {NO_MOMENTUM_BOUND}",
             f"{STUDY} --out runs/study-delay-n4 --arms onebit-lamb-n4-delayed",
+            f"{STUDY} --out runs/study --arms onebit-lamb-n4-momentum-bound "
+            "onebit-lamb-n4-delayed-momentum-bound onebit-lamb-n64-momentum-bound "
+            "onebit-lamb-n64-delayed-momentum-bound",
         ],
         measured=False,
     )
@@ -1704,7 +1731,6 @@ def _study_beside_lamb(name: str, runs: Sequence[tuple[str, str]]) -> Table:
     return _arms_table(name, arms, None, f"{STUDY} --out runs/study --arms <run>", measured=True)
 
 
-MOMENTUM_BOUND = "docs/convergence/variance-guard/momentum-bound"
 TRUST_BOUND_ARM = "docs/convergence/variance-guard/trust-bound/onebit-lamb-n4-trust-bound"
 
 
@@ -1733,6 +1759,10 @@ def table_study_momentum_bound() -> Table:
             (
                 f"{MOMENTUM_BOUND}/onebit-lamb-n64-momentum-bound",
                 "1-bit LAMB (simulated), fused exchange",
+            ),
+            (
+                f"{MOMENTUM_BOUND}/onebit-lamb-n64-delayed-momentum-bound",
+                "1-bit LAMB (simulated), fused exchange, delayed exchange",
             ),
         ],
     )
