@@ -321,6 +321,18 @@ def test_legacy_compression_option_of_a_run_folder_reads_as_what_it_ran(tmp_path
         assert read_config(tmp_path).compression == now
 
 
+def test_a_run_folder_from_before_the_momentum_bound_continues_without_it(tmp_path: Path):
+    from onebit.train.run_dir import read_config
+
+    train = TrainConfig().resolved().to_json()
+    assert train["momentum_bound"] is True
+    write_json_atomic(tmp_path / "config.json", {"train": train, "launch": {}})
+    assert read_config(tmp_path).momentum_bound is True
+    del train["momentum_bound"]
+    write_json_atomic(tmp_path / "config.json", {"train": train, "launch": {}})
+    assert read_config(tmp_path).resolved().momentum_bound is False
+
+
 def test_tensors_digest_is_sha256_of_the_values_in_order() -> None:
     a = torch.tensor([1.0, -2.5], dtype=torch.float32)
     b = torch.arange(6, dtype=torch.int64).reshape(2, 3).t()  # not contiguous

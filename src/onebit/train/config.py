@@ -396,8 +396,7 @@ class TrainConfig:
             config.lr = registry.OPTIMIZERS[config.optimizer].default_lr
         if config.freeze_step is None:
             config.freeze_step = max(1, round(DEFAULT_FREEZE_FRACTION * config.steps))
-        if config.momentum_bound is None:
-            config.momentum_bound = config.optimizer == "onebit-lamb"
+        config.momentum_bound = config.resolved_momentum_bound()
         if config.optimizer == ZERO_ONE_ADAM:
             if config.var_freeze_step is None:
                 config.var_freeze_step = config.freeze_step
@@ -418,6 +417,13 @@ class TrainConfig:
             config.checkpoint_every = max(1, config.steps // DEFAULT_CHECKPOINTS)
         config.validate_intervals()
         return config
+
+    def resolved_momentum_bound(self) -> bool:
+        """``momentum_bound``, where ``None``: on with onebit-lamb (its default), off with the
+        optimizers that have no such bound."""
+        if self.momentum_bound is None:
+            return self.optimizer == "onebit-lamb"
+        return self.momentum_bound
 
     def validate_basic(self) -> None:
         """Raise ``ValueError`` naming the first option that is out of range."""
@@ -476,10 +482,7 @@ class TrainConfig:
         check_non_negative("--factor-threshold", self.factor_threshold)
         if self.trust_bound is not None:
             check_positive("--trust-bound", self.trust_bound)
-        momentum_bound = (  # None: on with onebit-lamb, as resolved() fills it in
-            self.optimizer == "onebit-lamb" if self.momentum_bound is None else self.momentum_bound
-        )
-        check_momentum_bound(momentum_bound, self.betas)
+        check_momentum_bound(self.resolved_momentum_bound(), self.betas)
         for name, bounded in _ONEBIT_LAMB_BOUNDS.items():
             if getattr(self, name) not in (None, False) and self.optimizer != "onebit-lamb":
                 raise ValueError(

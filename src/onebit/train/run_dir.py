@@ -62,11 +62,13 @@ _LEGACY_COMPRESSION = "onebit_adam_compression"
 
 
 def read_config(run_dir: Path) -> TrainConfig:
-    """The configuration saved in ``run_dir``; a clear error if there is none."""
+    """The configuration saved in ``run_dir``; a clear error if there is none. A run saved
+    before ``momentum_bound`` existed exchanged the momentum unbounded, and continues so."""
     train = dict(_read_run_file(run_dir)["train"])
     if _LEGACY_COMPRESSION in train:
         legacy = train.pop(_LEGACY_COMPRESSION)
         train["compression"] = "fused" if train.get("optimizer") == "onebit-lamb" else legacy
+    train.setdefault("momentum_bound", False)
     return TrainConfig.from_json(train)
 
 
