@@ -226,6 +226,13 @@ class Layout:
         return sum(self.sizes)
 
     @property
+    def padded_width(self) -> int:
+        """Elements of the segments that carry padding (a flat buffer's scratch for them)."""
+        return sum(
+            size for numel, size in zip(self.numels, self.sizes, strict=True) if numel != size
+        )
+
+    @property
     def chunks(self) -> tuple[int, ...]:
         """Each segment's chunk on one server, ``P_t / n`` (the server error holds these)."""
         return tuple(size // self.n for size in self.sizes)

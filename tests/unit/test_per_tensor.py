@@ -13,7 +13,9 @@ from helpers.per_tensor_inputs import CALLS, SHAPES, seeded_inputs
 
 import onebit
 from onebit import kernels
-from onebit.compression import per_tensor_padded_size
+from onebit.compression import Layout, per_tensor_padded_size
+from onebit.exchange.flat import fill_segments, segment_views
+from onebit.exchange.workspace import CompressionWorkspace
 
 CPU_BACKENDS = [name for name in kernels.available() if name != "triton"]
 # Without a GPU, triton runs on CPU in Triton's interpreter (see tests/conftest.py): slowly, so in
@@ -100,6 +102,25 @@ def test_per_tensor_scales_differ_from_one_fused_buffer():
     rms = fused.double().square().mean().sqrt().item()  # 9.85: the large tensor's, about
     torch.testing.assert_close(result, torch.full((528,), rms), rtol=1e-5, atol=0)
     assert not torch.allclose(result[:16], tensors[0])  # the small tensor's scale is lost
+
+
+def test_only_the_tensors_that_need_padding_are_copied_into_scratch():
+    # n = 1: segments of a multiple of 8 elements. A contiguous tensor of that size is
+    # compressed where it is; a shorter one, or a non-contiguous one, goes to scratch.
+    layout = Layout.per_tensor([32, 15, 16, 7], 1)
+    assert layout.sizes == (32, 16, 16, 8) and layout.padded_width == 16 + 8
+    tensors = [torch.randn(32), torch.randn(15), torch.randn(4, 4).t(), torch.randn(7)]
+    segments, padding = segment_views(tensors, layout, CompressionWorkspace())
+    assert padding.numel() == 16 + 16 + 8
+    assert segments[0].data_ptr() == tensors[0].data_ptr()
+    assert [s.data_ptr() for s in segments[1:]] == [
+        padding[offset:].data_ptr() for offset in (0, 16, 32)
+    ]
+    fill_segments(tensors, segments)
+    for tensor, segment, size in zip(tensors, segments, layout.sizes, strict=True):
+        expected = torch.zeros(size)
+        expected[: tensor.numel()] = tensor.reshape(-1)
+        assert torch.equal(segment, expected)
 
 
 @pytest.mark.parametrize(

@@ -222,15 +222,20 @@ def segment_views(
 ) -> tuple[list[Tensor], Tensor]:
     """Where each flat tensor's segment of ``layout`` is: the tensor itself where it needs no
     padding, else its place in the workspace's scratch (filled by :func:`fill_segments`);
-    and that scratch."""
-    padding = workspace.buffer("padded", layout.width, tensors[0].dtype, tensors[0].device)
+    and that scratch, as large as the padded segments together."""
+    in_place = [
+        tensor.numel() == size and tensor.is_contiguous()
+        for tensor, size in zip(tensors, layout.sizes, strict=True)
+    ]
+    width = sum(size for size, kept in zip(layout.sizes, in_place, strict=True) if not kept)
+    padding = workspace.buffer("padded", width, tensors[0].dtype, tensors[0].device)
     segments, offset = [], 0
-    for tensor, size in zip(tensors, layout.sizes, strict=True):
-        if tensor.numel() == size and tensor.is_contiguous():
+    for tensor, size, kept in zip(tensors, layout.sizes, in_place, strict=True):
+        if kept:
             segments.append(tensor.view(-1))
         else:
             segments.append(padding[offset : offset + size])
-        offset += size
+            offset += size
     return segments, padding
 
 

@@ -318,7 +318,7 @@ class PerTensorSimulatedExchange(_StreamedWorkers):
                     f"the server average of chunk {server} of shard {shard}",
                 )
                 stages.update_server_errors(*arguments)
-        padding = self.outer.buffer("padded", self.layout.width, self.dtype, self.device)
+        padding = self.outer.buffer("padded", self.layout.padded_width, self.dtype, self.device)
         return PackedResult(
             self.server_signs.view(self.workers, -1),
             self.server_scales.view(self.workers, -1),
