@@ -248,7 +248,8 @@ class PerTensorBucketedExchange(PerTensorExchange):
 
     def _pipeline(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
         """The pipeline of every bucket's exchange (its tensors padded alone in its
-        workspace, intermediates there too), over its slices of the error buffers."""
+        workspace, intermediates in place: ``buffer`` is scratch afterwards), over its slices
+        of the error buffers."""
         n, numels = self.world_size, list(self.numels)
         whole = Layout.per_tensor(numels, n)
         elements = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
@@ -266,11 +267,10 @@ class PerTensorBucketedExchange(PerTensorExchange):
             ws = self._workspaces[k].prepare(layout, self.dtype, self.device, self.backend)
             values = buffer[int(elements[first]) : int(elements[end])].split(numels[first:end])
             segments, padding = segment_views(values, layout, ws)
-            xs = ws.buffer("x", layout.width, self.dtype, self.device).split(layout.sizes)
             rounds.append(
                 Round(
                     segments,
-                    xs,
+                    segments,
                     worker_error[int(workers[first]) : int(workers[end])],
                     server_error[int(servers[first]) : int(servers[end])],
                     transport,

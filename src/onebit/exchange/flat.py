@@ -189,18 +189,29 @@ class PerTensorExchange(GroupExchange):
                 tensor.copy_(segment[: tensor.numel()].view_as(tensor))
 
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
-        result, _ = self._exchange_tensors(buffer.split(self.numels), worker_error, server_error)
+        result, _ = self._exchange_tensors(
+            buffer.split(self.numels), worker_error, server_error, in_place=True
+        )
         return result
 
     def _exchange_tensors(
-        self, tensors: Sequence[Tensor], worker_error: Tensor, server_error: Tensor
+        self,
+        tensors: Sequence[Tensor],
+        worker_error: Tensor,
+        server_error: Tensor,
+        in_place: bool = False,
     ) -> tuple[PackedResult, list[Tensor]]:
         """One exchange of ``tensors``: the result, and the segments it was made of (each
-        tensor flat, or its zero-padded copy in the workspace)."""
+        tensor flat, or its zero-padded copy in the workspace). The intermediates go into
+        the segments themselves with ``in_place`` (the buffer of :meth:`exchange`, scratch
+        afterwards), else into the workspace (the tensors stay as they are if it raises)."""
         layout = self._layout()
         ws = self.workspace.prepare(layout, self.dtype, self.device, self.backend)
         segments, padding = padded_segments(tensors, layout, ws)
-        xs = ws.buffer("x", layout.width, self.dtype, self.device).split(layout.sizes)
+        if in_place:
+            xs = segments
+        else:
+            xs = ws.buffer("x", layout.width, self.dtype, self.device).split(layout.sizes)
         transport = GroupTransport(self.group)
         result = exchange_over_group(segments, xs, worker_error, server_error, transport, ws)
         result.padding = padding

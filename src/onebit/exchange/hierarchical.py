@@ -325,9 +325,9 @@ class PerTensorHierarchicalExchange(Exchange):
             z = list(_node_mean(send, received, mean, intra).split(shards))
         inner_layout = Layout.per_tensor(shards, nodes)
         ws = self.inner.prepare(inner_layout, dtype, device, self.backend)
-        xs = ws.buffer("x", inner_layout.width, dtype, device).split(inner_layout.sizes)
         transport = GroupTransport(inter, agree_on=intra)
-        result = exchange_over_group(z, xs, worker_error, server_error, transport, ws)
+        # the intermediates in place: z is the buffer's segments or the node mean, both spent
+        result = exchange_over_group(z, z, worker_error, server_error, transport, ws)
         signs = outer.buffer("signs", local * result.signs.numel(), torch.uint8, device)
         scales = outer.buffer("scales", local * result.scales.numel(), result.scales.dtype, device)
         return _gathered_in_node(result, signs, scales, intra, layout, padding)
