@@ -111,6 +111,7 @@ COMMIT_DATES = {
     "dc382fb": "2026-12-06",
     "27d3025": "2026-12-06",
     "6a484b6": "2026-12-06",
+    "0747295": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -183,6 +184,7 @@ RECORDED_IN = {
     "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n64-momentum-bound": "dc382fb",
     "docs/convergence/variance-guard/momentum-bound/"
     "onebit-lamb-n64-delayed-momentum-bound": "27d3025",
+    "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n256-momentum-bound": "0747295",
     "docs/main-job/momentum-bound": "e47b06b",
     "docs/main-job/trust-bound/simulated-lamb-ratio": "828a2f9",
 }
@@ -1759,6 +1761,10 @@ def table_study_momentum_bound() -> Table:
             ),
             (
                 f"{MOMENTUM_BOUND}/onebit-lamb-n64-momentum-bound",
+                "1-bit LAMB (simulated), fused exchange",
+            ),
+            (
+                f"{MOMENTUM_BOUND}/onebit-lamb-n256-momentum-bound",
                 "1-bit LAMB (simulated), fused exchange",
             ),
             (
