@@ -110,8 +110,8 @@ COMMIT_DATES = {
     "ebe7139": "2026-12-06",
     "dc382fb": "2026-12-06",
     "27d3025": "2026-12-06",
-    "6a484b6": "2026-12-06",
     "0747295": "2026-12-06",
+    "79d17a7": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -119,7 +119,7 @@ COMMIT_DATES = {
 #: commit they were measured on, that commit.
 RECORDED_IN = {
     "docs/bench/micro-allreduce.json": "e41c598",
-    "docs/bench/micro-optimizer.json": "6a484b6",
+    "docs/bench/micro-optimizer.json": "79d17a7",
     "docs/convergence/lamb": "4118b9c",
     "docs/convergence/onebit-lamb-n4": "488406f",
     "docs/convergence/onebit-adam-n4": "488406f",
