@@ -60,6 +60,13 @@ def test_arguments_leave_out_what_the_optimizer_does_not_take() -> None:
     assert optimizer_spec("zero-one-adam").arguments(values) == {"lr": 0.1, "var_update_scaler": 8}
 
 
+def test_default_reads_the_optimizers_signature() -> None:
+    assert optimizer_spec("onebit-lamb").default("momentum_bound") is True
+    assert optimizer_spec("onebit-lamb").default("freeze_step") == 100000
+    assert optimizer_spec("lamb").default("momentum_bound") is None  # no such argument
+    assert optimizer_spec("onebit-lamb").default("params") is None  # required
+
+
 def test_names_and_deepspeed_types() -> None:
     with pytest.raises(ValueError, match=r"unknown optimizer 'sgd'; choose one of \['onebit-lamb'"):
         optimizer_spec("sgd")

@@ -9,6 +9,7 @@ peak learning rate the main job starts from.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,14 @@ class OptimizerSpec:
     def baseline(self) -> str:
         """The name of the dense optimizer this one is measured against."""
         return self.rule
+
+    def default(self, argument: str) -> Any:
+        """The default of ``argument`` in the optimizer's signature (``None`` where it takes
+        no such argument, or requires it)."""
+        parameter = inspect.signature(self.cls).parameters.get(argument)
+        if parameter is None or parameter.default is inspect.Parameter.empty:
+            return None
+        return parameter.default
 
     def arguments(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """The entries of ``values`` this optimizer takes, hyper-parameters and options; the

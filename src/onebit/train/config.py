@@ -419,10 +419,10 @@ class TrainConfig:
         return config
 
     def resolved_momentum_bound(self) -> bool:
-        """``momentum_bound``, where ``None``: on with onebit-lamb (its default), off with the
-        optimizers that have no such bound."""
+        """``momentum_bound``, where ``None``: the optimizer's own default (on with
+        onebit-lamb), off with the optimizers that have no such bound."""
         if self.momentum_bound is None:
-            return self.optimizer == "onebit-lamb"
+            return bool(registry.OPTIMIZERS[self.optimizer].default("momentum_bound"))
         return self.momentum_bound
 
     def validate_basic(self) -> None:
