@@ -112,6 +112,7 @@ COMMIT_DATES = {
     "27d3025": "2026-12-06",
     "0747295": "2026-12-06",
     "79d17a7": "2026-12-06",
+    "af27bc3": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -139,6 +140,9 @@ RECORDED_IN = {
     "docs/convergence/delayed/onebit-lamb-n4-delayed": "95bcdd9",
     "docs/convergence/delayed/prediction": "6e0a975",
     "docs/convergence/delayed/oracle": "24d5ed9",
+    "docs/convergence/delayed/oracle/w64-undelayed": "af27bc3",
+    "docs/convergence/delayed/oracle/w64-own": "af27bc3",
+    "docs/convergence/delayed/oracle/w64-mean": "af27bc3",
     "docs/convergence/per-tensor/onebit-lamb-n4-per-tensor": "ae35092",
     "docs/main-job": "294793a",
     "docs/zero-one-adam": "1354b52",
@@ -1186,7 +1190,7 @@ DELAYED_RUNS = [
 #: without the delay, delayed at each worker's own prediction, and at the oracle's (the
 #: workers' mean).
 DELAYED_ORACLE = "docs/convergence/delayed/oracle"
-DELAYED_ORACLE_WORKERS = (4, 16)
+DELAYED_ORACLE_WORKERS = (4, 16, 64)
 DELAYED_ORACLE_ARMS = [
     ("undelayed", "not delayed", ""),
     ("own", "delayed, each worker at its own prediction", " --delayed-exchange"),
