@@ -160,6 +160,7 @@ RECORDED_IN = {
     "docs/main-job/longer/onebit-lamb-1000x64-freeze-200": "252367a",
     "docs/convergence/diloco-study": "ae839b0",
     "docs/convergence/diloco-study/link-choice.json": "bb71905",
+    "docs/convergence/diloco-study/lamb-n256": "79d17a7",
     "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
@@ -1767,6 +1768,7 @@ def table_study_momentum_bound() -> Table:
                 f"{MOMENTUM_BOUND}/onebit-lamb-n64-momentum-bound",
                 "1-bit LAMB (simulated), fused exchange",
             ),
+            (f"{DILOCO_STUDY}/lamb-n256", "LAMB (simulated)"),
             (
                 f"{MOMENTUM_BOUND}/onebit-lamb-n256-momentum-bound",
                 "1-bit LAMB (simulated), fused exchange",
