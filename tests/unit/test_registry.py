@@ -112,18 +112,22 @@ def test_memory_bytes_counts_the_tensors_the_optimizer_holds() -> None:
     buffer = optimizer.local_momentum()
     assert memory["scratch"] >= nbytes([buffer]) + optimizer.exchange.nbytes()
 
-    # Tensors that need no padding (multiples of 8 elements at n = 1) are compressed where
-    # they are, the intermediates in the spent buffer: the exchange's own scratch is the
-    # packed signs, the messages and the scales, well under a word per element.
-    aligned = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(256))]
-    per_tensor = onebit.OneBitLamb(aligned, lr=0.01, freeze_step=1)
-    for _ in range(2):
-        step(per_tensor, aligned)
-    assert per_tensor.exchange.nbytes() < 4 * 2304 / 2
-
     bounded_parameters = params()
     bounded = onebit.OneBitLamb(bounded_parameters, lr=0.01, freeze_step=1)  # momentum_bound
     for _ in range(2):
         step(bounded, bounded_parameters)
     # the limits of the decoded momentum: one float32 per element
     assert bounded.memory_bytes()["scratch"] == memory["scratch"] + 4 * 22
+
+
+def test_the_per_tensor_exchange_copies_nothing_it_can_use_in_place() -> None:
+    # Tensors that need no padding (multiples of 8 elements at n = 1) are compressed where
+    # they are, the intermediates in the spent buffer: with the fused kernels (no stage
+    # scratch) the exchange's own scratch is the packed signs, the messages and the scales,
+    # well under a word per element.
+    pytest.importorskip("numba")
+    aligned = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(256))]
+    optimizer = onebit.OneBitLamb(aligned, lr=0.01, freeze_step=1, kernels="numba")
+    for _ in range(2):
+        step(optimizer, aligned)
+    assert optimizer.exchange.nbytes() < 4 * 2304 / 2
