@@ -42,7 +42,8 @@ def test_exchange_alone_on_emulated_hosts(hosts: int, buckets: int, tmp_path: Pa
 @pytest.mark.slow
 @needs_cluster
 def test_two_worker_comparison_on_emulated_cluster() -> None:
-    methods = ["lamb", "lamb-compute", "onebit-lamb-ddp", "onebit-lamb", "zero-one-adam"]
+    methods = ["lamb", "lamb-compute", "onebit-lamb-ddp", "onebit-lamb", "onebit-lamb-delayed"]
+    methods += ["zero-one-adam"]
     methods += ["diloco-dense", "diloco-1bit", "diloco-dense-k2-d1", "diloco-1bit-k2-d1"]
     result = comparison.run_comparison(
         ComparisonSettings(
@@ -83,6 +84,9 @@ def test_two_worker_comparison_on_emulated_cluster() -> None:
         assert 0 < wire < dense / 10  # tiny model: packet headers keep it under 32x
         assert stages["compression"]["library_bytes_per_step"] > 0
         assert stages["warmup"]["wire_tx_bytes_per_step"] == pytest.approx(dense, rel=0.1)
+    # each timed step of the delayed exchange applies one exchange's update and counts its bytes
+    delayed = summary["onebit-lamb-delayed"]["stages"]["compression"]["library_bytes_per_step"]
+    assert delayed == summary["onebit-lamb"]["stages"]["compression"]["library_bytes_per_step"]
     zero_one = summary["zero-one-adam"]["stages"]
     assert set(zero_one) == set(STEP_KINDS)
     assert all(stage["steps_per_round"] == 1 for stage in zero_one.values())

@@ -13,7 +13,12 @@ import pytest
 from helpers.emulated_cluster import UNAVAILABLE
 
 from onebit.bench import _worker, analysis, bert, cli, comparison, report
-from onebit.bench.settings import METHODS, ComparisonSettings, zero_one_adam_arm
+from onebit.bench.settings import (
+    METHODS,
+    ComparisonSettings,
+    untimed_before_compression,
+    zero_one_adam_arm,
+)
 from onebit.bert_shapes import PRESETS
 from onebit.cli import main as onebit_main
 from onebit.optim.zero_one_adam import STEP_KINDS
@@ -26,6 +31,15 @@ def test_ideal_figures() -> None:
     assert analysis.ideal_speedup(0.7) == pytest.approx(3.10, abs=0.01)
     assert analysis.ideal_speedup(0.0) == 1.0
     assert analysis.ideal_speedup(0.7, w=1.0) == 1.0
+
+
+def test_the_delayed_exchange_is_timed_from_its_second_step_that_applies_an_update() -> None:
+    # Its first step of the stage applies nothing; its second pays the first exchange's
+    # setup, as every other method's first step of the stage does (skip_steps).
+    assert untimed_before_compression("onebit-lamb-delayed", 1) == 2
+    assert untimed_before_compression("onebit-lamb-delayed", 0) == 1
+    for method in ("onebit-lamb", "onebit-lamb-overlap-per-tensor", "onebit-adam"):
+        assert untimed_before_compression(method, 1) == 1
 
 
 def _block(stage: str, seconds: float, tx: int, library: int, steps: int = 2) -> dict:

@@ -52,6 +52,7 @@ from onebit.bench.settings import (
     ZERO_ONE_ADAM_METHOD,
     ZERO_ONE_ADAM_SCHEDULE,
     diloco_step_kinds,
+    untimed_before_compression,
     zero_one_adam_arm,
 )
 from onebit.exchange.transport import TrafficCounter, all_gather_into
@@ -298,7 +299,7 @@ class _Runner:
             elif method.freeze_step is not None:
                 self.run_untimed(method, cfg["skip_steps"])
                 blocks.append(self.run_timed(method, cfg["warm_steps"], "warmup"))
-                self.run_untimed(method, cfg["skip_steps"])
+                self.run_untimed(method, untimed_before_compression(name, cfg["skip_steps"]))
                 blocks.append(self.run_timed(method, cfg["steps"], "compression"))
             else:
                 self.run_untimed(method, method.untimed_before_steady)
@@ -339,7 +340,10 @@ def run(cfg: dict[str, Any]) -> None:
         template = build_model(cfg["model"], cfg["seed"])
         parameters = sum(p.numel() for p in template.parameters() if p.requires_grad)
         per_method = max(
-            2 * cfg["skip_steps"] + cfg["warm_steps"] + cfg["steps"],
+            cfg["skip_steps"]
+            + cfg["warm_steps"]
+            + untimed_before_compression(DELAYED_METHOD, cfg["skip_steps"])
+            + cfg["steps"],
             POWERSGD_START_ITER + cfg["skip_steps"] + cfg["steps"],
             len(zero_one_adam_arm(cfg["skip_steps"] + cfg["steps"])[1]),
             len(diloco_step_kinds(cfg["skip_steps"] + cfg["steps"])),

@@ -177,6 +177,14 @@ ADAM_LR_SHARE = 0.1
 DEFAULT_WORKERS = 4
 
 
+def untimed_before_compression(method: str, skip_steps: int) -> int:
+    """Untimed steps of ``method`` from the switch to its timed compression-stage block: the
+    first ``skip_steps`` of the stage, and with the delayed exchange one more, since its first
+    step of the stage applies no update (ALGORITHM.md, "Delayed exchange"): ``skip_steps``
+    steps that do are left untimed, as for every other method."""
+    return skip_steps + (method == DELAYED_METHOD)
+
+
 def zero_one_adam_arm(occurrences: int) -> tuple[int, list[str]]:
     """0/1 Adam's ``var_freeze_step`` in the comparison (with :data:`ZERO_ONE_ADAM_SCHEDULE`)
     and the kinds of its steps 1, 2, ...: the variance freezes at the first step by which
@@ -247,7 +255,11 @@ class ComparisonSettings:
     seq_len: int = option(128, help="tokens per sequence")
     steps: int = option(3, help="timed steps of the compression / steady stage")
     warm_steps: int = option(2, help="timed warm-up-stage steps of the 1-bit methods")
-    skip_steps: int = option(1, help="untimed steps before each timed block")
+    skip_steps: int = option(
+        1,
+        help="untimed steps before each timed block (and the delayed exchange's first step of "
+        "the stage, which applies no update)",
+    )
     methods: tuple[str, ...] = option(
         tuple(METHODS),
         parse=_methods_option,
