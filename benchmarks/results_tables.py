@@ -113,6 +113,7 @@ COMMIT_DATES = {
     "0747295": "2026-12-06",
     "79d17a7": "2026-12-06",
     "af27bc3": "2026-12-06",
+    "d653a46": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
