@@ -12,12 +12,7 @@ from helpers.onebit_problem import FREEZE, build, set_grads
 
 import onebit
 from onebit import kernels
-from onebit.exchange import (
-    BucketedExchange,
-    PerTensorBucketedExchange,
-    PerTensorExchange,
-    TrafficCounter,
-)
+from onebit.exchange import BucketedExchange, TrafficCounter
 from onebit.exchange.bucketed import bucket_ranges
 
 
@@ -93,23 +88,14 @@ def test_the_buckets_phases_are_pipelined(monkeypatch):
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("kind", "numels", "ahead"),
-    [
-        ("fused", [40], True),  # 5 buckets of 8
-        ("per_tensor", [16, 8, 24, 8], True),  # buckets of whole tensors, none padded
-        ("per_tensor", [16, 5, 24], False),  # 5 elements padded to 8: updates after the checks
-    ],
-)
 @pytest.mark.parametrize("own", [False, True])
 def test_error_updates_run_while_the_bytes_travel_only_for_the_exchanges_own_buffer(
-    monkeypatch, own, kind, numels, ahead
+    monkeypatch, own
 ):
-    """With ``send_buffer()`` (per tensor: no tensor padded) every bucket's worker error
-    update runs right after its worker phase is sent and its server update right after its
-    server phase, before ``complete()``; the error state changes only when the exchange
-    completes (the storages swapped). With a caller's buffer every update waits for
-    ``complete()``."""
+    """With ``send_buffer()`` every bucket's worker error update runs right after its worker
+    phase is sent and its server update right after its server phase, before ``complete()``;
+    the error state changes only when the exchange completes (the storages swapped). With a
+    caller's buffer every update waits for ``complete()``."""
     from onebit.exchange.protocol import Stages
 
     done = {"worker": 0, "server": 0}
@@ -121,47 +107,23 @@ def test_error_updates_run_while_the_bytes_travel_only_for_the_exchanges_own_buf
             return original(self, *args)
 
         monkeypatch.setattr(Stages, f"update_{side}_errors", count)
-    exchange = BucketedExchange(None, 8) if kind == "fused" else PerTensorBucketedExchange(None, 8)
+    exchange = BucketedExchange(None, 8)
     exchange.bind(
-        numels, torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()
+        [40], torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()
     )
-    buffer = exchange.send_buffer() if own else torch.empty(exchange.buffer_size(numels))
+    buffer = exchange.send_buffer() if own else torch.empty(exchange.buffer_size([40]))
     buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(3)))
     pipeline = exchange.begin(buffer)
     errors = [e.clone() for e in exchange.errors()]
     while pipeline.next_bucket is not None:
         pipeline.start_next()
     buckets = len(exchange.buckets())
-    # with the lag of 2, all but the last 2 server phases are sent with the worker phases
-    early = own and ahead
-    assert (done["worker"], done["server"]) == ((buckets, buckets - 2) if early else (0, 0))
+    # 5 buckets; with the lag of 2 the first 3 server phases are sent with the worker phases
+    assert (done["worker"], done["server"]) == ((buckets, buckets - 2) if own else (0, 0))
     assert all(torch.equal(a, b) for a, b in zip(errors, exchange.errors(), strict=True))
     pipeline.complete()
     assert (done["worker"], done["server"]) == (buckets, buckets)
     assert not torch.equal(errors[0], exchange.worker_error)  # (one rank: server error 0)
-    if early:  # the tensor is the same, its memory the former worker error's
+    if own:  # the tensor is the same, its memory the former worker error's
         assert exchange.send_buffer() is buffer
         assert torch.equal(buffer, errors[0])
-
-
-@pytest.mark.parametrize("backend", kernels.available())
-@pytest.mark.parametrize("bucket", [None, 8])
-def test_the_per_tensor_exchange_of_its_own_buffer_equals_that_of_a_callers(backend, bucket):
-    """The error updates computed while the bytes travel (no tensor padded) give the results
-    and errors of the updates after the checks, bit for bit, with every backend."""
-    numels = [16, 8, 24, 8]
-    runs = []
-    for own in (False, True):
-        exchange = PerTensorExchange(None) if bucket is None else PerTensorBucketedExchange(None, 8)
-        chosen = kernels.select(torch.zeros(8), backend)
-        exchange.bind(numels, torch.float32, torch.device("cpu"), chosen, TrafficCounter())
-        gen = torch.Generator().manual_seed(5)
-        results = []
-        for _ in range(3):
-            buffer = exchange.send_buffer() if own else torch.empty(sum(numels))
-            buffer.copy_(torch.randn(sum(numels), generator=gen))
-            results.append(exchange.exchange(buffer).decode(torch.empty(sum(numels))))
-        runs.append((results, [e.clone() for e in exchange.errors()]))
-    (results, errors), (own_results, own_errors) = runs
-    assert all(torch.equal(a, b) for a, b in zip(results, own_results, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(errors, own_errors, strict=True))

@@ -13,14 +13,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.compression import SignRuns
-from onebit.exchange.flat import (
-    FlatExchange,
-    GroupExchange,
-    PerTensorExchange,
-    fill_segments,
-    segment_views,
-)
-from onebit.exchange.over_group import ErrorsAhead, Round
+from onebit.exchange.flat import FlatExchange, PerTensorExchange, fill_segments, segment_views
+from onebit.exchange.over_group import Round
 from onebit.exchange.protocol import Layout, PackedResult, exchange_bytes
 from onebit.exchange.transport import GroupTransport
 from onebit.exchange.workspace import CompressionWorkspace
@@ -123,7 +117,15 @@ class BucketedExchange(FlatExchange):
         :attr:`BucketPipeline.order`, as their values become final (the exchange overlapped
         with backward); :meth:`BucketPipeline.complete` gives what :meth:`exchange` gives
         and counts its bytes. Until then ``buffer``'s started buckets must stay as they are."""
-        return _counting_bytes(self._pipeline(self._checked(buffer), *self.errors()), self)
+        pipeline = self._pipeline(self._checked(buffer), *self.errors())
+        take_errors = pipeline.on_complete
+
+        def on_complete() -> None:
+            take_errors()
+            self.traffic.record_all(self.bytes_per_call())
+
+        pipeline.on_complete = on_complete
+        return pipeline
 
     def _exchange_into(
         self, buffer: Tensor, scratch: Tensor, worker_error: Tensor, server_error: Tensor
@@ -158,6 +160,7 @@ class BucketedExchange(FlatExchange):
             segment = buffer[start:end]
             x = segment if in_place else scratch[start:end]
             chunk = slice(int(server_starts[k]), int(server_starts[k + 1]))
+            next_server = None if ahead is None else ahead[chunk]
             rounds.append(
                 Round(
                     [segment],
@@ -166,7 +169,7 @@ class BucketedExchange(FlatExchange):
                     server_error[chunk],
                     transport,
                     ws,
-                    None if ahead is None else ErrorsAhead(segment, ahead.server[chunk]),
+                    next_server,
                 )
             )
         # Every message's receive posted now: gloo's notices then travel before any bytes.
@@ -177,18 +180,6 @@ class BucketedExchange(FlatExchange):
         if ahead is not None:
             pipeline.on_complete = self._take_errors_ahead
         return pipeline
-
-
-def _counting_bytes(pipeline: BucketPipeline, exchange: GroupExchange) -> BucketPipeline:
-    """``pipeline``, which on completion also counts ``exchange``'s bytes of one call."""
-    take_errors = pipeline.on_complete
-
-    def on_complete() -> None:
-        take_errors()
-        exchange.traffic.record_all(exchange.bytes_per_call())
-
-    pipeline.on_complete = on_complete
-    return pipeline
 
 
 def tensor_buckets(numels: Sequence[int], bucket_elements: int) -> list[tuple[int, int]]:
@@ -242,13 +233,15 @@ class PerTensorBucketedExchange(PerTensorExchange):
         )
         return {"compressed_allreduce": total}
 
-    def _scratch_bytes(self) -> int:
+    def nbytes(self) -> int:
         return sum(ws.nbytes() for ws in self._workspaces)
 
     def begin(self, buffer: Tensor) -> BucketPipeline:
         """An exchange of ``buffer`` whose buckets the caller starts one by one, as
         :meth:`BucketedExchange.begin`'s."""
-        return _counting_bytes(self._pipeline(self._checked(buffer), *self.errors()), self)
+        pipeline = self._pipeline(self._checked(buffer), *self.errors())
+        pipeline.on_complete = lambda: self.traffic.record_all(self.bytes_per_call())
+        return pipeline
 
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
         return self._pipeline(buffer, worker_error, server_error).complete()
@@ -256,15 +249,13 @@ class PerTensorBucketedExchange(PerTensorExchange):
     def _pipeline(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
         """The pipeline of every bucket's exchange (its tensors padded alone in its
         workspace, intermediates in place: ``buffer`` is scratch afterwards), over its slices
-        of the error buffers; its error updates computed ahead where ``buffer`` is the
-        exchange's own and no tensor is padded (taken as the error state when it completes)."""
+        of the error buffers."""
         n, numels = self.world_size, list(self.numels)
         whole = Layout.per_tensor(numels, n)
         elements = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
         workers = np.concatenate([[0], np.cumsum(whole.sizes)]).astype(np.int64)
         servers = np.concatenate([[0], np.cumsum(whole.chunks)]).astype(np.int64)
         tensors = self._tensor_buckets()
-        ahead = self._errors_ahead(buffer)
         while len(self._workspaces) < len(tensors):
             self._workspaces.append(CompressionWorkspace())
         transport = GroupTransport(self.group)
@@ -274,19 +265,16 @@ class PerTensorBucketedExchange(PerTensorExchange):
             first, end = tensors[k]
             layout = Layout.per_tensor(numels[first:end], n)
             ws = self._workspaces[k].prepare(layout, self.dtype, self.device, self.backend)
-            flat = buffer[int(elements[first]) : int(elements[end])]
-            values = flat.split(numels[first:end])
+            values = buffer[int(elements[first]) : int(elements[end])].split(numels[first:end])
             segments, padding = segment_views(values, layout, ws)
-            servers_k = slice(int(servers[first]), int(servers[end]))
             rounds.append(
                 Round(
                     segments,
                     segments,
                     worker_error[int(workers[first]) : int(workers[end])],
-                    server_error[servers_k],
+                    server_error[int(servers[first]) : int(servers[end])],
                     transport,
                     ws,
-                    None if ahead is None else ErrorsAhead(flat, ahead.server[servers_k]),
                     # the padded copies, once the bucket's values are final
                     refill=functools.partial(fill_segments, values, segments),
                 )
@@ -296,10 +284,7 @@ class PerTensorBucketedExchange(PerTensorExchange):
             [out for r in rounds for out in (r.ws.received_framed, r.ws.gathered_framed)]
         )
         buckets = [(int(elements[first]), int(elements[end])) for first, end in tensors]
-        pipeline = BucketPipeline(buckets, order, rounds, transport, paddings)
-        if ahead is not None:
-            pipeline.on_complete = self._take_errors_ahead
-        return pipeline
+        return BucketPipeline(buckets, order, rounds, transport, paddings)
 
 
 #: Bucket ``i``'s server phase is sent right after the worker phase of the bucket

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onebit.exchange.base import Exchange, swap_storages
-from onebit.exchange.over_group import ErrorsAhead, exchange_over_group
+from onebit.exchange.over_group import exchange_over_group
 from onebit.exchange.protocol import (
     Layout,
     PackedResult,
@@ -32,10 +32,7 @@ def per_tensor_error_sizes(numels: Sequence[int], n: int) -> tuple[int, int]:
 
 class GroupExchange(Exchange):
     """An exchange over the ranks of ``group`` (default: the world), flat, with its workspace
-    (``workspace``, or one of its own). An exchange of :meth:`send_buffer`, where no segment
-    is padded, computes its error updates while the bytes travel (ALGORITHM.md, "Error
-    updates while the bytes travel"); a caller's buffer is left to the error updates after
-    the last check."""
+    (``workspace``, or one of its own)."""
 
     def __init__(
         self,
@@ -45,11 +42,29 @@ class GroupExchange(Exchange):
         super().__init__()
         self.group = group
         self.workspace = CompressionWorkspace() if workspace is None else workspace
-        self._next_server_error: Tensor | None = None
 
     @property
     def topology(self) -> tuple[int, int]:
         return 1, world_size(self.group)
+
+    def nbytes(self) -> int:
+        return self.workspace.nbytes()
+
+
+class FlatExchange(GroupExchange):
+    """All tensors in one buffer, padded to a multiple of ``8 n``, exchanged as one segment
+    over ``group`` (one worker scale, a server scale per chunk). The result is decoded on the
+    fly by the update kernels. An exchange of :meth:`send_buffer` computes its error updates
+    while the bytes travel (ALGORITHM.md, "Error updates while the bytes travel");
+    :meth:`exchange_into` leaves the buffer as it is."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        workspace: CompressionWorkspace | None = None,
+    ) -> None:
+        super().__init__(group, workspace)
+        self._next_server_error: Tensor | None = None
 
     def nbytes(self) -> int:
         ahead = self._next_server_error
@@ -59,28 +74,21 @@ class GroupExchange(Exchange):
     def _scratch_bytes(self) -> int:
         return self.workspace.nbytes()
 
-    def _errors_ahead(self, buffer: Tensor) -> ErrorsAhead | None:
-        """Where the error updates go while the bytes travel: into ``buffer`` (the worker's)
-        and the server's scratch, when ``buffer`` is the exchange's own and laid out as the
-        worker error (no segment padded); else ``None``."""
-        if not self._owns(buffer) or buffer.shape != self.worker_error.shape:
+    def _errors_ahead(self, buffer: Tensor) -> Tensor | None:
+        """Where the server's error updates go while the bytes travel when ``buffer`` is the
+        exchange's own (the worker's go into the buffer), else ``None``."""
+        if not self._owns(buffer):
             return None
         server, ahead = self.server_error, self._next_server_error
         if ahead is None or ahead.shape != server.shape or ahead.dtype != server.dtype:
             self._next_server_error = torch.empty_like(server)
-        return ErrorsAhead(buffer, self._next_server_error)
+        return self._next_server_error
 
     def _take_errors_ahead(self) -> None:
         """The updates computed ahead become the error state, the former error storage the
         send buffer and the server's scratch (no copy)."""
         swap_storages(self._send_buffer, self.worker_error)
         swap_storages(self._next_server_error, self.server_error)
-
-
-class FlatExchange(GroupExchange):
-    """All tensors in one buffer, padded to a multiple of ``8 n``, exchanged as one segment
-    over ``group`` (one worker scale, a server scale per chunk). The result is decoded on the
-    fly by the update kernels. :meth:`exchange_into` leaves the buffer as it is."""
 
     def buffer_size(self, numels: Sequence[int]) -> int:
         return padded_size(sum(numels), self.world_size)
@@ -181,12 +189,9 @@ class PerTensorExchange(GroupExchange):
                 tensor.copy_(segment[: tensor.numel()].view_as(tensor))
 
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
-        ahead = self._errors_ahead(buffer)
         result, _ = self._exchange_tensors(
-            buffer.split(self.numels), worker_error, server_error, in_place=True, ahead=ahead
+            buffer.split(self.numels), worker_error, server_error, in_place=True
         )
-        if ahead is not None:
-            self._take_errors_ahead()
         return result
 
     def _exchange_tensors(
@@ -195,13 +200,11 @@ class PerTensorExchange(GroupExchange):
         worker_error: Tensor,
         server_error: Tensor,
         in_place: bool = False,
-        ahead: ErrorsAhead | None = None,
     ) -> tuple[PackedResult, list[Tensor]]:
         """One exchange of ``tensors``: the result, and the segments it was made of (each
         tensor flat, or its zero-padded copy in the workspace). The intermediates go into
         the segments themselves with ``in_place`` (the buffer of :meth:`exchange`, scratch
-        afterwards), else into the workspace (the tensors stay as they are if it raises);
-        the error updates into ``ahead`` while the bytes travel, where given."""
+        afterwards), else into the workspace (the tensors stay as they are if it raises)."""
         layout = self._layout()
         ws = self.workspace.prepare(layout, self.dtype, self.device, self.backend)
         segments, padding = padded_segments(tensors, layout, ws)
@@ -210,7 +213,7 @@ class PerTensorExchange(GroupExchange):
         else:
             xs = ws.buffer("x", layout.width, self.dtype, self.device).split(layout.sizes)
         transport = GroupTransport(self.group)
-        result = exchange_over_group(segments, xs, worker_error, server_error, transport, ws, ahead)
+        result = exchange_over_group(segments, xs, worker_error, server_error, transport, ws)
         result.padding = padding
         return result, segments
 

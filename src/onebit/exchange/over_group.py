@@ -16,18 +16,7 @@ from onebit.exchange.transport import GroupTransport, finite_problem, worker_sca
 from onebit.exchange.workspace import CompressionWorkspace
 from onebit.kernels import BACKENDS
 
-__all__ = ["ErrorsAhead", "PendingExchange", "Round", "exchange_over_group", "start_exchange"]
-
-
-@dataclass(frozen=True)
-class ErrorsAhead:
-    """Where an exchange computes its error updates while the bytes travel (ALGORITHM.md,
-    "Error updates while the bytes travel"): the new worker errors into ``worker``, the
-    segments themselves laid out one after another (flat, as the worker error is), the new
-    server errors into ``server`` (scratch of the server error's size)."""
-
-    worker: Tensor
-    server: Tensor
+__all__ = ["PendingExchange", "Round", "exchange_over_group", "start_exchange"]
 
 
 @dataclass
@@ -51,7 +40,7 @@ def exchange_over_group(
     server_error: Tensor,
     transport: GroupTransport,
     workspace: CompressionWorkspace,
-    ahead: ErrorsAhead | None = None,
+    next_server_error: Tensor | None = None,
 ) -> PackedResult:
     """The two-phase exchange of this rank's ``segments`` (flat, ``P_t`` elements each, of
     the layout ``workspace`` was prepared for) over ``transport``'s group, with this rank's
@@ -62,8 +51,10 @@ def exchange_over_group(
     server's scales after the server compression, before any error state changes: a
     :class:`~onebit.exchange.transport.NonFiniteError` or
     :class:`~onebit.exchange.transport.KernelMismatchError` is raised on every rank alike.
-    With ``ahead`` the error updates go there instead (:class:`Round`)."""
-    pending = start_exchange(segments, xs, worker_error, server_error, transport, workspace, ahead)
+    With ``next_server_error`` the error updates go to scratch instead (:class:`Round`)."""
+    pending = start_exchange(
+        segments, xs, worker_error, server_error, transport, workspace, next_server_error
+    )
     return pending.commit()
 
 
@@ -74,14 +65,16 @@ def start_exchange(
     server_error: Tensor,
     transport: GroupTransport,
     workspace: CompressionWorkspace,
-    ahead: ErrorsAhead | None = None,
+    next_server_error: Tensor | None = None,
 ) -> PendingExchange:
     """:func:`exchange_over_group` with the error updates left for the caller to apply
     (``commit()``), so that several exchanges can all be checked before any error state
     changes (the bucketed exchange). The error updates read only what the exchange leaves in
     ``xs``, the segments and the workspace, so applying them later gives the same bits. With
-    ``ahead`` they are computed while the bytes travel, into ``ahead`` (:class:`Round`)."""
-    exchange = Round(segments, xs, worker_error, server_error, transport, workspace, ahead)
+    ``next_server_error`` they are computed ahead, into scratch (:class:`Round`)."""
+    exchange = Round(
+        segments, xs, worker_error, server_error, transport, workspace, next_server_error
+    )
     exchange.send_workers()
     exchange.send_servers()
     return exchange.finish()
@@ -103,12 +96,12 @@ class Round:
     A check that fails raises on every rank alike (they all gathered the same values) with
     no error state changed; :meth:`drain` then waits for what is still in flight.
 
-    With ``ahead`` (segments that are their own ``xs``, one after another in
-    ``ahead.worker``), the error updates are computed while each phase's collective travels:
-    the new worker errors into the segments themselves (after their signs are sent), the new
-    server errors into ``ahead.server`` (after the server signs are sent). Nothing is left to
-    commit; the caller takes the two as the error state once every check has passed
-    (ALGORITHM.md, "Error updates while the bytes travel").
+    With ``next_server_error`` (one segment, which is its own ``xs``), the error updates are
+    computed while each phase's collective travels, into scratch: the new worker error into
+    the segment itself (after its signs are sent), the new server error into
+    ``next_server_error`` (after the server signs are sent). Nothing is left to commit; the
+    caller takes the two as the error state once every check has passed (ALGORITHM.md,
+    "Error updates while the bytes travel").
 
     ``refill`` (where segments are padded copies of values that are final only when the
     worker phase starts, as in a bucket started during backward) copies them in then."""
@@ -121,19 +114,18 @@ class Round:
         server_error: Tensor,
         transport: GroupTransport,
         workspace: CompressionWorkspace,
-        ahead: ErrorsAhead | None = None,
+        next_server_error: Tensor | None = None,
         refill: Callable[[], object] | None = None,
     ) -> None:
         self.segments, self.xs, self.transport, self.ws = segments, xs, transport, workspace
         self.refill = refill
         self.worker_error, self.server_error = worker_error.view(-1), server_error.view(-1)
         self.device = worker_error.device
-        self.ahead = ahead
-        if ahead is not None and not _tile(ahead.worker, segments, xs):
-            raise ValueError(
-                "error updates ahead need segments that are their own xs, one after another "
-                "in the worker errors' place"
-            )
+        self.next_server_error = next_server_error
+        if next_server_error is not None and not (
+            len(segments) == 1 and len(xs) == 1 and xs[0] is segments[0]
+        ):
+            raise ValueError("error updates ahead need one segment that is its own x")
         self._works: list = []
 
     def drain(self) -> None:
@@ -154,13 +146,10 @@ class Round:
         stages.fill_send(ws.worker_packed, ws.send)  # chunk j of every segment, for rank j
         ws.frame_worker_message()  # the scales travel with the signs: one message per peer
         self._works = [self.transport.all_to_all(ws.received_framed, ws.send_framed, async_op=True)]
-        if self.ahead is not None:  # segments <- x - a sign(x), x = error + segment
+        if self.next_server_error is not None:  # segment <- x - a sign(x), x = error + segment
+            segment = self.segments[0]
             stages.update_worker_errors(
-                self.worker_error.split(stages.layout.sizes),
-                self.xs,
-                self.ahead.worker,
-                ws.worker_packed,
-                ws.local_scales,
+                [self.worker_error], self.xs, segment, ws.worker_packed, ws.local_scales
             )
 
     def send_servers(self) -> None:
@@ -183,8 +172,8 @@ class Round:
         self._works = [
             self.transport.all_gather(ws.gathered_framed, ws.server_frame, async_op=True)
         ]
-        if self.ahead is not None:
-            self._update_server_errors(self.ahead.server)
+        if self.next_server_error is not None:
+            self._update_server_errors(self.next_server_error)
 
     def finish(self) -> PendingExchange:
         ws, stages = self.ws, self.ws.stages
@@ -193,7 +182,7 @@ class Round:
         self.transport.agree(finite_problem(ws.server_scales.tolist(), "server scale"), self.device)
 
         def commit() -> None:
-            if self.ahead is None:
+            if self.next_server_error is None:
                 stages.update_worker_errors(
                     self.segments, self.xs, self.worker_error, ws.worker_packed, ws.local_scales
                 )
@@ -209,14 +198,3 @@ class Round:
         ws.stages.update_server_errors(
             self.received, self.worker_scales, self.server_error, *own, out
         )
-
-
-def _tile(flat: Tensor, segments: Sequence[Tensor], xs: Sequence[Tensor]) -> bool:
-    """Whether ``segments`` are their own ``xs`` and lie one after another in ``flat``."""
-    sizes = [segment.numel() for segment in segments]
-    if len(xs) != len(segments) or flat.numel() != sum(sizes):
-        return False
-    return all(
-        x is segment and segment.is_contiguous() and piece.data_ptr() == segment.data_ptr()
-        for x, segment, piece in zip(xs, segments, flat.split(sizes), strict=True)
-    )
