@@ -33,8 +33,8 @@ def test_ideal_figures() -> None:
     assert analysis.ideal_speedup(0.7, w=1.0) == 1.0
 
 
-def test_the_delayed_exchange_is_timed_from_its_second_step_that_applies_an_update() -> None:
-    # Its first step of the stage applies nothing; its second pays the first exchange's
+def test_the_delayed_exchanges_first_step_of_the_stage_is_untimed_besides_skip_steps() -> None:
+    # Its first step of the stage applies nothing; its first that does pays the first exchange's
     # setup, as every other method's first step of the stage does (skip_steps).
     assert untimed_before_compression("onebit-lamb-delayed", 1) == 2
     assert untimed_before_compression("onebit-lamb-delayed", 0) == 1
