@@ -114,6 +114,7 @@ COMMIT_DATES = {
     "79d17a7": "2026-12-06",
     "af27bc3": "2026-12-06",
     "d653a46": "2026-12-06",
+    "18896a7": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -191,6 +192,7 @@ RECORDED_IN = {
     "docs/convergence/variance-guard/momentum-bound/"
     "onebit-lamb-n64-delayed-momentum-bound": "27d3025",
     "docs/convergence/variance-guard/momentum-bound/onebit-lamb-n256-momentum-bound": "0747295",
+    "docs/convergence/delayed/oracle/onebit-lamb-n64-delayed-mean-momentum-bound": "18896a7",
     "docs/main-job/momentum-bound": "e47b06b",
     "docs/main-job/trust-bound/simulated-lamb-ratio": "828a2f9",
 }
@@ -1020,6 +1022,7 @@ def table_diloco_outer() -> Table:
 
 DILOCO_STUDY = "docs/convergence/diloco-study"
 DELAYED_PREDICTION = "docs/convergence/delayed/prediction"
+DELAYED_ORACLE = "docs/convergence/delayed/oracle"
 MOMENTUM_BOUND = "docs/convergence/variance-guard/momentum-bound"
 #: The study's DiLoCo arms, in the order of its table.
 DILOCO_STUDY_DILOCO = [
@@ -1149,41 +1152,53 @@ def table_link_choice_bert_base() -> Table:
     return _link_choice("link-choice-bert-base", f"{DILOCO_STUDY}/link-choice-bert-base.json")
 
 
-#: The delayed exchange beside the same run without it: (folder, run, exchange), in pairs.
+#: The delayed exchange beside the same run without it: per run, the undelayed run's folder
+#: and label, then each delayed variant's (all of a run on the same inputs).
 DELAYED_RUNS = [
-    (f"{DELAYED_PREDICTION}/main-job/undelayed", "main job", "1-bit LAMB"),
-    (f"{DELAYED_PREDICTION}/main-job/delayed", "main job", "delayed, at the prediction"),
     (
-        f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor",
-        "study, 4 workers, without momentum_bound",
-        "1-bit LAMB",
+        "main job",
+        [
+            (f"{DELAYED_PREDICTION}/main-job/undelayed", "1-bit LAMB"),
+            (f"{DELAYED_PREDICTION}/main-job/delayed", "delayed, at the prediction"),
+        ],
     ),
     (
-        f"{DELAYED_PREDICTION}/onebit-lamb-n4-delayed",
         "study, 4 workers, without momentum_bound",
-        "delayed, at the prediction",
+        [
+            (f"{DILOCO_STUDY}/onebit-lamb-n4-per-tensor", "1-bit LAMB"),
+            (f"{DELAYED_PREDICTION}/onebit-lamb-n4-delayed", "delayed, at the prediction"),
+        ],
     ),
-    (f"{MOMENTUM_BOUND}/onebit-lamb-n4-momentum-bound", "study, 4 workers", "1-bit LAMB"),
     (
-        f"{MOMENTUM_BOUND}/onebit-lamb-n4-delayed-momentum-bound",
         "study, 4 workers",
-        "delayed, at the prediction",
+        [
+            (f"{MOMENTUM_BOUND}/onebit-lamb-n4-momentum-bound", "1-bit LAMB"),
+            (
+                f"{MOMENTUM_BOUND}/onebit-lamb-n4-delayed-momentum-bound",
+                "delayed, at the prediction",
+            ),
+        ],
     ),
     (
-        f"{MOMENTUM_BOUND}/onebit-lamb-n64-momentum-bound",
         "study, 64 simulated workers, fused exchange",
-        "1-bit LAMB",
+        [
+            (f"{MOMENTUM_BOUND}/onebit-lamb-n64-momentum-bound", "1-bit LAMB"),
+            (
+                f"{MOMENTUM_BOUND}/onebit-lamb-n64-delayed-momentum-bound",
+                "delayed, at the prediction",
+            ),
+            (
+                f"{DELAYED_ORACLE}/onebit-lamb-n64-delayed-mean-momentum-bound",
+                "delayed, at the mean prediction (oracle)",
+            ),
+        ],
     ),
     (
-        f"{MOMENTUM_BOUND}/onebit-lamb-n64-delayed-momentum-bound",
-        "study, 64 simulated workers, fused exchange",
-        "delayed, at the prediction",
-    ),
-    ("docs/main-job/steps-250/default", "main job (another tokenizer)", "1-bit LAMB"),
-    (
-        "docs/main-job/steps-250/delayed",
         "main job (another tokenizer)",
-        "delayed, one update behind",
+        [
+            ("docs/main-job/steps-250/default", "1-bit LAMB"),
+            ("docs/main-job/steps-250/delayed", "delayed, one update behind"),
+        ],
     ),
 ]
 
@@ -1191,7 +1206,6 @@ DELAYED_RUNS = [
 #: The simulated main job at W workers, each worker's micro-batch 1/W of the global batch:
 #: without the delay, delayed at each worker's own prediction, and at the oracle's (the
 #: workers' mean).
-DELAYED_ORACLE = "docs/convergence/delayed/oracle"
 DELAYED_ORACLE_WORKERS = (4, 16, 64)
 DELAYED_ORACLE_ARMS = [
     ("undelayed", "not delayed", ""),
@@ -1236,24 +1250,24 @@ def table_delayed_oracle() -> Table:
 
 
 def table_delayed_convergence() -> Table:
-    """Validation losses by step with and without the delay, pair by pair (each pair on the
-    same inputs), and the final loss against the undelayed run's."""
-    curves = {d: dict(_validation_losses(d)) for d, _, _ in DELAYED_RUNS}
+    """Validation losses by step with and without the delay, run by run (each run's variants
+    on the same inputs), and each delayed variant's final loss against the undelayed run's."""
+    folders = [d for _, variants in DELAYED_RUNS for d, _ in variants]
+    curves = {d: dict(_validation_losses(d)) for d in folders}
     steps = sorted(set().union(*[set(c) for c in curves.values()]))
     header = ["run", "gradients", *[str(s) for s in steps], "vs undelayed"]
     rows = []
-    for (plain, run, plain_label), (late, _, late_label) in zip(
-        DELAYED_RUNS[::2], DELAYED_RUNS[1::2], strict=True
-    ):
-        _first_losses_agree([plain, late])
-        final = {d: curves[d][max(curves[d])] for d in (plain, late)}
-        for run_dir, label in ((plain, plain_label), (late, late_label)):
+    for run, variants in DELAYED_RUNS:
+        _first_losses_agree([d for d, _ in variants])
+        plain = variants[0][0]
+        final = {d: curves[d][max(curves[d])] for d, _ in variants}
+        for run_dir, label in variants:
             curve = curves[run_dir]
-            versus = "" if run_dir == plain else _pct(final[late] / final[plain] - 1)
+            versus = "" if run_dir == plain else _pct(final[run_dir] / final[plain] - 1)
             rows.append(
                 [run, label, *[f"{curve[s]:.3f}" if s in curve else "" for s in steps], versus]
             )
-    paths = [f"{d}/metrics.jsonl" for d, _, _ in DELAYED_RUNS]
+    paths = [f"{d}/metrics.jsonl" for d in folders]
     commits, dates = _stamp(paths)
     return Table(
         "delayed-convergence",
@@ -1268,7 +1282,7 @@ def table_delayed_convergence() -> Table:
             f"{STUDY} --out runs/study-delay-n4 --arms onebit-lamb-n4-delayed",
             f"{STUDY} --out runs/study --arms onebit-lamb-n4-momentum-bound "
             "onebit-lamb-n4-delayed-momentum-bound onebit-lamb-n64-momentum-bound "
-            "onebit-lamb-n64-delayed-momentum-bound",
+            "onebit-lamb-n64-delayed-momentum-bound onebit-lamb-n64-delayed-mean-momentum-bound",
         ],
         measured=False,
     )
