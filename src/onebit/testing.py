@@ -21,12 +21,15 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from onebit.kernels import native_device
+
+if TYPE_CHECKING:  # the fork server's context exists only where the platform has one
+    from multiprocessing.context import ForkServerContext, SpawnContext
 
 __all__ = ["WorkerError", "backend_device", "spawn_workers"]
 
@@ -47,7 +50,7 @@ class WorkerError(RuntimeError):
 _SERVER_PRELOAD = [__name__]
 
 
-def _start_context() -> Any:
+def _start_context() -> ForkServerContext | SpawnContext:
     """The fork server's context, its preload set, where the platform has one; else spawn.
 
     A rank forked from the server starts with the server's environment (the first call's);
