@@ -1,8 +1,8 @@
 """Run a function on several local ranks, for tests and single-machine experiments.
 
 :func:`spawn_workers` starts one process per rank, forked from multiprocessing's fork server
-(which imports torch once, so that a rank starts in a fraction of a second instead of importing
-it again; the ``spawn`` start method where there is no fork server), joins them
+(which imports torch once, so that no rank imports it again; the ``spawn`` start method where
+there is no fork server), joins them
 in a gloo (or NCCL) process group through a file store in a fresh temporary directory (no
 fixed port), and returns each rank's return value. A worker that raises, dies or overruns the
 timeout makes the call raise :class:`WorkerError` with every failing rank's traceback, and no

@@ -16,8 +16,8 @@ def _environment_and_group(rank, world_size):
 
 
 def test_ranks_see_the_callers_environment_at_each_call(monkeypatch, tmp_path):
-    # The first call starts the fork server without the variable; later calls must still
-    # hand each rank the caller's environment and working directory as they are then.
+    # The fork server starts (at this call or an earlier one) without the variable; later
+    # calls must still hand each rank the caller's environment and working directory.
     monkeypatch.delenv(VARIABLE, raising=False)
     assert [r[0] for r in spawn_workers(_environment_and_group, 2)] == [None, None]
     monkeypatch.setenv(VARIABLE, "set after the first call")
