@@ -35,6 +35,7 @@ from onebit.collectives import allreduce_bytes, allreduce_mean_
 from onebit.exchange import (
     Exchange,
     FlatExchange,
+    Layout,
     PerTensorExchange,
     TrafficCounter,
     world_size,
@@ -48,6 +49,7 @@ __all__ = [
     "Fragment",
     "ONEBIT_OUTER",
     "OUTER_DEFAULTS",
+    "WORKER_RESIDUALS",
     "outer_sgd",
 ]
 
@@ -63,6 +65,10 @@ ONEBIT_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.5, "nesterov": True}
 #: Each outer exchange's default outer optimizer.
 OUTER_DEFAULTS: dict[str, dict[str, Any]] = {"dense": DILOCO_OUTER, "1bit": ONEBIT_OUTER}
 _COMPRESSIONS = ("per_tensor", "fused")
+#: Where a worker's residual of the 1-bit exchange goes: into its next round's message (error
+#: feedback), or into its own weights at the outer step (ALGORITHM.md, "Where a worker's
+#: residual goes").
+WORKER_RESIDUALS = ("carried", "local")
 
 
 def outer_sgd(
@@ -125,6 +131,17 @@ class Fragment:
             return None, None
         return self.exchange.worker_error, self.exchange.server_error
 
+    def residuals(self) -> list[Tensor]:
+        """This rank's residual of each parameter in its last 1-bit exchange (its worker
+        error, the padding left out), flat views; zeros before the first."""
+        assert self.exchange is not None
+        worker, _ = self.exchange.errors()
+        if isinstance(self.exchange, PerTensorExchange):  # each tensor padded alone
+            padded = Layout.per_tensor(self.numels, self.exchange.world_size).sizes
+            segments = worker.split(list(padded))
+            return [segment[:numel] for segment, numel in zip(segments, self.numels, strict=True)]
+        return list(worker[: sum(self.numels)].split(self.numels))
+
 
 class DiLoCo:
     """DiLoCo over ``process_group`` (``None``: the world) for ``params``, which
@@ -134,7 +151,10 @@ class DiLoCo:
     ``outer_optimizer`` (built over the same parameters; default: the exchange's
     :data:`OUTER_DEFAULTS`, DiLoCo's Nesterov SGD for the dense exchange, with momentum 0.5
     for the 1-bit one). A step post-hook on the inner optimizer ends the rounds
-    (:meth:`close` removes it); :meth:`sync` ends one at once.
+    (:meth:`close` removes it); :meth:`sync` ends one at once. ``worker_residual`` (1-bit
+    exchange): ``"carried"``, each worker's residual of the compression joins its next
+    round's message (error feedback); ``"local"``, each worker applies it to its own weights
+    at the outer step (ALGORITHM.md, "Where a worker's residual goes").
 
     Streaming (ALGORITHM.md, "Streaming fragments and the delayed outer exchange"):
     ``fragments`` (an int K, the parameters cut in order into K runs of about equal size, or
@@ -158,6 +178,7 @@ class DiLoCo:
         fragments: int | Sequence[Iterable[Tensor]] = 1,
         delay: int = 0,
         local_share: float = 0.0,
+        worker_residual: str = "carried",
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
@@ -170,6 +191,15 @@ class DiLoCo:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {_COMPRESSIONS}, got {compression!r}")
+        if worker_residual not in WORKER_RESIDUALS:
+            raise ValueError(
+                f"worker_residual must be one of {WORKER_RESIDUALS}, got {worker_residual!r}"
+            )
+        if worker_residual == "local" and exchange != "1bit":
+            raise ValueError(
+                "worker_residual='local' places the 1-bit exchange's residual: it needs "
+                f"exchange='1bit', not {exchange!r}"
+            )
         if not isinstance(inner_optimizer, Optimizer):
             raise TypeError(
                 "inner_optimizer must be a torch.optim.Optimizer, got "
@@ -205,7 +235,7 @@ class DiLoCo:
             )
         self.sync_every, self.turn_steps = sync_every, turn_steps
         self.delay, self.local_share = delay, float(local_share)
-        self.exchange_kind = exchange
+        self.exchange_kind, self.worker_residual = exchange, worker_residual
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
         self.process_group = process_group
         self.traffic = TrafficCounter()
@@ -280,8 +310,10 @@ class DiLoCo:
         if fragment.exchange is None:
             allreduce_mean_(fragment.buffer, self._exchange_group, traffic=fragment.traffic)
             self.check_finite(fragment.buffer)
-        else:
-            fragment.exchange.exchange(fragment.buffer).decode(fragment.buffer)
+            return
+        if self.worker_residual == "local":  # the last residual is in the weights already
+            fragment.exchange.errors()[0].zero_()
+        fragment.exchange.exchange(fragment.buffer).decode(fragment.buffer)
 
     @property
     def exchange_started(self) -> bool:
@@ -311,9 +343,10 @@ class DiLoCo:
         return self.fragments[self.fragment].buffer
 
     @torch.no_grad()
-    def _end_turn(self, local_share: float) -> None:
+    def _end_turn(self, local_share: float, residual: bool = True) -> None:
         """The turn's exchange completed and its fragment's outer step; each worker keeps
-        ``local_share`` of its own move since the exchange started."""
+        ``local_share`` of its own move since the exchange started, and, with
+        ``worker_residual="local"`` and ``residual``, applies its residual."""
         index = self.fragment
         fragment = self.fragments[index]
         if self._in_flight is None:
@@ -326,7 +359,20 @@ class DiLoCo:
         if own is not None:
             for param, mine in zip(fragment.params, own, strict=True):
                 param.lerp_(mine, local_share)
+        if residual and self.worker_residual == "local":
+            self._apply_residuals(fragment)
         self.turn_ended()
+
+    def _apply_residuals(self, fragment: Fragment) -> None:
+        """``θ ← θ - η ρ``: this worker's residual of ``fragment``'s last exchange, at the
+        outer learning rate of each parameter's group."""
+        rates = {
+            id(p): group["lr"]
+            for group in self.outer_optimizer.param_groups
+            for p in group["params"]
+        }
+        for param, residual in zip(fragment.params, fragment.residuals(), strict=True):
+            param.add_(residual.view_as(param).to(param.dtype), alpha=-rates[id(param)])
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -334,7 +380,7 @@ class DiLoCo:
         completes (or runs now) and its outer step runs, then every other fragment's exchange
         and outer step; every rank then holds the start weights."""
         index = self.fragment
-        self._end_turn(local_share=0.0)
+        self._end_turn(local_share=0.0, residual=False)
         for other, fragment in enumerate(self.fragments):
             if other != index:
                 fragment.pseudo_gradient(fragment.buffer)
@@ -391,6 +437,11 @@ class DiLoCo:
             raise ValueError("use_exchange replaces the 1-bit exchange; this DiLoCo is dense")
         if self.rounds or self.local_step or part.exchange.worker_error is not None:
             raise ValueError("use_exchange must come before the first round")
+        if self.worker_residual == "local":
+            raise ValueError(
+                "worker_residual='local' is not simulated: each simulated worker would need "
+                "its own residual in its weights"
+            )
         part.use_exchange(exchange)
 
     # ----------------------------------------------------------------- what users see
@@ -406,7 +457,9 @@ class DiLoCo:
     def weights_shared(self) -> bool:
         """Whether the parameters hold the start weights, the same on every rank: at the
         start of a turn, with one fragment, where no local share was kept."""
-        kept = self.delay and self.local_share and self.rounds
+        kept = self.rounds and (
+            (self.delay and self.local_share) or self.worker_residual == "local"
+        )
         return self.local_step == 0 and len(self.fragments) == 1 and not kept
 
     @property
@@ -453,6 +506,7 @@ class DiLoCo:
             "rounds": self.rounds,
             "sync_every": self.sync_every,
             "exchange": self.exchange_kind,
+            "worker_residual": self.worker_residual,
             "fragments": [list(fragment.indices) for fragment in self.fragments],
             "delay": self.delay,
             "round_start": [start.clone() for start in self._round_start],
@@ -471,6 +525,12 @@ class DiLoCo:
             raise ValueError(
                 f"checkpoint of a DiLoCo with exchange={state.get('exchange')!r}; this one has "
                 f"exchange={self.exchange_kind!r}"
+            )
+        saved_residual = state.get("worker_residual", "carried")
+        if saved_residual != self.worker_residual:
+            raise ValueError(
+                f"checkpoint of a DiLoCo with worker_residual={saved_residual!r}; this one has "
+                f"worker_residual={self.worker_residual!r}"
             )
         layout = [list(f.indices) for f in self.fragments]
         saved_layout = state.get("fragments", [list(range(len(self.params)))])

@@ -304,6 +304,7 @@ class SimulatedDiLoCo:
         sync_every, exchange, compression, outer_optimizer, kernels: as
             :class:`onebit.DiLoCo`'s.
         fragments, delay, local_share: Streaming DiLoCo's, as :class:`onebit.DiLoCo`'s.
+        worker_residual: ``"carried"`` only (``"local"`` is not simulated; ``ValueError``).
 
     Use: ``results = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
     worker ``rank``'s forward and backward pass at its own weights (which the parameters hold
@@ -328,6 +329,7 @@ class SimulatedDiLoCo:
         fragments: int | Sequence[Iterable[Tensor]] = 1,
         delay: int = 0,
         local_share: float = 0.0,
+        worker_residual: str = "carried",
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
@@ -342,6 +344,7 @@ class SimulatedDiLoCo:
             fragments=fragments,
             delay=delay,
             local_share=local_share,
+            worker_residual=worker_residual,
         )
         self.diloco.close()  # every worker's inner step runs here: the turns are ended below
         self.exchanges: list[SimulatedExchange | PerTensorSimulatedExchange] = []

@@ -1,9 +1,10 @@
 """DiLoCo (ALGORITHM.md, "DiLoCo with a 1-bit outer exchange") on 2 gloo ranks against a
 single-process model of both workers written here from the text: AdamW inner steps on each
 worker's own batches, the mean of the pseudo-gradients (or the per-tensor 1-bit oracle with
-errors that persist from round to round) and each exchange's default outer SGD written out;
-ranks bit-identical after every round; exact resume from a save in the middle of a round; the
-bytes of each exchange; bad arguments named before anything changes."""
+errors that persist from round to round, or with each worker's residual in its own weights)
+and each exchange's default outer SGD written out; ranks bit-identical after every round
+(their round start weights, where each keeps its residual); exact resume from a save in the
+middle of a round; the bytes of each exchange; bad arguments named before anything changes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from helpers.oracle import oracle_compressed_allreduce_per_tensor
 
 import onebit
 from onebit.collectives import compressed_allreduce_per_tensor_bytes, ring_allreduce_bytes
+from onebit.compression import per_tensor_padded_size
 from onebit.testing import spawn_workers
 
 WORLD, H, ROUNDS = 2, 3, 4
@@ -24,29 +26,43 @@ SHAPES = [(6, 5), (6,), (2, 6), (2,)]
 #: Each outer exchange's default outer SGD (lr, Nesterov momentum), from the text: DiLoCo's
 #: after the dense exchange, momentum 0.5 after the 1-bit one.
 OUTER = {"dense": (0.7, 0.9), "1bit": (0.7, 0.5)}
+#: The DiLoCos run: (name, exchange, where the worker's residual goes).
+VARIANTS = [
+    ("dense", "dense", "carried"),
+    ("1bit", "1bit", "carried"),
+    ("1bit-local", "1bit", "local"),
+]
 
 
-def _train(rank: int, world: int, exchange: str, save_at: int | None = None):
-    """The weights after every round; with ``save_at``, the run is saved after that inner
-    step and continued by new objects that load the save."""
-    model = _model()
-    inner = torch.optim.AdamW(model.parameters(), **INNER)
-    diloco = onebit.DiLoCo(
-        model.parameters(), inner, sync_every=H, exchange=exchange, kernels="torch"
-    )
+def _train(rank: int, world: int, exchange: str, residual: str, save_at: int | None = None):
+    """The round start weights and this rank's weights after every round; with ``save_at``,
+    the run is saved after that inner step and continued by new objects that load the save."""
+
+    def build():
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), **INNER)
+        diloco = onebit.DiLoCo(
+            model.parameters(),
+            inner,
+            sync_every=H,
+            exchange=exchange,
+            kernels="torch",
+            worker_residual=residual,
+        )
+        return model, inner, diloco
+
+    model, inner, diloco = build()
     rounds = []
     for step in range(H * ROUNDS):
         inner_step(model, inner, rank, step)
         if diloco.local_step == 0:
-            rounds.append([p.detach().clone() for p in model.parameters()])
+            own = [p.detach().clone() for p in model.parameters()]
+            with diloco.round_start_weights():
+                rounds.append(([p.detach().clone() for p in model.parameters()], own))
         if step + 1 == save_at:
             saved = (model.state_dict(), inner.state_dict(), diloco.state_dict())
             diloco.close()
-            model = _model()
-            inner = torch.optim.AdamW(model.parameters(), **INNER)
-            diloco = onebit.DiLoCo(
-                model.parameters(), inner, sync_every=H, exchange=exchange, kernels="torch"
-            )
+            model, inner, diloco = build()
             model.load_state_dict(saved[0])
             inner.load_state_dict(saved[1])
             diloco.load_state_dict(saved[2])
@@ -55,19 +71,28 @@ def _train(rank: int, world: int, exchange: str, save_at: int | None = None):
 
 def _runs(rank: int, world: int):
     return {
-        exchange: (_train(rank, world, exchange), _train(rank, world, exchange, save_at=H + 1))
-        for exchange in onebit.DILOCO_EXCHANGES
+        name: (
+            _train(rank, world, exchange, residual),
+            _train(rank, world, exchange, residual, save_at=H + 1),
+        )
+        for name, exchange, residual in VARIANTS
     }
 
 
-def _model_of_both_workers(exchange: str, node_size: int = 1) -> list[list[torch.Tensor]]:
-    """Both workers in one process, from the text; with ``node_size``, each worker a node
-    whose inner steps take the mean of its ranks' gradients (DDP inside the node)."""
+def _model_of_both_workers(
+    exchange: str, node_size: int = 1, residual: str = "carried"
+) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
+    """Both workers in one process, from the text: after every round, the start weights and
+    each worker's weights. With ``node_size``, each worker a node whose inner steps take the
+    mean of its ranks' gradients (DDP inside the node); with ``residual="local"``, each
+    worker's 1-bit message carries no error and its residual goes into its weights, at the
+    outer lr."""
     replicas = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
     theta = [p.detach().clone() for p in replicas[0].parameters()]
     buffers = None  # the outer momentum
     numels = [math.prod(s) for s in SHAPES]
+    padded = [per_tensor_padded_size(n, WORLD) for n in numels]
     width, server = onebit.per_tensor_error_sizes(numels, WORLD)
     worker_errors, server_errors = torch.zeros(WORLD, width), torch.zeros(WORLD, server)
     rounds = []
@@ -83,6 +108,8 @@ def _model_of_both_workers(exchange: str, node_size: int = 1) -> list[list[torch
         if exchange == "dense":
             average = [rows.sum(dim=0) / WORLD for rows in per_tensor]
         else:
+            if residual == "local":
+                worker_errors = torch.zeros_like(worker_errors)
             average, worker_errors, server_errors = oracle_compressed_allreduce_per_tensor(
                 per_tensor, worker_errors, server_errors, kernels="torch"
             )
@@ -93,10 +120,15 @@ def _model_of_both_workers(exchange: str, node_size: int = 1) -> list[list[torch
         else:
             buffers = [momentum * b + g for b, g in zip(buffers, grads, strict=True)]
         theta = [t - lr * (g + momentum * b) for t, g, b in zip(theta, grads, buffers, strict=True)]
-        for model in replicas:
-            for p, t in zip(model.parameters(), theta, strict=True):
-                p.data.copy_(t)
-        rounds.append([t.clone() for t in theta])
+        own = []
+        for worker, model in enumerate(replicas):
+            residuals = [
+                e[:n] for e, n in zip(worker_errors[worker].split(padded), numels, strict=True)
+            ]
+            for p, t, e in zip(model.parameters(), theta, residuals, strict=True):
+                p.data.copy_(t - lr * e.view_as(t) if residual == "local" else t)
+            own.append([p.detach().clone() for p in model.parameters()])
+        rounds.append(([t.clone() for t in theta], own))
     return rounds
 
 
@@ -117,27 +149,40 @@ def ranks():
     return spawn_workers(_runs, WORLD, timeout_s=240)
 
 
-@pytest.mark.parametrize("exchange", ["dense", "1bit"])
-def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(ranks, exchange):
-    expected = _model_of_both_workers(exchange)
-    (rounds, _, count), _ = ranks[0][exchange]
-    assert count == ROUNDS and len(rounds) == ROUNDS
-    for r, (got, want) in enumerate(zip(rounds, expected, strict=True)):
-        for index, (a, b) in enumerate(zip(got, want, strict=True)):
-            torch.testing.assert_close(
-                a, b, rtol=1e-5, atol=1e-6, msg=lambda m, r=r, i=index: f"round {r + 1} {i}: {m}"
-            )
-    other = ranks[1][exchange][0][0]
-    for a, b in zip(rounds, other, strict=True):
+@pytest.mark.parametrize("name, exchange, residual", VARIANTS)
+def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(ranks, name, exchange, residual):
+    expected = _model_of_both_workers(exchange, residual=residual)
+    for rank in range(WORLD):
+        (rounds, _, count), _ = ranks[rank][name]
+        assert count == ROUNDS and len(rounds) == ROUNDS
+        for r, ((start, own), (want_start, want_own)) in enumerate(
+            zip(rounds, expected, strict=True)
+        ):
+            for index, (a, b) in enumerate(
+                zip(start + own, want_start + want_own[rank], strict=True)
+            ):
+                torch.testing.assert_close(
+                    a,
+                    b,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, r=r, i=index: f"round {r + 1} {i}: {m}",
+                )
+    other = ranks[1][name][0][0]
+    for (a, _), (b, _) in zip(ranks[0][name][0][0], other, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    if residual == "local":  # each worker keeps its own residual
+        assert not torch.equal(ranks[0][name][0][0][-1][1][0], other[-1][1][0])
 
 
-@pytest.mark.parametrize("exchange", ["dense", "1bit"])
-def test_a_run_resumed_in_the_middle_of_a_round_is_bit_identical(ranks, exchange):
+@pytest.mark.parametrize("name", [name for name, _, _ in VARIANTS])
+def test_a_run_resumed_in_the_middle_of_a_round_is_bit_identical(ranks, name):
     for rank in ranks:
-        (straight, sent, _), (resumed, resumed_sent, _) = rank[exchange]
-        last, resumed_last = straight[-1], resumed[-1]
-        assert all(torch.equal(a, b) for a, b in zip(last, resumed_last, strict=True))
+        (straight, sent, _), (resumed, resumed_sent, _) = rank[name]
+        (start, own), (resumed_start, resumed_own) = straight[-1], resumed[-1]
+        assert all(
+            torch.equal(a, b) for a, b in zip(start + own, resumed_start + resumed_own, strict=True)
+        )
         assert sent == resumed_sent
 
 
@@ -164,6 +209,8 @@ def test_bad_arguments_are_named_before_anything_changes():
         ({"sync_every": 2, "exchange": "2bit"}, ValueError, "exchange"),
         ({"sync_every": 2, "compression": "topk"}, ValueError, "compression"),
         ({"sync_every": 2, "outer_optimizer": other}, ValueError, "outer_optimizer"),
+        ({"sync_every": 2, "worker_residual": "dropped"}, ValueError, "worker_residual"),
+        ({"sync_every": 2, "exchange": "dense", "worker_residual": "local"}, ValueError, "1bit"),
     ]
     for options, error, name in cases:
         with pytest.raises(error, match=name):
@@ -177,6 +224,10 @@ def test_bad_arguments_are_named_before_anything_changes():
         onebit.DiLoCo(model.parameters(), inner, sync_every=2, exchange="dense").load_state_dict(
             saved
         )
+    local = onebit.DiLoCo(model.parameters(), inner, sync_every=2, worker_residual="local")
+    with pytest.raises(ValueError, match="worker_residual='carried'"):
+        local.load_state_dict(saved)
+    local.close()
     with pytest.raises(ValueError, match="inner step 1 .* sync_every=1"):
         onebit.DiLoCo(model.parameters(), inner, sync_every=1).load_state_dict(
             saved | {"local_step": 1}
@@ -212,7 +263,7 @@ def test_diloco_between_nodes_with_ddp_inside_them(exchange):
     ranks = spawn_workers(_nodes_of_two, 4, args=(exchange,), timeout_s=240)
     expected = _model_of_both_workers(exchange, node_size=2)
     for rank, rounds in enumerate(ranks):
-        for r, (got, want) in enumerate(zip(rounds, expected, strict=True)):
+        for r, (got, (want, _)) in enumerate(zip(rounds, expected, strict=True)):
             for a, b in zip(got, want, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
             assert all(torch.equal(a, b) for a, b in zip(got, ranks[0][r], strict=True)), (

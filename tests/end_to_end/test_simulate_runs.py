@@ -147,3 +147,7 @@ def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
     assert onebit_main(["simulate", *options, *nodes]) == 2
     assert "DiLoCo between nodes) is not simulated" in capsys.readouterr().err
     assert not (tmp_path / "nodes").exists()
+    local = ["--workers", "2", "--worker-residual", "local", "--out", str(tmp_path / "local")]
+    assert onebit_main(["simulate", *options, *local]) == 2
+    assert "--worker-residual local is not simulated" in capsys.readouterr().err
+    assert not (tmp_path / "local").exists()

@@ -130,6 +130,15 @@ from onebit.train.run_dir import prepare_run_dir
             "--outer-implementation is an option of DiLoCo: give --sync-every too",
         ),
         (
+            ["--optimizer", "adam", "--worker-residual", "local"],
+            "--worker-residual is an option of DiLoCo: give --sync-every too",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--outer-exchange", "dense"]
+            + ["--worker-residual", "local"],
+            "--worker-residual local places the 1-bit exchange's residual: give --outer-exchange",
+        ),
+        (
             ["--optimizer", "adam", "--sync-every", "5", "--outer-implementation", "torchft"],
             "it takes --outer-exchange dense and not --outer-exchange 1bit",
         ),

@@ -10,7 +10,7 @@ from typing import Any
 
 from onebit.cli import check_choice, check_positive_int_option, int_or_auto, option
 from onebit.diloco import EXCHANGES as DILOCO_EXCHANGES
-from onebit.diloco import OUTER_DEFAULTS
+from onebit.diloco import OUTER_DEFAULTS, WORKER_RESIDUALS
 from onebit.optim import AUTO, COMPRESSIONS, registry
 from onebit.optim.checks import (
     check_betas,
@@ -362,6 +362,14 @@ class TrainConfig:
         help="with --fragment-delay: the share of its own move during the delay each worker "
         "keeps at the fragment's outer step (0: the outer step's result alone)",
     )
+    worker_residual: str = option(
+        "carried",
+        group=_SYSTEM,
+        choices=WORKER_RESIDUALS,
+        help="with --sync-every and --outer-exchange 1bit: where each worker's residual of the "
+        "compression goes: carried into its next round's message (error feedback), or local, "
+        "into its own weights at the outer step",
+    )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
     eval_every: int | None = option(
@@ -436,6 +444,7 @@ class TrainConfig:
         check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
         check_choice("outer_exchange", self.outer_exchange, DILOCO_EXCHANGES)
         check_choice("outer_implementation", self.outer_implementation, DILOCO_IMPLEMENTATIONS)
+        check_choice("worker_residual", self.worker_residual, WORKER_RESIDUALS)
         for name in ("freeze_step", "var_freeze_step", "var_warmup_steps"):
             if getattr(self, name) not in (None, AUTO):
                 check_positive_int_option(name, getattr(self, name))
@@ -533,6 +542,7 @@ class TrainConfig:
             "fragments": self.fragments,
             "delay": self.fragment_delay,
             "local_share": self.local_share,
+            "worker_residual": self.worker_residual,
         }
 
     @property

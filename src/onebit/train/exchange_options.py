@@ -114,6 +114,7 @@ def _check_diloco(config: TrainConfig) -> None:
             "--fragments": config.fragments != 1,
             "--fragment-delay": config.fragment_delay != 0,
             "--local-share": config.local_share != 0.0,
+            "--worker-residual": config.worker_residual != "carried",
         }
         for flag, is_given in given.items():
             if is_given:
@@ -148,6 +149,11 @@ def _check_diloco(config: TrainConfig) -> None:
     ):
         if value:
             raise ValueError(f"--sync-every (DiLoCo) is not offered with {flag}")
+    if config.worker_residual != "carried" and config.outer_exchange != "1bit":
+        raise ValueError(
+            f"--worker-residual {config.worker_residual} places the 1-bit exchange's residual: "
+            "give --outer-exchange 1bit"
+        )
     _check_outer_implementation(config)
     if config.outer_lr is not None:  # None: the outer exchange's default
         check_positive("--outer-lr", config.outer_lr)
