@@ -115,6 +115,7 @@ COMMIT_DATES = {
     "af27bc3": "2026-12-06",
     "d653a46": "2026-12-06",
     "18896a7": "2026-12-06",
+    "98fecdd": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -154,6 +155,7 @@ RECORDED_IN = {
     "docs/convergence/variance-guard/zero-one-adam": "94bcbc4",
     "docs/main-job/diloco": "d879708",
     "docs/main-job/diloco-outer": "d879708",
+    "docs/main-job/diloco-local": "98fecdd",
     "docs/main-job/longer": "24d5ed9",
     "docs/main-job/lamb": "c2eea4d",
     "docs/main-job/default": "e47b06b",
@@ -959,6 +961,12 @@ DILOCO_OUTER_RUNS = {
     (0.7, 0.5): "docs/main-job/diloco-outer/h{h}-{x}-m05",
     (1.0, 0.0): "docs/main-job/diloco-outer/h{h}-{x}-m0-lr1",
 }
+#: The 1-bit exchange with ``--worker-residual local`` at the same outer SGDs.
+DILOCO_LOCAL_RUNS = {
+    (0.7, 0.9): "docs/main-job/diloco-local/h{h}-m09",
+    (0.7, 0.5): "docs/main-job/diloco-local/h{h}-m05",
+    (1.0, 0.0): "docs/main-job/diloco-local/h{h}-m0-lr1",
+}
 
 
 def _first_losses_agree(paths: Sequence[str]) -> None:
@@ -980,12 +988,13 @@ def _first_losses_agree(paths: Sequence[str]) -> None:
 
 
 def table_diloco_outer() -> Table:
-    """DiLoCo's outer SGD, dense and 1-bit, at each H of the main job: the final validation
-    losses side by side."""
+    """DiLoCo's outer SGD, dense and 1-bit (the worker's residual carried, and local), at
+    each H of the main job: the final validation losses side by side."""
     rows, paths, commands = [], [], []
     for h in (10, 25):
         for (lr, momentum), pattern in DILOCO_OUTER_RUNS.items():
             runs = {x: pattern.format(h=h, x=x) for x in ("dense", "1bit")}
+            runs["local"] = DILOCO_LOCAL_RUNS[lr, momentum].format(h=h)
             loss = {
                 x: _read(f"{run}/summary.json")["final_validation_loss"] for x, run in runs.items()
             }
@@ -997,21 +1006,32 @@ def table_diloco_outer() -> Table:
                     f"{loss['dense']:.4f}",
                     f"{loss['1bit']:.4f}",
                     _pct(loss["1bit"] / loss["dense"] - 1),
+                    f"{loss['local']:.4f}",
+                    _pct(loss["local"] / loss["dense"] - 1),
                 ]
             )
             paths += runs.values()
             commands += [
                 f"python3 run.py train --optimizer adam {EARLIER_MAIN_JOB} --sync-every {h} "
-                f"--outer-exchange {x} "
+                f"--outer-exchange {'dense' if x == 'dense' else '1bit'} "
                 f"--outer-lr {lr:g} --outer-momentum {momentum:g}"
+                + (" --worker-residual local" if x == "local" else "")
                 for x in runs
             ]
     _first_losses_agree(paths)
     commits, dates = _stamp(f"{path}/summary.json" for path in paths)
     return Table(
         "diloco-outer",
-        ["H", "outer SGD: lr, momentum", "dense", "1-bit", "1-bit vs dense"],
-        "llrrr",
+        [
+            "H",
+            "outer SGD: lr, momentum",
+            "dense",
+            "1-bit",
+            "1-bit vs dense",
+            "1-bit, residual local",
+            "local vs dense",
+        ],
+        "llrrrrr",
         rows,
         [f"{path}/summary.json" for path in paths],
         commits,
@@ -1053,6 +1073,8 @@ def _diloco_label(folder: str) -> str:
         f"DiLoCo over {DILOCO_INNER[train['optimizer']]}, H = {train['sync_every']}, "
         f"{exchange}, {outer}"
     )
+    if train.get("worker_residual") == "local":
+        label += ", residual local"
     if (train.get("fragments") or 1) > 1:
         label = (
             f"Streaming {label}, {train['fragments']} fragments, delay {train['fragment_delay']}"
