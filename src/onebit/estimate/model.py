@@ -43,11 +43,14 @@ __all__ = [
 
 #: Bytes of fp32 parameters per second through the compression stage's local work beyond
 #: LAMB's update, on this machine: ``4N / (t(OneBitLamb compression step) - t(Lamb.step()))``
-#: at world size 2 on loopback, both cores busy, numba kernels (docs/bench/micro-optimizer.json:
-#: 108.9M parameters, 0.312 s against 0.120 s). ``onebit estimate --calibrate`` measures it again.
+#: at world size 2 on loopback, both cores busy, numba kernels, as docs/bench/micro-optimizer.json
+#: measured it at library commit ce967f0 (108.9M parameters, 0.312 s against 0.120 s); the
+#: emulated cluster's latency and burst efficiency are fitted with it (ESTIMATE.md, "Against
+#: the emulated cluster"). ``onebit estimate --calibrate`` measures it again.
 COMPRESSION_THROUGHPUT = 2.27e9
 #: Bytes per second one rank moves through gloo's dense allreduce on this machine:
-#: ``2 (n-1)/n 4N / t(dist.all_reduce)`` at world size 2 on loopback (the same file: 0.274 s).
+#: ``2 (n-1)/n 4N / t(dist.all_reduce)`` at world size 2 on loopback (the same measurement:
+#: 0.274 s).
 HOST_THROUGHPUT = 1.59e9
 #: Payload share of a full Ethernet frame for TCP with timestamps: 1448 of 1514 bytes.
 TCP_PAYLOAD_SHARE = 1448 / 1514
