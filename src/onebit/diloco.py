@@ -378,11 +378,20 @@ class DiLoCo:
     def sync(self) -> None:
         """End the current turn now, and with it every fragment's round: the turn's exchange
         completes (or runs now) and its outer step runs, then every other fragment's exchange
-        and outer step; every rank then holds the start weights."""
-        index = self.fragment
-        self._end_turn(local_share=0.0, residual=False)
+        and outer step; every rank then holds the start weights. With
+        ``worker_residual="local"``, the fragment whose outer step has just run (no inner step
+        since) is not exchanged again: its weights are set back to its start weights, the
+        residual just applied dropped."""
+        index, just_ended = self.fragment, None
+        if self.worker_residual == "local" and self.local_step == 0 and self.rounds:
+            just_ended = (index - 1) % len(self.fragments)
+            fragment = self.fragments[just_ended]
+            for param, start in zip(fragment.params, fragment.starts, strict=True):
+                param.copy_(start)
+        if just_ended != index:
+            self._end_turn(local_share=0.0, residual=False)
         for other, fragment in enumerate(self.fragments):
-            if other != index:
+            if other not in (index, just_ended):
                 fragment.pseudo_gradient(fragment.buffer)
                 self._average(fragment)
                 self.outer_step(fragment.buffer, other)

@@ -66,7 +66,10 @@ def _train(rank: int, world: int, exchange: str, residual: str, save_at: int | N
             model.load_state_dict(saved[0])
             inner.load_state_dict(saved[1])
             diloco.load_state_dict(saved[2])
-    return rounds, diloco.bytes_sent, diloco.rounds
+    sent, count = diloco.bytes_sent, diloco.rounds
+    diloco.sync()  # on a round's last step
+    synced = [p.detach().clone() for p in model.parameters()], diloco.bytes_sent - sent
+    return rounds, sent, count, synced
 
 
 def _runs(rank: int, world: int):
@@ -153,7 +156,7 @@ def ranks():
 def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(ranks, name, exchange, residual):
     expected = _model_of_both_workers(exchange, residual=residual)
     for rank in range(WORLD):
-        (rounds, _, count), _ = ranks[rank][name]
+        (rounds, _, count, _), _ = ranks[rank][name]
         assert count == ROUNDS and len(rounds) == ROUNDS
         for r, ((start, own), (want_start, want_own)) in enumerate(
             zip(rounds, expected, strict=True)
@@ -175,10 +178,17 @@ def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(ranks, name, e
         assert not torch.equal(ranks[0][name][0][0][-1][1][0], other[-1][1][0])
 
 
+def test_sync_on_a_rounds_last_step_drops_the_local_residuals_and_sends_nothing(ranks):
+    for rank in ranks:
+        rounds, _, _, (weights, sent) = rank["1bit-local"][0]
+        assert sent == 0
+        assert all(torch.equal(a, b) for a, b in zip(weights, rounds[-1][0], strict=True))
+
+
 @pytest.mark.parametrize("name", [name for name, _, _ in VARIANTS])
 def test_a_run_resumed_in_the_middle_of_a_round_is_bit_identical(ranks, name):
     for rank in ranks:
-        (straight, sent, _), (resumed, resumed_sent, _) = rank[name]
+        (straight, sent, _, _), (resumed, resumed_sent, _, _) = rank[name]
         (start, own), (resumed_start, resumed_own) = straight[-1], resumed[-1]
         assert all(
             torch.equal(a, b) for a, b in zip(start + own, resumed_start + resumed_own, strict=True)
