@@ -17,7 +17,7 @@ from helpers.diloco_problem import model as _model
 from helpers.oracle import oracle_compressed_allreduce_per_tensor
 
 import onebit
-from onebit.collectives import ring_allreduce_bytes
+from onebit.collectives import compressed_allreduce_per_tensor_bytes, ring_allreduce_bytes
 from onebit.simulate import SimulatedDiLoCo
 from onebit.testing import spawn_workers
 
@@ -86,12 +86,29 @@ def _synced(rank: int):
     return after, _start_weights(diloco, model), diloco.fragment, diloco.local_step
 
 
+def _synced_local(rank: int):
+    """Each worker's residual in its weights, two turns, then ``sync()`` on the second turn's
+    last step: the weights after it, the start weights and the bytes ``sync()`` sent."""
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    diloco = onebit.DiLoCo(
+        model.parameters(), inner, exchange="1bit", worker_residual="local", **STREAMING
+    )
+    for step in range(2 * (H // K)):
+        inner_step(model, inner, rank, step)
+    sent = diloco.bytes_sent
+    diloco.sync()
+    after = [p.detach().clone() for p in model.parameters()]
+    return after, _start_weights(diloco, model), diloco.bytes_sent - sent
+
+
 def _runs(rank: int, world: int):
     turn = H // K
     results = {case: _train(rank, *case) for case in CASES}
     # saved after the second turn's exchange started, with it in flight
     results["resumed"] = _train(rank, "1bit", 0.5, save_after=2 * turn - DELAY)
     results["synced"] = _synced(rank)
+    results["synced-local"] = _synced_local(rank)
     return results
 
 
@@ -202,6 +219,17 @@ def test_sync_ends_every_fragments_round_at_once(ranks):
         assert fragment == 1 and local_step == 0  # the next turn is the next fragment's
         assert all(torch.equal(a, b) for a, b in zip(after, start, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(after, ranks[0]["synced"][0], strict=True))
+
+
+def test_sync_exchanges_every_fragment_but_the_one_whose_local_residual_was_just_applied(ranks):
+    fragment_0 = [math.prod(SHAPES[i]) for i in SPLIT[0]]
+    for rank in ranks:
+        after, start, sent = rank["synced-local"]
+        assert sent == compressed_allreduce_per_tensor_bytes(fragment_0, WORLD, torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(after, start, strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(after, ranks[0]["synced-local"][0], strict=True)
+        )
 
 
 def _simulated(exchange: str, share: float):
