@@ -116,6 +116,7 @@ COMMIT_DATES = {
     "d653a46": "2026-12-06",
     "18896a7": "2026-12-06",
     "98fecdd": "2026-12-06",
+    "7101be9": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -155,7 +156,7 @@ RECORDED_IN = {
     "docs/convergence/variance-guard/zero-one-adam": "94bcbc4",
     "docs/main-job/diloco": "d879708",
     "docs/main-job/diloco-outer": "d879708",
-    "docs/main-job/diloco-local": "98fecdd",
+    "docs/main-job/diloco-local": "7101be9",
     "docs/main-job/longer": "24d5ed9",
     "docs/main-job/lamb": "c2eea4d",
     "docs/main-job/default": "e47b06b",
