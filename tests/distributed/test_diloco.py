@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers.diloco_problem import INNER, backward, inner_step
 from helpers.diloco_problem import model as _model
-from helpers.oracle import oracle_compressed_allreduce_per_tensor
+from helpers.oracle import oracle_compressed_allreduce, oracle_compressed_allreduce_per_tensor
 
 import onebit
 from onebit.collectives import compressed_allreduce_per_tensor_bytes, ring_allreduce_bytes
@@ -26,15 +26,23 @@ SHAPES = [(6, 5), (6,), (2, 6), (2,)]
 #: Each outer exchange's default outer SGD (lr, Nesterov momentum), from the text: DiLoCo's
 #: after the dense exchange, momentum 0.5 after the 1-bit one.
 OUTER = {"dense": (0.7, 0.9), "1bit": (0.7, 0.5)}
-#: The DiLoCos run: (name, exchange, where the worker's residual goes).
+#: The DiLoCos run: (name, exchange, its compression, where the worker's residual goes).
 VARIANTS = [
-    ("dense", "dense", "carried"),
-    ("1bit", "1bit", "carried"),
-    ("1bit-local", "1bit", "local"),
+    ("dense", "dense", "per_tensor", "carried"),
+    ("1bit", "1bit", "per_tensor", "carried"),
+    ("1bit-local", "1bit", "per_tensor", "local"),
+    ("1bit-fused-local", "1bit", "fused", "local"),
 ]
 
 
-def _train(rank: int, world: int, exchange: str, residual: str, save_at: int | None = None):
+def _train(
+    rank: int,
+    world: int,
+    exchange: str,
+    compression: str,
+    residual: str,
+    save_at: int | None = None,
+):
     """The round start weights and this rank's weights after every round; with ``save_at``,
     the run is saved after that inner step and continued by new objects that load the save."""
 
@@ -46,6 +54,7 @@ def _train(rank: int, world: int, exchange: str, residual: str, save_at: int | N
             inner,
             sync_every=H,
             exchange=exchange,
+            compression=compression,
             kernels="torch",
             worker_residual=residual,
         )
@@ -75,29 +84,30 @@ def _train(rank: int, world: int, exchange: str, residual: str, save_at: int | N
 def _runs(rank: int, world: int):
     return {
         name: (
-            _train(rank, world, exchange, residual),
-            _train(rank, world, exchange, residual, save_at=H + 1),
+            _train(rank, world, exchange, compression, residual),
+            _train(rank, world, exchange, compression, residual, save_at=H + 1),
         )
-        for name, exchange, residual in VARIANTS
+        for name, exchange, compression, residual in VARIANTS
     }
 
 
 def _model_of_both_workers(
-    exchange: str, node_size: int = 1, residual: str = "carried"
+    exchange: str, node_size: int = 1, residual: str = "carried", compression: str = "per_tensor"
 ) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
     """Both workers in one process, from the text: after every round, the start weights and
     each worker's weights. With ``node_size``, each worker a node whose inner steps take the
     mean of its ranks' gradients (DDP inside the node); with ``residual="local"``, each
     worker's 1-bit message carries no error and its residual goes into its weights, at the
-    outer lr."""
+    outer lr; with ``compression="fused"``, the 1-bit oracle of one padded buffer."""
     replicas = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
     theta = [p.detach().clone() for p in replicas[0].parameters()]
     buffers = None  # the outer momentum
     numels = [math.prod(s) for s in SHAPES]
+    fused, total = compression == "fused", sum(numels)
     padded = [per_tensor_padded_size(n, WORLD) for n in numels]
-    width, server = onebit.per_tensor_error_sizes(numels, WORLD)
-    worker_errors, server_errors = torch.zeros(WORLD, width), torch.zeros(WORLD, server)
+    width = onebit.padded_size(total, WORLD) if fused else sum(padded)
+    worker_errors, server_errors = torch.zeros(WORLD, width), torch.zeros(WORLD, width // WORLD)
     rounds = []
     for r in range(ROUNDS):
         for step in range(r * H, (r + 1) * H):
@@ -113,9 +123,17 @@ def _model_of_both_workers(
         else:
             if residual == "local":
                 worker_errors = torch.zeros_like(worker_errors)
-            average, worker_errors, server_errors = oracle_compressed_allreduce_per_tensor(
-                per_tensor, worker_errors, server_errors, kernels="torch"
-            )
+            if fused:
+                flat = torch.zeros(WORLD, width)
+                flat[:, :total] = torch.cat(per_tensor, dim=1)
+                result, worker_errors, server_errors = oracle_compressed_allreduce(
+                    flat, worker_errors, server_errors, kernels="torch"
+                )
+                average = list(result[:total].split(numels))
+            else:
+                average, worker_errors, server_errors = oracle_compressed_allreduce_per_tensor(
+                    per_tensor, worker_errors, server_errors, kernels="torch"
+                )
         grads = [a.view_as(t) for a, t in zip(average, theta, strict=True)]
         lr, momentum = OUTER[exchange]
         if buffers is None:
@@ -125,9 +143,12 @@ def _model_of_both_workers(
         theta = [t - lr * (g + momentum * b) for t, g, b in zip(theta, grads, buffers, strict=True)]
         own = []
         for worker, model in enumerate(replicas):
-            residuals = [
-                e[:n] for e, n in zip(worker_errors[worker].split(padded), numels, strict=True)
-            ]
+            errors = worker_errors[worker]
+            residuals = (
+                errors[:total].split(numels)
+                if fused
+                else [e[:n] for e, n in zip(errors.split(padded), numels, strict=True)]
+            )
             for p, t, e in zip(model.parameters(), theta, residuals, strict=True):
                 p.data.copy_(t - lr * e.view_as(t) if residual == "local" else t)
             own.append([p.detach().clone() for p in model.parameters()])
@@ -152,9 +173,11 @@ def ranks():
     return spawn_workers(_runs, WORLD, timeout_s=240)
 
 
-@pytest.mark.parametrize("name, exchange, residual", VARIANTS)
-def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(ranks, name, exchange, residual):
-    expected = _model_of_both_workers(exchange, residual=residual)
+@pytest.mark.parametrize("name, exchange, compression, residual", VARIANTS)
+def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(
+    ranks, name, exchange, compression, residual
+):
+    expected = _model_of_both_workers(exchange, residual=residual, compression=compression)
     for rank in range(WORLD):
         (rounds, _, count, _), _ = ranks[rank][name]
         assert count == ROUNDS and len(rounds) == ROUNDS
@@ -185,7 +208,7 @@ def test_sync_on_a_rounds_last_step_drops_the_local_residuals_and_sends_nothing(
         assert all(torch.equal(a, b) for a, b in zip(weights, rounds[-1][0], strict=True))
 
 
-@pytest.mark.parametrize("name", [name for name, _, _ in VARIANTS])
+@pytest.mark.parametrize("name", [name for name, *_ in VARIANTS])
 def test_a_run_resumed_in_the_middle_of_a_round_is_bit_identical(ranks, name):
     for rank in ranks:
         (straight, sent, _, _), (resumed, resumed_sent, _, _) = rank[name]
