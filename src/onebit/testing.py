@@ -2,12 +2,12 @@
 
 :func:`spawn_workers` starts one process per rank, forked from multiprocessing's fork server
 (which imports torch once, so that no rank imports it again; the ``spawn`` start method where
-there is no fork server), joins them
-in a gloo (or NCCL) process group through a file store in a fresh temporary directory (no
-fixed port), and returns each rank's return value. A worker that raises, dies or overruns the
-timeout makes the call raise :class:`WorkerError` with every failing rank's traceback, and no
-process is left behind. Training runs are launched with torch's elastic launcher instead
-(see :mod:`onebit.train`). :func:`backend_device` says where a backend's tests run.
+there is no fork server), joins them in a gloo (or NCCL) process group through a file store
+in a fresh temporary directory (no fixed port), and returns each rank's return value. A worker
+that raises, dies or overruns the timeout makes the call raise :class:`WorkerError` with every
+failing rank's traceback, and no process is left behind. Training runs are launched with
+torch's elastic launcher instead (see :mod:`onebit.train`). :func:`backend_device` says where a
+backend's tests run.
 """
 
 from __future__ import annotations

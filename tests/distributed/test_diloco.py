@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers.diloco_problem import INNER, backward, inner_step
+from helpers.diloco_problem import INNER, backward, inner_step, weights
 from helpers.diloco_problem import model as _model
 from helpers.oracle import oracle_compressed_allreduce, oracle_compressed_allreduce_per_tensor
 
@@ -35,6 +35,13 @@ VARIANTS = [
 ]
 
 
+def _diloco(model, inner, exchange: str, **options) -> onebit.DiLoCo:
+    """DiLoCo of this module's rounds over ``model``, the torch kernels, with ``options``."""
+    return onebit.DiLoCo(
+        model.parameters(), inner, sync_every=H, exchange=exchange, kernels="torch", **options
+    )
+
+
 def _train(
     rank: int,
     world: int,
@@ -49,25 +56,17 @@ def _train(
     def build():
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), **INNER)
-        diloco = onebit.DiLoCo(
-            model.parameters(),
-            inner,
-            sync_every=H,
-            exchange=exchange,
-            compression=compression,
-            kernels="torch",
-            worker_residual=residual,
-        )
-        return model, inner, diloco
+        options = dict(compression=compression, worker_residual=residual)
+        return model, inner, _diloco(model, inner, exchange, **options)
 
     model, inner, diloco = build()
     rounds = []
     for step in range(H * ROUNDS):
         inner_step(model, inner, rank, step)
         if diloco.local_step == 0:
-            own = [p.detach().clone() for p in model.parameters()]
+            own = weights(model)
             with diloco.round_start_weights():
-                rounds.append(([p.detach().clone() for p in model.parameters()], own))
+                rounds.append((weights(model), own))
         if step + 1 == save_at:
             saved = (model.state_dict(), inner.state_dict(), diloco.state_dict())
             diloco.close()
@@ -77,7 +76,7 @@ def _train(
             diloco.load_state_dict(saved[2])
     sent, count = diloco.bytes_sent, diloco.rounds
     diloco.sync()  # on a round's last step
-    synced = [p.detach().clone() for p in model.parameters()], diloco.bytes_sent - sent
+    synced = weights(model), diloco.bytes_sent - sent
     return rounds, sent, count, synced
 
 
@@ -101,7 +100,7 @@ def _model_of_both_workers(
     outer lr; with ``compression="fused"``, the 1-bit oracle of one padded buffer."""
     replicas = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
-    theta = [p.detach().clone() for p in replicas[0].parameters()]
+    theta = weights(replicas[0])
     buffers = None  # the outer momentum
     numels = [math.prod(s) for s in SHAPES]
     fused, total = compression == "fused", sum(numels)
@@ -151,7 +150,7 @@ def _model_of_both_workers(
             )
             for p, t, e in zip(model.parameters(), theta, residuals, strict=True):
                 p.data.copy_(t - lr * e.view_as(t) if residual == "local" else t)
-            own.append([p.detach().clone() for p in model.parameters()])
+            own.append(weights(model))
         rounds.append(([t.clone() for t in theta], own))
     return rounds
 
@@ -274,19 +273,12 @@ def _nodes_of_two(rank: int, world: int, exchange: str):
     model = _model()
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=intra)
     inner = torch.optim.AdamW(model.parameters(), **INNER)
-    diloco = onebit.DiLoCo(
-        model.parameters(),
-        inner,
-        sync_every=H,
-        exchange=exchange,
-        process_group=inter,
-        kernels="torch",
-    )
+    diloco = _diloco(model, inner, exchange, process_group=inter)
     rounds = []
     for step in range(H * ROUNDS):
         inner_step(ddp, inner, rank, step)
         if diloco.local_step == 0:
-            rounds.append([p.detach().clone() for p in model.parameters()])
+            rounds.append(weights(model))
     return rounds
 
 

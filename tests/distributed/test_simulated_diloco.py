@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.diloco_problem import INNER, backward, inner_step
+from helpers.diloco_problem import INNER, backward, inner_step, weights
 from helpers.diloco_problem import model as _model
 
 import onebit
@@ -17,10 +17,6 @@ from onebit.testing import spawn_workers
 H, ROUNDS = 3, 3
 #: (outer exchange, compression)
 CASES = [("dense", "per_tensor"), ("1bit", "per_tensor"), ("1bit", "fused")]
-
-
-def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def _real(rank: int, world: int):
@@ -41,7 +37,7 @@ def _real(rank: int, world: int):
         for step in range(H * ROUNDS):
             inner_step(model, inner, rank, step)
             if diloco.local_step == 0:
-                rounds.append(_weights(model))
+                rounds.append(weights(model))
         runs[exchange, compression] = rounds, diloco.bytes_sent
     return runs
 
@@ -69,7 +65,7 @@ def _simulated(workers: int, exchange: str, compression: str, save_after: int | 
     for step in range(H * ROUNDS):
         simulation.step(lambda rank, s=step, m=model: backward(m, rank, s))
         if simulation.diloco.local_step == 0:
-            rounds.append(_weights(model))
+            rounds.append(weights(model))
         if step + 1 == save_after:
             saved = simulation.state_dict()
             model, simulation = build()
@@ -113,7 +109,7 @@ def test_bad_input_is_named_before_anything_changes():
     other_model = _model()
     other_inner = torch.optim.AdamW(other_model.parameters(), **INNER)
     other = SimulatedDiLoCo(other_model.parameters(), other_inner, 3, sync_every=H)
-    before = _weights(model)
+    before = weights(model)
     with pytest.raises(ValueError, match="checkpoint of 3 simulated DiLoCo workers"):
         simulation.load_state_dict(other.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(model), strict=True))

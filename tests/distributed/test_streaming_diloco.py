@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers.diloco_problem import INNER, backward, inner_step
+from helpers.diloco_problem import INNER, backward, inner_step, weights
 from helpers.diloco_problem import model as _model
 from helpers.oracle import oracle_compressed_allreduce_per_tensor
 
@@ -44,7 +44,7 @@ def _streaming(model, inner, exchange: str, share: float) -> onebit.DiLoCo:
 
 def _start_weights(diloco: onebit.DiLoCo, model) -> list[torch.Tensor]:
     with diloco.round_start_weights():
-        return [p.detach().clone() for p in model.parameters()]
+        return weights(model)
 
 
 def _train(rank: int, exchange: str, share: float, save_after: int | None = None):
@@ -57,7 +57,7 @@ def _train(rank: int, exchange: str, share: float, save_after: int | None = None
     for step in range(H // K * TURNS):
         inner_step(model, inner, rank, step)
         if diloco.local_step == 0:
-            own = [p.detach().clone() for p in model.parameters()]
+            own = weights(model)
             turns.append((_start_weights(diloco, model), own))
         if step + 1 == save_after:
             assert diloco.exchange_started  # saved while the exchange is in flight
@@ -82,7 +82,7 @@ def _synced(rank: int):
         inner_step(model, inner, rank, step)
     assert diloco.exchange_started and diloco.fragment == 0
     diloco.sync()
-    after = [p.detach().clone() for p in model.parameters()]
+    after = weights(model)
     return after, _start_weights(diloco, model), diloco.fragment, diloco.local_step
 
 
@@ -98,7 +98,7 @@ def _synced_local(rank: int):
         inner_step(model, inner, rank, step)
     sent = diloco.bytes_sent
     diloco.sync()
-    after = [p.detach().clone() for p in model.parameters()]
+    after = weights(model)
     return after, _start_weights(diloco, model), diloco.bytes_sent - sent
 
 
@@ -117,7 +117,7 @@ def _model_of_both_workers(exchange: str, share: float):
     weights after every turn."""
     replicas = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
-    theta = [p.detach().clone() for p in replicas[0].parameters()]
+    theta = weights(replicas[0])
     lr, momentum = OUTER[exchange]
     buffers: list[torch.Tensor | None] = [None] * len(theta)
     errors = []
@@ -153,9 +153,7 @@ def _model_of_both_workers(exchange: str, share: float):
                     param = list(model.parameters())[j]
                     param.data.copy_(theta[j] + share * (param.detach() - theta[j]))
             turn, local = turn + 1, 0
-            turns.append(
-                ([t.clone() for t in theta], [p.detach().clone() for p in replicas[0].parameters()])
-            )
+            turns.append(([t.clone() for t in theta], weights(replicas[0])))
     return turns
 
 

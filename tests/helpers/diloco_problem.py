@@ -14,6 +14,11 @@ def model() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
 
 
+def weights(net: torch.nn.Module) -> list[torch.Tensor]:
+    """A copy of ``net``'s parameters."""
+    return [p.detach().clone() for p in net.parameters()]
+
+
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(8, 5, generator=generator), torch.randn(8, 2, generator=generator)
