@@ -66,8 +66,8 @@ ONEBIT_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.5, "nesterov": True}
 OUTER_DEFAULTS: dict[str, dict[str, Any]] = {"dense": DILOCO_OUTER, "1bit": ONEBIT_OUTER}
 _COMPRESSIONS = ("per_tensor", "fused")
 #: Where a worker's residual of the 1-bit exchange goes: into its next round's message (error
-#: feedback), or into its own weights at the outer step (ALGORITHM.md, "Where a worker's
-#: residual goes").
+#: feedback) alone, or also into its own weights at once, as far as the outer step would have
+#: moved them (ALGORITHM.md, "Where a worker's residual goes").
 WORKER_RESIDUALS = ("carried", "local")
 
 
@@ -153,8 +153,10 @@ class DiLoCo:
     for the 1-bit one). A step post-hook on the inner optimizer ends the rounds
     (:meth:`close` removes it); :meth:`sync` ends one at once. ``worker_residual`` (1-bit
     exchange): ``"carried"``, each worker's residual of the compression joins its next
-    round's message (error feedback); ``"local"``, each worker applies it to its own weights
-    at the outer step (ALGORITHM.md, "Where a worker's residual goes").
+    round's message (error feedback); ``"local"``, besides, each worker's next inner steps
+    start where the outer step would have put it had its message carried the residual (the
+    outer optimizer then must be ``torch.optim.SGD`` without dampening; ALGORITHM.md, "Where
+    a worker's residual goes").
 
     Streaming (ALGORITHM.md, "Streaming fragments and the delayed outer exchange"):
     ``fragments`` (an int K, the parameters cut in order into K runs of about equal size, or
@@ -228,6 +230,8 @@ class DiLoCo:
             default = OUTER_DEFAULTS[exchange]
             outer_optimizer = outer_sgd(self.params, default["lr"], default["momentum"])
         _check_covers("outer_optimizer", outer_optimizer, self.params)
+        if worker_residual == "local":
+            _check_residual_moves(outer_optimizer)
         devices = {p.device for p in self.params}
         if len(devices) > 1:
             raise ValueError(
@@ -311,8 +315,11 @@ class DiLoCo:
             allreduce_mean_(fragment.buffer, self._exchange_group, traffic=fragment.traffic)
             self.check_finite(fragment.buffer)
             return
-        if self.worker_residual == "local":  # the last residual is in the weights already
-            fragment.exchange.errors()[0].zero_()
+        if self.worker_residual == "local":  # κ·ρ is in the weights already
+            for residual, move in zip(
+                fragment.residuals(), self._residual_moves(fragment), strict=True
+            ):
+                residual.mul_(1.0 - move)
         fragment.exchange.exchange(fragment.buffer).decode(fragment.buffer)
 
     @property
@@ -346,7 +353,7 @@ class DiLoCo:
     def _end_turn(self, local_share: float, residual: bool = True) -> None:
         """The turn's exchange completed and its fragment's outer step; each worker keeps
         ``local_share`` of its own move since the exchange started, and, with
-        ``worker_residual="local"`` and ``residual``, applies its residual."""
+        ``worker_residual="local"`` and ``residual``, moves by its residual."""
         index = self.fragment
         fragment = self.fragments[index]
         if self._in_flight is None:
@@ -364,15 +371,22 @@ class DiLoCo:
         self.turn_ended()
 
     def _apply_residuals(self, fragment: Fragment) -> None:
-        """``θ ← θ - η ρ``: this worker's residual of ``fragment``'s last exchange, at the
-        outer learning rate of each parameter's group."""
-        rates = {
-            id(p): group["lr"]
-            for group in self.outer_optimizer.param_groups
-            for p in group["params"]
-        }
-        for param, residual in zip(fragment.params, fragment.residuals(), strict=True):
-            param.add_(residual.view_as(param).to(param.dtype), alpha=-rates[id(param)])
+        """``θ ← θ - κ ρ``: this worker moved by its residual of ``fragment``'s last exchange
+        as the outer step moves the weights on a pseudo-gradient (:meth:`_residual_moves`)."""
+        residuals = fragment.residuals()
+        moves = self._residual_moves(fragment)
+        for param, residual, move in zip(fragment.params, residuals, moves, strict=True):
+            param.add_(residual.view_as(param).to(param.dtype), alpha=-move)
+
+    def _residual_moves(self, fragment: Fragment) -> list[float]:
+        """κ of each of ``fragment``'s parameters: the outer SGD's move of the weights per
+        unit of the round's pseudo-gradient, ``lr·(1 + momentum)`` with Nesterov's momentum,
+        ``lr`` without (its group's values now)."""
+        moves: dict[int, float] = {}
+        for group in self.outer_optimizer.param_groups:
+            move = float(group["lr"]) * ((1.0 + group["momentum"]) if group["nesterov"] else 1.0)
+            moves.update((id(param), move) for param in group["params"])
+        return [moves[id(param)] for param in fragment.params]
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -381,7 +395,7 @@ class DiLoCo:
         and outer step; every rank then holds the start weights. With
         ``worker_residual="local"``, the fragment whose outer step has just run (no inner step
         since) is not exchanged again: its weights are set back to its start weights, the
-        residual just applied dropped."""
+        move by the residual undone (the residual stays in the error buffer, undelivered)."""
         index, just_ended = self.fragment, None
         if self.worker_residual == "local" and self.local_step == 0 and self.rounds:
             just_ended = (index - 1) % len(self.fragments)
@@ -604,6 +618,23 @@ class DiLoCo:
             self.hold(pending.to(self.fragments[self.fragment].buffer.device))
             for kind, nbytes in state["pending_bytes"].items():
                 self.fragments[self.fragment].traffic.bytes_sent[kind] = int(nbytes)
+
+
+def _check_residual_moves(optimizer: Optimizer) -> None:
+    """``worker_residual="local"`` moves each worker by its residual as the outer step moves
+    the weights on a pseudo-gradient, which is known for SGD without dampening."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise TypeError(
+            "worker_residual='local' moves each worker as the outer SGD would: the outer "
+            f"optimizer must be a torch.optim.SGD, got {type(optimizer).__name__}"
+        )
+    for index, group in enumerate(optimizer.param_groups):
+        if group["dampening"] or group["maximize"]:
+            raise ValueError(
+                "worker_residual='local' moves each worker as the outer SGD would: param "
+                f"group {index} of the outer SGD has dampening={group['dampening']} and "
+                f"maximize={group['maximize']}; it needs dampening=0 and maximize=False"
+            )
 
 
 def _is_int(value: object) -> bool:

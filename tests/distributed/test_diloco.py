@@ -1,9 +1,9 @@
 """DiLoCo (ALGORITHM.md, "DiLoCo with a 1-bit outer exchange") on 2 gloo ranks against a
 single-process model of both workers written here from the text: AdamW inner steps on each
 worker's own batches, the mean of the pseudo-gradients (or the per-tensor 1-bit oracle with
-errors that persist from round to round, or with each worker's residual in its own weights)
-and each exchange's default outer SGD written out; ranks bit-identical after every round
-(their round start weights, where each keeps its residual); exact resume from a save in the
+errors that persist from round to round, also with each worker moved by its residual) and
+each exchange's default outer SGD written out; ranks bit-identical after every round
+(their round start weights, where each is moved by its residual); exact resume from a save in the
 middle of a round; the bytes of each exchange; bad arguments named before anything changes."""
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ def _model_of_both_workers(
     """Both workers in one process, from the text: after every round, the start weights and
     each worker's weights. With ``node_size``, each worker a node whose inner steps take the
     mean of its ranks' gradients (DDP inside the node); with ``residual="local"``, each
-    worker's 1-bit message carries no error and its residual goes into its weights, at the
-    outer lr; with ``compression="fused"``, the 1-bit oracle of one padded buffer."""
+    worker's weights move by its residual times κ = lr·(1 + momentum) after the outer step,
+    and its error keeps 1 - κ of it for the next message; with ``compression="fused"``, the
+    1-bit oracle of one padded buffer."""
     replicas = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
     theta = weights(replicas[0])
@@ -107,6 +108,16 @@ def _model_of_both_workers(
     padded = [per_tensor_padded_size(n, WORLD) for n in numels]
     width = onebit.padded_size(total, WORLD) if fused else sum(padded)
     worker_errors, server_errors = torch.zeros(WORLD, width), torch.zeros(WORLD, width // WORLD)
+    lr, momentum = OUTER[exchange]
+    kappa = lr * (1 + momentum)
+
+    def residuals(worker: int) -> list[torch.Tensor]:
+        """Views of ``worker``'s error of each tensor, the padding left out."""
+        errors = worker_errors[worker]
+        if fused:
+            return list(errors[:total].split(numels))
+        return [e[:n] for e, n in zip(errors.split(padded), numels, strict=True)]
+
     rounds = []
     for r in range(ROUNDS):
         for step in range(r * H, (r + 1) * H):
@@ -120,8 +131,10 @@ def _model_of_both_workers(
         if exchange == "dense":
             average = [rows.sum(dim=0) / WORLD for rows in per_tensor]
         else:
-            if residual == "local":
-                worker_errors = torch.zeros_like(worker_errors)
+            if residual == "local":  # κ·ρ is in the weights already
+                for worker in range(WORLD):
+                    for view in residuals(worker):
+                        view.mul_(1 - kappa)
             if fused:
                 flat = torch.zeros(WORLD, width)
                 flat[:, :total] = torch.cat(per_tensor, dim=1)
@@ -134,7 +147,6 @@ def _model_of_both_workers(
                     per_tensor, worker_errors, server_errors, kernels="torch"
                 )
         grads = [a.view_as(t) for a, t in zip(average, theta, strict=True)]
-        lr, momentum = OUTER[exchange]
         if buffers is None:
             buffers = [g.clone() for g in grads]
         else:
@@ -142,14 +154,8 @@ def _model_of_both_workers(
         theta = [t - lr * (g + momentum * b) for t, g, b in zip(theta, grads, buffers, strict=True)]
         own = []
         for worker, model in enumerate(replicas):
-            errors = worker_errors[worker]
-            residuals = (
-                errors[:total].split(numels)
-                if fused
-                else [e[:n] for e, n in zip(errors.split(padded), numels, strict=True)]
-            )
-            for p, t, e in zip(model.parameters(), theta, residuals, strict=True):
-                p.data.copy_(t - lr * e.view_as(t) if residual == "local" else t)
+            for p, t, e in zip(model.parameters(), theta, residuals(worker), strict=True):
+                p.data.copy_(t - kappa * e.view_as(t) if residual == "local" else t)
             own.append(weights(model))
         rounds.append(([t.clone() for t in theta], own))
     return rounds
@@ -196,11 +202,11 @@ def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(
     other = ranks[1][name][0][0]
     for (a, _), (b, _) in zip(ranks[0][name][0][0], other, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    if residual == "local":  # each worker keeps its own residual
+    if residual == "local":  # each worker is moved by its own residual
         assert not torch.equal(ranks[0][name][0][0][-1][1][0], other[-1][1][0])
 
 
-def test_sync_on_a_rounds_last_step_drops_the_local_residuals_and_sends_nothing(ranks):
+def test_sync_on_a_rounds_last_step_undoes_the_residual_moves_and_sends_nothing(ranks):
     for rank in ranks:
         rounds, _, _, (weights, sent) = rank["1bit-local"][0]
         assert sent == 0
@@ -236,6 +242,8 @@ def test_bad_arguments_are_named_before_anything_changes():
     model = _model()
     inner = torch.optim.AdamW(model.parameters())
     other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    adam = torch.optim.Adam(model.parameters())
+    damped = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5, dampening=0.1)
     cases = [
         ({"sync_every": 0}, ValueError, "sync_every"),
         ({"sync_every": 2, "exchange": "2bit"}, ValueError, "exchange"),
@@ -243,6 +251,12 @@ def test_bad_arguments_are_named_before_anything_changes():
         ({"sync_every": 2, "outer_optimizer": other}, ValueError, "outer_optimizer"),
         ({"sync_every": 2, "worker_residual": "dropped"}, ValueError, "worker_residual"),
         ({"sync_every": 2, "exchange": "dense", "worker_residual": "local"}, ValueError, "1bit"),
+        ({"sync_every": 2, "worker_residual": "local", "outer_optimizer": adam}, TypeError, "SGD"),
+        (
+            {"sync_every": 2, "worker_residual": "local", "outer_optimizer": damped},
+            ValueError,
+            "dampening=0.1",
+        ),
     ]
     for options, error, name in cases:
         with pytest.raises(error, match=name):

@@ -368,7 +368,7 @@ class TrainConfig:
         choices=WORKER_RESIDUALS,
         help="with --sync-every and --outer-exchange 1bit: where each worker's residual of the "
         "compression goes: carried into its next round's message (error feedback), or local, "
-        "into its own weights at the outer step",
+        "also into its own weights at once, as far as the outer step would move them",
     )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
