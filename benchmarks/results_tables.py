@@ -118,6 +118,7 @@ COMMIT_DATES = {
     "98fecdd": "2026-12-06",
     "7101be9": "2026-12-06",
     "028872d": "2026-12-06",
+    "ffde085": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -157,7 +158,7 @@ RECORDED_IN = {
     "docs/convergence/variance-guard/zero-one-adam": "94bcbc4",
     "docs/main-job/diloco": "d879708",
     "docs/main-job/diloco-outer": "d879708",
-    "docs/main-job/diloco-local": "7101be9",
+    "docs/main-job/diloco-local": "ffde085",
     "docs/main-job/longer": "24d5ed9",
     "docs/main-job/lamb": "c2eea4d",
     "docs/main-job/default": "e47b06b",
