@@ -177,7 +177,7 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-m05": "ebdf454",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05": "343f88f",
-    "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05-local": "7101be9",
+    "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05-local": "ffde085",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-k3-d5": "e6ab329",
