@@ -119,6 +119,7 @@ COMMIT_DATES = {
     "7101be9": "2026-12-06",
     "028872d": "2026-12-06",
     "ffde085": "2026-12-06",
+    "015841c": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -166,12 +167,12 @@ RECORDED_IN = {
     "docs/main-job/longer/lamb-1000x64": "252367a",
     "docs/main-job/longer/onebit-lamb-1000x64-freeze-200": "252367a",
     "docs/convergence/diloco-study": "ae839b0",
-    "docs/convergence/diloco-study/link-choice.json": "028872d",
+    "docs/convergence/diloco-study/link-choice.json": "015841c",
     "docs/convergence/diloco-study/lamb-n256": "79d17a7",
     "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
-    "docs/convergence/diloco-study/link-choice-bert-base.json": "028872d",
+    "docs/convergence/diloco-study/link-choice-bert-base.json": "015841c",
     "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
     "docs/convergence/diloco-study/zero-one-adam-n4-auto": "5de40a3",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
@@ -179,6 +180,7 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05": "343f88f",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05-local": "ffde085",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-local": "ffde085",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-m05-local": "ffde085",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-k3-d5": "e6ab329",
@@ -1063,6 +1065,7 @@ DILOCO_STUDY_DILOCO = [
     "diloco-adam-n4-h60-dense-m05",
     "diloco-adam-n4-h60-1bit",
     "diloco-adam-n4-h60-1bit-m05",
+    "diloco-adam-n4-h60-1bit-m05-local",
     "diloco-adam-n4-h60-1bit-sgd",
     "diloco-adam-n4-h60-1bit-k3-d5",
 ]
