@@ -367,11 +367,11 @@ class DiLoCo:
             for param, mine in zip(fragment.params, own, strict=True):
                 param.lerp_(mine, local_share)
         if residual and self.worker_residual == "local":
-            self._apply_residuals(fragment)
+            self._move_by_residuals(fragment)
         self.turn_ended()
 
-    def _apply_residuals(self, fragment: Fragment) -> None:
-        """``θ ← θ - κ ρ``: this worker moved by its residual of ``fragment``'s last exchange
+    def _move_by_residuals(self, fragment: Fragment) -> None:
+        """``θ ← θ - κ ρ``: this worker moves by its residual of ``fragment``'s last exchange
         as the outer step moves the weights on a pseudo-gradient (:meth:`_residual_moves`)."""
         residuals = fragment.residuals()
         moves = self._residual_moves(fragment)
