@@ -84,7 +84,9 @@ class Fragment:
     """One fragment of the parameters DiLoCo exchanges together: its parameters (their
     indices into :attr:`DiLoCo.params`), its round's start weights, its outer exchange (the
     1-bit one with its own error buffers; ``None``: dense), its pseudo-gradient buffer and
-    the bytes of its exchange not yet applied (:attr:`traffic`)."""
+    the bytes of its exchange not yet applied (:attr:`traffic`), and with
+    ``worker_residual="local"`` the κ of each parameter by which this worker has moved by its
+    residual since the fragment's last exchange (:attr:`residual_moves`; 0: not moved)."""
 
     def __init__(
         self,
@@ -103,6 +105,7 @@ class Fragment:
             exchange.bind(self.numels, torch.float32, params[0].device, backend, self.traffic)
             size = exchange.buffer_size(self.numels)
         self.buffer = torch.zeros(size, dtype=torch.float32, device=params[0].device)
+        self.residual_moves = [0.0] * len(params)
 
     @torch.no_grad()
     def pseudo_gradient(self, out: Tensor) -> None:
@@ -316,10 +319,9 @@ class DiLoCo:
             self.check_finite(fragment.buffer)
             return
         if self.worker_residual == "local":  # κ·ρ is in the weights already
-            for residual, move in zip(
-                fragment.residuals(), self._residual_moves(fragment), strict=True
-            ):
+            for residual, move in zip(fragment.residuals(), fragment.residual_moves, strict=True):
                 residual.mul_(1.0 - move)
+            fragment.residual_moves = [0.0] * len(fragment.params)
         fragment.exchange.exchange(fragment.buffer).decode(fragment.buffer)
 
     @property
@@ -372,16 +374,18 @@ class DiLoCo:
 
     def _move_by_residuals(self, fragment: Fragment) -> None:
         """``θ ← θ - κ ρ``: this worker moves by its residual of ``fragment``'s last exchange
-        as the outer step moves the weights on a pseudo-gradient (:meth:`_residual_moves`)."""
-        residuals = fragment.residuals()
+        as the outer step moves the weights on a pseudo-gradient (:meth:`_residual_moves`);
+        the κ are kept for the fragment's next exchange, which takes the move out of the
+        message."""
         moves = self._residual_moves(fragment)
-        for param, residual, move in zip(fragment.params, residuals, moves, strict=True):
+        for param, residual, move in zip(fragment.params, fragment.residuals(), moves, strict=True):
             param.add_(residual.view_as(param).to(param.dtype), alpha=-move)
+        fragment.residual_moves = moves
 
     def _residual_moves(self, fragment: Fragment) -> list[float]:
         """κ of each of ``fragment``'s parameters: the outer SGD's move of the weights per
         unit of the round's pseudo-gradient, ``lr·(1 + momentum)`` with Nesterov's momentum,
-        ``lr`` without (its group's values now)."""
+        ``lr`` without (its group's values now, at the outer step)."""
         moves: dict[int, float] = {}
         for group in self.outer_optimizer.param_groups:
             move = float(group["lr"]) * ((1.0 + group["momentum"]) if group["nesterov"] else 1.0)
@@ -402,6 +406,7 @@ class DiLoCo:
             fragment = self.fragments[just_ended]
             for param, start in zip(fragment.params, fragment.starts, strict=True):
                 param.copy_(start)
+            fragment.residual_moves = [0.0] * len(fragment.params)
         if just_ended != index:
             self._end_turn(local_share=0.0, residual=False)
         for other, fragment in enumerate(self.fragments):
@@ -517,7 +522,8 @@ class DiLoCo:
         """The inner step within the turn, the turns ended, the round's start weights, the
         outer optimizer's state, this rank's error buffers of every fragment, the average of
         an exchange in flight (waited for: every rank saves at the same inner step) and the
-        bytes sent (the model and the inner optimizer are saved by the caller)."""
+        bytes sent, and with ``worker_residual="local"`` the κ each fragment's residual moved
+        this worker by (the model and the inner optimizer are saved by the caller)."""
         pending, pending_bytes = None, None
         if self._in_flight is not None:
             self._in_flight.result()
@@ -539,6 +545,7 @@ class DiLoCo:
             "pending_average": pending,
             "pending_bytes": pending_bytes,
             "bytes_sent": dict(self.traffic.bytes_sent),
+            "residual_moves": [list(fragment.residual_moves) for fragment in self.fragments],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -584,6 +591,14 @@ class DiLoCo:
                 f"checkpoint at inner step {local_step} of a turn "
                 f"{'lacks' if in_flight else 'holds'} the average of an exchange in flight"
             )
+        if self.worker_residual == "local" and "residual_moves" not in state:
+            raise ValueError("checkpoint of worker_residual='local' lacks its residual moves")
+        moves = state.get("residual_moves", [[0.0] * len(f.params) for f in self.fragments])
+        if [len(m) for m in moves] != [len(f.params) for f in self.fragments]:
+            raise ValueError(
+                f"checkpoint's residual moves are for {[len(m) for m in moves]} parameters per "
+                f"fragment; this DiLoCo's fragments have {[len(f.params) for f in self.fragments]}"
+            )
         errors = _saved_errors(state)
         for fragment, saved_errors in zip(self.fragments, errors, strict=True):
             if fragment.exchange is not None and saved_errors is not None:
@@ -612,8 +627,9 @@ class DiLoCo:
                     fragment.exchange.backend,
                     fragment.traffic,
                 )
-        for fragment in self.fragments:
+        for fragment, saved_moves in zip(self.fragments, moves, strict=True):
             fragment.traffic.reset()
+            fragment.residual_moves = [float(move) for move in saved_moves]
         if pending is not None:
             self.hold(pending.to(self.fragments[self.fragment].buffer.device))
             for kind, nbytes in state["pending_bytes"].items():

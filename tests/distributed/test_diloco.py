@@ -2,9 +2,10 @@
 single-process model of both workers written here from the text: AdamW inner steps on each
 worker's own batches, the mean of the pseudo-gradients (or the per-tensor 1-bit oracle with
 errors that persist from round to round, also with each worker moved by its residual) and
-each exchange's default outer SGD written out; ranks bit-identical after every round
-(their round start weights, where each is moved by its residual); exact resume from a save in the
-middle of a round; the bytes of each exchange; bad arguments named before anything changes."""
+each exchange's default outer SGD written out (its lr also halved after every round);
+ranks bit-identical after every round (their round start weights, where each is moved by its
+residual); exact resume from a save in the middle of a round; the bytes of each exchange; bad
+arguments named before anything changes."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ SHAPES = [(6, 5), (6,), (2, 6), (2,)]
 #: Each outer exchange's default outer SGD (lr, Nesterov momentum), from the text: DiLoCo's
 #: after the dense exchange, momentum 0.5 after the 1-bit one.
 OUTER = {"dense": (0.7, 0.9), "1bit": (0.7, 0.5)}
-#: The DiLoCos run: (name, exchange, its compression, where the worker's residual goes).
+#: The DiLoCos run: (name, exchange, its compression, where the worker's residual goes, the
+#: factor of the outer lr after each round).
 VARIANTS = [
-    ("dense", "dense", "per_tensor", "carried"),
-    ("1bit", "1bit", "per_tensor", "carried"),
-    ("1bit-local", "1bit", "per_tensor", "local"),
-    ("1bit-fused-local", "1bit", "fused", "local"),
+    ("dense", "dense", "per_tensor", "carried", 1.0),
+    ("1bit", "1bit", "per_tensor", "carried", 1.0),
+    ("1bit-local", "1bit", "per_tensor", "local", 0.5),
+    ("1bit-fused-local", "1bit", "fused", "local", 1.0),
 ]
 
 
@@ -42,12 +44,19 @@ def _diloco(model, inner, exchange: str, **options) -> onebit.DiLoCo:
     )
 
 
+def _schedule(diloco: onebit.DiLoCo, decay: float) -> None:
+    """The outer lr of the rounds ended so far: the default's times ``decay`` per round."""
+    for group in diloco.outer_optimizer.param_groups:
+        group["lr"] = OUTER[diloco.exchange_kind][0] * decay**diloco.rounds
+
+
 def _train(
     rank: int,
     world: int,
     exchange: str,
     compression: str,
     residual: str,
+    decay: float,
     save_at: int | None = None,
 ):
     """The round start weights and this rank's weights after every round; with ``save_at``,
@@ -63,6 +72,7 @@ def _train(
     rounds = []
     for step in range(H * ROUNDS):
         inner_step(model, inner, rank, step)
+        _schedule(diloco, decay)
         if diloco.local_step == 0:
             own = weights(model)
             with diloco.round_start_weights():
@@ -74,6 +84,7 @@ def _train(
             model.load_state_dict(saved[0])
             inner.load_state_dict(saved[1])
             diloco.load_state_dict(saved[2])
+            _schedule(diloco, decay)
     sent, count = diloco.bytes_sent, diloco.rounds
     diloco.sync()  # on a round's last step
     synced = weights(model), diloco.bytes_sent - sent
@@ -83,22 +94,27 @@ def _train(
 def _runs(rank: int, world: int):
     return {
         name: (
-            _train(rank, world, exchange, compression, residual),
-            _train(rank, world, exchange, compression, residual, save_at=H + 1),
+            _train(rank, world, *variant),
+            _train(rank, world, *variant, save_at=H + 1),
         )
-        for name, exchange, compression, residual in VARIANTS
+        for name, *variant in VARIANTS
     }
 
 
 def _model_of_both_workers(
-    exchange: str, node_size: int = 1, residual: str = "carried", compression: str = "per_tensor"
+    exchange: str,
+    node_size: int = 1,
+    residual: str = "carried",
+    compression: str = "per_tensor",
+    decay: float = 1.0,
 ) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
     """Both workers in one process, from the text: after every round, the start weights and
     each worker's weights. With ``node_size``, each worker a node whose inner steps take the
     mean of its ranks' gradients (DDP inside the node); with ``residual="local"``, each
     worker's weights move by its residual times κ = lr·(1 + momentum) after the outer step,
-    and its error keeps 1 - κ of it for the next message; with ``compression="fused"``, the
-    1-bit oracle of one padded buffer."""
+    and its error keeps 1 - κ of it for the next message (κ of that outer step, whatever the
+    lr is when the message leaves); with ``compression="fused"``, the 1-bit oracle of one
+    padded buffer; the outer lr multiplied by ``decay`` after every round."""
     replicas = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
     theta = weights(replicas[0])
@@ -109,7 +125,7 @@ def _model_of_both_workers(
     width = onebit.padded_size(total, WORLD) if fused else sum(padded)
     worker_errors, server_errors = torch.zeros(WORLD, width), torch.zeros(WORLD, width // WORLD)
     lr, momentum = OUTER[exchange]
-    kappa = lr * (1 + momentum)
+    kappa = 0.0  # of the last move by the residuals
 
     def residuals(worker: int) -> list[torch.Tensor]:
         """Views of ``worker``'s error of each tensor, the padding left out."""
@@ -152,6 +168,8 @@ def _model_of_both_workers(
         else:
             buffers = [momentum * b + g for b, g in zip(buffers, grads, strict=True)]
         theta = [t - lr * (g + momentum * b) for t, g, b in zip(theta, grads, buffers, strict=True)]
+        kappa = lr * (1 + momentum)
+        lr *= decay
         own = []
         for worker, model in enumerate(replicas):
             for p, t, e in zip(model.parameters(), theta, residuals(worker), strict=True):
@@ -178,11 +196,13 @@ def ranks():
     return spawn_workers(_runs, WORLD, timeout_s=240)
 
 
-@pytest.mark.parametrize("name, exchange, compression, residual", VARIANTS)
+@pytest.mark.parametrize("name, exchange, compression, residual, decay", VARIANTS)
 def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(
-    ranks, name, exchange, compression, residual
+    ranks, name, exchange, compression, residual, decay
 ):
-    expected = _model_of_both_workers(exchange, residual=residual, compression=compression)
+    expected = _model_of_both_workers(
+        exchange, residual=residual, compression=compression, decay=decay
+    )
     for rank in range(WORLD):
         (rounds, _, count, _), _ = ranks[rank][name]
         assert count == ROUNDS and len(rounds) == ROUNDS
@@ -273,6 +293,9 @@ def test_bad_arguments_are_named_before_anything_changes():
     local = onebit.DiLoCo(model.parameters(), inner, sync_every=2, worker_residual="local")
     with pytest.raises(ValueError, match="worker_residual='carried'"):
         local.load_state_dict(saved)
+    without_moves = {k: v for k, v in local.state_dict().items() if k != "residual_moves"}
+    with pytest.raises(ValueError, match="residual moves"):
+        local.load_state_dict(without_moves)
     local.close()
     with pytest.raises(ValueError, match="inner step 1 .* sync_every=1"):
         onebit.DiLoCo(model.parameters(), inner, sync_every=1).load_state_dict(
