@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from onebit import kernels as backends
-from onebit.collectives import allreduce_bytes, allreduce_mean_
+from onebit.collectives import allreduce_bytes, allreduce_mean_, padded_size
 from onebit.exchange import (
     Exchange,
     FlatExchange,
@@ -95,8 +95,10 @@ class Fragment:
         starts: list[Tensor],
         exchange: Exchange | None,
         backend: backends.Backend,
+        per_tensor: bool = True,
     ) -> None:
         self.indices, self.params, self.starts = indices, params, starts
+        self.per_tensor = per_tensor
         self.numels = [p.numel() for p in params]
         self.exchange = exchange
         self.traffic = TrafficCounter()
@@ -134,16 +136,45 @@ class Fragment:
             return None, None
         return self.exchange.worker_error, self.exchange.server_error
 
-    def residuals(self) -> list[Tensor]:
-        """This rank's residual of each parameter in its last 1-bit exchange (its worker
-        error, the padding left out), flat views; zeros before the first."""
+    def residuals(self, row: int = 0) -> list[Tensor]:
+        """A worker's residual of each parameter in the last 1-bit exchange (its worker
+        error, the padding left out), flat views; zeros before the first. ``row``: the
+        worker, in an exchange that holds a row of errors per worker (a simulated one); a
+        distributed exchange holds this rank's only, row 0."""
         assert self.exchange is not None
         worker, _ = self.exchange.errors()
-        if isinstance(self.exchange, PerTensorExchange):  # each tensor padded alone
-            padded = Layout.per_tensor(self.numels, self.exchange.world_size).sizes
-            segments = worker.split(list(padded))
+        n, total = self.exchange.world_size, sum(self.numels)
+        if self.per_tensor:  # each tensor padded alone
+            layout = Layout.per_tensor(self.numels, n)
+            segments = worker.view(-1, layout.width)[row].split(list(layout.sizes))
             return [segment[:numel] for segment, numel in zip(segments, self.numels, strict=True)]
-        return list(worker[: sum(self.numels)].split(self.numels))
+        return list(worker.view(-1, padded_size(total, n))[row][:total].split(self.numels))
+
+    def take_residual_moves(self, rows: int = 1) -> None:
+        """The error of each of ``rows`` workers' residuals times ``1 - κ``, κ that of the
+        move by it (:attr:`residual_moves`): that much of it is in the worker's weights
+        already. The moves are spent."""
+        for row in range(rows):
+            for residual, move in zip(self.residuals(row), self.residual_moves, strict=True):
+                residual.mul_(1.0 - move)
+        self.residual_moves = [0.0] * len(self.params)
+
+    def move_by_residuals(self, workers: Sequence[Sequence[Tensor]], moves: list[float]) -> None:
+        """``θ ← θ - κ ρ``: each row of ``workers`` (a worker's weights of this fragment)
+        moved by that worker's residual times the κ of its parameter, ``moves``, which are
+        kept for the next exchange (:meth:`take_residual_moves`)."""
+        for row, weights in enumerate(workers):
+            for weight, residual, move in zip(weights, self.residuals(row), moves, strict=True):
+                weight.add_(residual.view_as(weight).to(weight.dtype), alpha=-move)
+        self.residual_moves = moves
+
+    def undo_residual_moves(self, workers: Sequence[Sequence[Tensor]]) -> None:
+        """Each row of ``workers`` set back to the start weights, as before the move by the
+        residuals (which stay in the error buffer, undelivered)."""
+        for weights in workers:
+            for weight, start in zip(weights, self.starts, strict=True):
+                weight.copy_(start)
+        self.residual_moves = [0.0] * len(self.params)
 
 
 class DiLoCo:
@@ -263,6 +294,7 @@ class DiLoCo:
                 [self._round_start[i] for i in indices],
                 one_bit(self._exchange_group) if exchange == "1bit" else None,
                 backend,
+                per_tensor=compression == "per_tensor",
             )
             for indices in groups
         ]
@@ -318,10 +350,8 @@ class DiLoCo:
             allreduce_mean_(fragment.buffer, self._exchange_group, traffic=fragment.traffic)
             self.check_finite(fragment.buffer)
             return
-        if self.worker_residual == "local":  # κ·ρ is in the weights already
-            for residual, move in zip(fragment.residuals(), fragment.residual_moves, strict=True):
-                residual.mul_(1.0 - move)
-            fragment.residual_moves = [0.0] * len(fragment.params)
+        if self.worker_residual == "local":
+            fragment.take_residual_moves()
         fragment.exchange.exchange(fragment.buffer).decode(fragment.buffer)
 
     @property
@@ -369,18 +399,27 @@ class DiLoCo:
             for param, mine in zip(fragment.params, own, strict=True):
                 param.lerp_(mine, local_share)
         if residual and self.worker_residual == "local":
-            self._move_by_residuals(fragment)
+            self.move_by_residuals(index)
         self.turn_ended()
 
-    def _move_by_residuals(self, fragment: Fragment) -> None:
-        """``θ ← θ - κ ρ``: this worker moves by its residual of ``fragment``'s last exchange
-        as the outer step moves the weights on a pseudo-gradient (:meth:`_residual_moves`);
-        the κ are kept for the fragment's next exchange, which takes the move out of the
-        message."""
-        moves = self._residual_moves(fragment)
-        for param, residual, move in zip(fragment.params, fragment.residuals(), moves, strict=True):
-            param.add_(residual.view_as(param).to(param.dtype), alpha=-move)
-        fragment.residual_moves = moves
+    def move_by_residuals(
+        self, fragment: int, workers: Sequence[Sequence[Tensor]] | None = None
+    ) -> None:
+        """With ``worker_residual="local"``, after ``fragment``'s outer step: ``θ ← θ - κ ρ``,
+        each worker moved by its residual of the fragment's last exchange as the outer step
+        moves the weights on a pseudo-gradient (:meth:`_residual_moves`). ``workers``: each
+        worker's weights of the fragment, a row per worker of its exchange (the simulation's);
+        default: this rank's parameters."""
+        part = self.fragments[fragment]
+        part.move_by_residuals(workers or [part.params], self._residual_moves(part))
+
+    def residual_move_to_undo(self) -> int | None:
+        """With ``worker_residual="local"``, the fragment whose outer step has just moved the
+        workers by their residuals, no inner step since (:meth:`sync` undoes that move);
+        otherwise ``None``."""
+        if self.worker_residual == "local" and self.local_step == 0 and self.rounds:
+            return (self.fragment - 1) % len(self.fragments)
+        return None
 
     def _residual_moves(self, fragment: Fragment) -> list[float]:
         """κ of each of ``fragment``'s parameters: the outer SGD's move of the weights per
@@ -400,13 +439,10 @@ class DiLoCo:
         ``worker_residual="local"``, the fragment whose outer step has just run (no inner step
         since) is not exchanged again: its weights are set back to its start weights, the
         move by the residual undone (the residual stays in the error buffer, undelivered)."""
-        index, just_ended = self.fragment, None
-        if self.worker_residual == "local" and self.local_step == 0 and self.rounds:
-            just_ended = (index - 1) % len(self.fragments)
+        index, just_ended = self.fragment, self.residual_move_to_undo()
+        if just_ended is not None:
             fragment = self.fragments[just_ended]
-            for param, start in zip(fragment.params, fragment.starts, strict=True):
-                param.copy_(start)
-            fragment.residual_moves = [0.0] * len(fragment.params)
+            fragment.undo_residual_moves([fragment.params])
         if just_ended != index:
             self._end_turn(local_share=0.0, residual=False)
         for other, fragment in enumerate(self.fragments):
@@ -465,11 +501,6 @@ class DiLoCo:
             raise ValueError("use_exchange replaces the 1-bit exchange; this DiLoCo is dense")
         if self.rounds or self.local_step or part.exchange.worker_error is not None:
             raise ValueError("use_exchange must come before the first round")
-        if self.worker_residual == "local":
-            raise ValueError(
-                "worker_residual='local' is not simulated: each simulated worker would need "
-                "its own residual in its weights"
-            )
         part.use_exchange(exchange)
 
     # ----------------------------------------------------------------- what users see

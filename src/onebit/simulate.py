@@ -304,7 +304,8 @@ class SimulatedDiLoCo:
         sync_every, exchange, compression, outer_optimizer, kernels: as
             :class:`onebit.DiLoCo`'s.
         fragments, delay, local_share: Streaming DiLoCo's, as :class:`onebit.DiLoCo`'s.
-        worker_residual: ``"carried"`` only (``"local"`` is not simulated; ``ValueError``).
+        worker_residual: as :class:`onebit.DiLoCo`'s; with ``"local"`` each simulated worker
+            is moved by its own residual, as each rank is.
 
     Use: ``results = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
     worker ``rank``'s forward and backward pass at its own weights (which the parameters hold
@@ -383,12 +384,18 @@ class SimulatedDiLoCo:
     @torch.no_grad()
     def sync(self) -> None:
         """End the current turn now, and with it every fragment's round (as
-        :meth:`onebit.DiLoCo.sync`); every worker then holds the start weights."""
-        index = self.diloco.fragment
-        self._end_turn(local_share=0.0)
-        for other in range(len(self.diloco.fragments)):
-            if other != index:
-                self._apply(self._average(other), other, local_share=0.0)
+        :meth:`onebit.DiLoCo.sync`, which leaves out a fragment whose residual moves have
+        just been made: they are undone); every worker then holds the start weights."""
+        diloco = self.diloco
+        index, just_ended = diloco.fragment, diloco.residual_move_to_undo()
+        if just_ended is not None:
+            diloco.fragments[just_ended].undo_residual_moves(self._rows(just_ended))
+        if just_ended != index:
+            self._end_turn(local_share=0.0, residual=False)
+        for other in range(len(diloco.fragments)):
+            if other not in (index, just_ended):
+                self._apply(self._average(other), other, local_share=0.0, residual=False)
+        _copy_into(self.params, self._weights[-1])
 
     @torch.no_grad()
     def _average(self, fragment: int) -> Tensor:
@@ -396,6 +403,8 @@ class SimulatedDiLoCo:
         outer exchange averages them."""
         diloco = self.diloco
         exchange = self.exchanges[fragment] if self.exchanges else None
+        if exchange is not None and diloco.worker_residual == "local":
+            diloco.fragments[fragment].take_residual_moves(rows=self.workers)
         size = diloco.buffer_size(fragment)
         work = torch.zeros(size, dtype=torch.float32, device=self.params[0].device)
         average = torch.zeros_like(work)
@@ -415,24 +424,40 @@ class SimulatedDiLoCo:
         return average  # the parameters hold the last worker's weights, as after a step
 
     @torch.no_grad()
-    def _end_turn(self, local_share: float) -> None:
+    def _end_turn(self, local_share: float, residual: bool = True) -> None:
         diloco = self.diloco
         if not diloco.exchange_started:
             diloco.hold(self._average(diloco.fragment))
-        self._apply(diloco.wait_exchange(), diloco.fragment, local_share)
+        self._apply(diloco.wait_exchange(), diloco.fragment, local_share, residual)
         diloco.turn_ended()
 
-    def _apply(self, average: Tensor, fragment: int, local_share: float) -> None:
+    def _apply(
+        self, average: Tensor, fragment: int, local_share: float, residual: bool = True
+    ) -> None:
         """``fragment``'s outer step from ``average``; every worker's weights of it set to
         the result, plus ``local_share`` of the worker's own move since the exchange started
-        (where there is a delay)."""
-        self.diloco.outer_step(average, fragment)
-        keep = local_share if self.diloco.delay else 0.0
+        (where there is a delay); with ``worker_residual="local"`` and ``residual``, each
+        worker then moved by its residual."""
+        diloco = self.diloco
+        diloco.outer_step(average, fragment)
+        keep = local_share if diloco.delay else 0.0
         for weights in self._weights:
-            for i in self.diloco.fragments[fragment].indices:
+            for i in diloco.fragments[fragment].indices:
                 result = self.params[i].detach()
                 weights[i].copy_(result.lerp(weights[i], keep) if keep else result)
+        if residual and diloco.worker_residual == "local":
+            diloco.move_by_residuals(fragment, self._rows(fragment))
         _copy_into(self.params, self._weights[-1])
+
+    def _rows(self, fragment: int) -> list[list[Tensor]]:
+        """Every worker's weights of ``fragment``, in rank order."""
+        indices = self.diloco.fragments[fragment].indices
+        return [[weights[i] for i in indices] for weights in self._weights]
+
+    def worker_weights(self, rank: int) -> list[Tensor]:
+        """Worker ``rank``'s weights, a tensor per parameter (the parameters hold the last
+        worker's between steps)."""
+        return self._weights[rank]
 
     @contextlib.contextmanager
     def _worker(self, rank: int) -> Iterator[None]:

@@ -1,7 +1,8 @@
 """DiLoCo with its workers simulated in one process (onebit.simulate.SimulatedDiLoCo) against
-DiLoCo on real gloo ranks: the same weights after every round, bit for bit, dense and 1-bit
-(each tensor alone and fused); the same bytes; a simulation saved inside a round and resumed
-by new objects goes on bit for bit."""
+DiLoCo on real gloo ranks: every worker's weights after every round the rank's, bit for bit,
+dense and 1-bit (each tensor alone and fused, each worker also moved by its residual); the same
+bytes; a simulation saved inside a round and resumed by new objects goes on bit for bit;
+``sync()`` on a round's last step undoes the residual moves as the ranks' does."""
 
 from __future__ import annotations
 
@@ -15,14 +16,21 @@ from onebit.simulate import SimulatedDiLoCo
 from onebit.testing import spawn_workers
 
 H, ROUNDS = 3, 3
-#: (outer exchange, compression)
-CASES = [("dense", "per_tensor"), ("1bit", "per_tensor"), ("1bit", "fused")]
+#: (outer exchange, compression, where each worker's residual goes)
+CASES = [
+    ("dense", "per_tensor", "carried"),
+    ("1bit", "per_tensor", "carried"),
+    ("1bit", "fused", "carried"),
+    ("1bit", "per_tensor", "local"),
+    ("1bit", "fused", "local"),
+]
 
 
 def _real(rank: int, world: int):
-    """Every case on this rank: the weights after every round, and the bytes sent."""
+    """Every case on this rank: its weights after every round and after ``sync()`` on the
+    last round's last step, and the bytes sent."""
     runs = {}
-    for exchange, compression in CASES:
+    for exchange, compression, residual in CASES:
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), **INNER)
         diloco = onebit.DiLoCo(
@@ -31,6 +39,7 @@ def _real(rank: int, world: int):
             sync_every=H,
             exchange=exchange,
             compression=compression,
+            worker_residual=residual,
             kernels="torch",
         )
         rounds = []
@@ -38,13 +47,17 @@ def _real(rank: int, world: int):
             inner_step(model, inner, rank, step)
             if diloco.local_step == 0:
                 rounds.append(weights(model))
-        runs[exchange, compression] = rounds, diloco.bytes_sent
+        diloco.sync()
+        runs[exchange, compression, residual] = rounds, weights(model), diloco.bytes_sent
     return runs
 
 
-def _simulated(workers: int, exchange: str, compression: str, save_after: int | None = None):
-    """The simulation of the same run; with ``save_after``, saved after that step and
-    continued by new objects that load the save."""
+def _simulated(
+    workers: int, exchange: str, compression: str, residual: str, save_after: int | None = None
+):
+    """The simulation of the same run: every worker's weights after every round and after
+    ``sync()``; with ``save_after``, saved after that step and continued by new objects that
+    load the save."""
 
     def build():
         model = _model()
@@ -56,21 +69,26 @@ def _simulated(workers: int, exchange: str, compression: str, save_after: int | 
             sync_every=H,
             exchange=exchange,
             compression=compression,
+            worker_residual=residual,
             kernels="torch",
         )
         return model, simulation
+
+    def every_worker():
+        return [[w.clone() for w in simulation.worker_weights(r)] for r in range(workers)]
 
     model, simulation = build()
     rounds = []
     for step in range(H * ROUNDS):
         simulation.step(lambda rank, s=step, m=model: backward(m, rank, s))
         if simulation.diloco.local_step == 0:
-            rounds.append(weights(model))
+            rounds.append(every_worker())
         if step + 1 == save_after:
             saved = simulation.state_dict()
             model, simulation = build()
             simulation.load_state_dict(saved)
-    return rounds, simulation.diloco.bytes_sent
+    simulation.sync()
+    return rounds, every_worker(), simulation.diloco.bytes_sent
 
 
 @pytest.fixture(scope="module")
@@ -78,25 +96,29 @@ def real_runs():
     return spawn_workers(_real, 2, timeout_s=240)
 
 
-@pytest.mark.parametrize(("exchange", "compression"), CASES)
-def test_the_simulation_is_what_two_ranks_compute(real_runs, exchange, compression):
-    rounds, sent = _simulated(2, exchange, compression)
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_the_simulation_is_what_two_ranks_compute(real_runs, case):
+    rounds, synced, sent = _simulated(2, *case)
     for rank, runs in enumerate(real_runs):
-        real_rounds, real_sent = runs[exchange, compression]
+        real_rounds, real_synced, real_sent = runs[case]
         assert len(rounds) == len(real_rounds) == ROUNDS
         for r, (ours, theirs) in enumerate(zip(rounds, real_rounds, strict=True)):
-            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), (
+            assert all(torch.equal(a, b) for a, b in zip(ours[rank], theirs, strict=True)), (
                 f"round {r + 1} differs from rank {rank}"
             )
+        assert all(torch.equal(a, b) for a, b in zip(synced[rank], real_synced, strict=True))
         assert sent == real_sent
+    if case[2] == "local":  # each worker moved by its own residual; sync() undid it
+        assert not torch.equal(rounds[-1][0][0], rounds[-1][1][0])
+        assert all(torch.equal(a, b) for a, b in zip(*synced, strict=True))
 
 
-@pytest.mark.parametrize(("exchange", "compression"), CASES)
-def test_a_simulation_resumed_inside_a_round_goes_on_bit_for_bit(exchange, compression):
-    straight, sent = _simulated(3, exchange, compression)
-    resumed, resumed_sent = _simulated(3, exchange, compression, save_after=H + 1)
-    for a, b in zip(straight[-1], resumed[-1], strict=True):
-        assert torch.equal(a, b)
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_a_simulation_resumed_inside_a_round_goes_on_bit_for_bit(case):
+    straight, _, sent = _simulated(3, *case)
+    resumed, _, resumed_sent = _simulated(3, *case, save_after=H + 1)
+    for ours, theirs in zip(straight[-1], resumed[-1], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     assert sent == resumed_sent
 
 

@@ -36,9 +36,16 @@ CASES = [("dense", 0.0), ("dense", 0.5), ("1bit", 0.0), ("1bit", 0.5)]
 STREAMING = dict(sync_every=H, kernels="torch", fragments=K, delay=DELAY)
 
 
-def _streaming(model, inner, exchange: str, share: float) -> onebit.DiLoCo:
+def _streaming(
+    model, inner, exchange: str, share: float, residual: str = "carried"
+) -> onebit.DiLoCo:
     return onebit.DiLoCo(
-        model.parameters(), inner, exchange=exchange, local_share=share, **STREAMING
+        model.parameters(),
+        inner,
+        exchange=exchange,
+        local_share=share,
+        worker_residual=residual,
+        **STREAMING,
     )
 
 
@@ -47,12 +54,18 @@ def _start_weights(diloco: onebit.DiLoCo, model) -> list[torch.Tensor]:
         return weights(model)
 
 
-def _train(rank: int, exchange: str, share: float, save_after: int | None = None):
+def _train(
+    rank: int,
+    exchange: str,
+    share: float,
+    save_after: int | None = None,
+    residual: str = "carried",
+):
     """The start weights and this rank's weights after every turn, and the bytes; with
     ``save_after``, the run is saved after that inner step and continued by new objects."""
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), **INNER)
-    diloco = _streaming(model, inner, exchange, share)
+    diloco = _streaming(model, inner, exchange, share, residual)
     turns = []
     for step in range(H // K * TURNS):
         inner_step(model, inner, rank, step)
@@ -65,7 +78,7 @@ def _train(rank: int, exchange: str, share: float, save_after: int | None = None
             diloco.close()
             model = _model()
             inner = torch.optim.AdamW(model.parameters(), **INNER)
-            diloco = _streaming(model, inner, exchange, share)
+            diloco = _streaming(model, inner, exchange, share, residual)
             model.load_state_dict(saved[0])
             inner.load_state_dict(saved[1])
             diloco.load_state_dict(saved[2])
@@ -109,6 +122,7 @@ def _runs(rank: int, world: int):
     results["resumed"] = _train(rank, "1bit", 0.5, save_after=2 * turn - DELAY)
     results["synced"] = _synced(rank)
     results["synced-local"] = _synced_local(rank)
+    results["local"] = _train(rank, "1bit", 0.5, residual="local")
     return results
 
 
@@ -230,27 +244,40 @@ def test_sync_exchanges_every_fragment_but_the_one_whose_local_residual_was_just
         )
 
 
-def _simulated(exchange: str, share: float):
+def _simulated(exchange: str, share: float, residual: str = "carried"):
+    """The start weights and every worker's weights after every turn, and the bytes."""
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), **INNER)
     simulation = SimulatedDiLoCo(
-        model.parameters(), inner, WORLD, exchange=exchange, local_share=share, **STREAMING
+        model.parameters(),
+        inner,
+        WORLD,
+        exchange=exchange,
+        local_share=share,
+        worker_residual=residual,
+        **STREAMING,
     )
     turns = []
     for step in range(H // K * TURNS):
         simulation.step(lambda rank, s=step: backward(model, rank, s))
         if simulation.diloco.local_step == 0:
-            turns.append(_start_weights(simulation.diloco, model))
+            own = [[w.clone() for w in simulation.worker_weights(r)] for r in range(WORLD)]
+            turns.append((_start_weights(simulation.diloco, model), own))
     return turns, simulation.diloco.bytes_sent
 
 
-@pytest.mark.parametrize(("exchange", "share"), CASES)
-def test_the_simulation_computes_what_the_ranks_compute(ranks, exchange, share):
-    turns, sent = _simulated(exchange, share)
-    real, real_sent, _ = ranks[0][exchange, share]
-    assert sent == real_sent
-    for start, (real_start, _) in zip(turns, real, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(start, real_start, strict=True))
+@pytest.mark.parametrize(
+    ("case", "exchange", "share", "residual"),
+    [((e, s), e, s, "carried") for e, s in CASES] + [("local", "1bit", 0.5, "local")],
+)
+def test_the_simulation_computes_what_the_ranks_compute(ranks, case, exchange, share, residual):
+    turns, sent = _simulated(exchange, share, residual)
+    for rank, runs in enumerate(ranks):
+        real, real_sent, _ = runs[case]
+        assert sent == real_sent
+        for (start, own), (real_start, real_own) in zip(turns, real, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(start, real_start, strict=True))
+            assert all(torch.equal(a, b) for a, b in zip(own[rank], real_own, strict=True))
 
 
 def test_bad_streaming_arguments_are_named_before_anything_changes():

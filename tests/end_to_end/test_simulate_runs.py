@@ -107,8 +107,9 @@ def test_cli_simulation_equals_onebit_train_and_resumes(
     [
         ["--sync-every", "5"],
         ["--sync-every", "6", "--fragments", "2", "--fragment-delay", "1", "--local-share", "0.5"],
+        ["--sync-every", "5", "--worker-residual", "local"],
     ],
-    ids=["rounds", "streaming"],
+    ids=["rounds", "streaming", "local"],
 )
 def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
     tmp_path: Path,
@@ -121,7 +122,7 @@ def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
     a simulation resumed from its checkpoint of step 8 (inside the second round, where the
     workers' weights differ) ends where the uninterrupted one does. Likewise streaming, in two
     fragments of 3-step turns with a delay of 1 step, where the checkpoint of step 8 holds
-    the exchange that started at step 8."""
+    the exchange that started at step 8, and with each worker moved by its residual."""
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
     corpus = str(write_corpus(tmp_path / "corpus.txt"))
     options = [*TINY, "--corpus", corpus, "--optimizer", "adam", *diloco]
@@ -147,7 +148,3 @@ def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
     assert onebit_main(["simulate", *options, *nodes]) == 2
     assert "DiLoCo between nodes) is not simulated" in capsys.readouterr().err
     assert not (tmp_path / "nodes").exists()
-    local = ["--workers", "2", "--worker-residual", "local", "--out", str(tmp_path / "local")]
-    assert onebit_main(["simulate", *options, *local]) == 2
-    assert "--worker-residual local is not simulated" in capsys.readouterr().err
-    assert not (tmp_path / "local").exists()

@@ -131,11 +131,6 @@ def check_simulated(config: TrainConfig) -> None:
             "--sync-every with --node-size > 1 (DiLoCo between nodes) is not simulated: "
             "the simulated DiLoCo workers are single workers"
         )
-    if config.worker_residual != "carried":
-        raise ValueError(
-            f"--worker-residual {config.worker_residual} is not simulated: each simulated "
-            "worker would need its own residual in its weights"
-        )
     if config.bucket_cap_mb is not None or config.overlap_backward:
         raise ValueError(
             "--bucket-cap-mb and --overlap-backward are not simulated (the simulation "
