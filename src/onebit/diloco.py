@@ -86,7 +86,10 @@ class Fragment:
     1-bit one with its own error buffers; ``None``: dense), its pseudo-gradient buffer and
     the bytes of its exchange not yet applied (:attr:`traffic`), and with
     ``worker_residual="local"`` the κ of each parameter by which this worker has moved by its
-    residual since the fragment's last exchange (:attr:`residual_moves`; 0: not moved)."""
+    residual since the fragment's last exchange (:attr:`residual_moves`; 0: not moved).
+    The 1-bit exchange compresses each of :attr:`runs` alone: ``(parameter, offset,
+    elements)``, a run per tensor, or with ``block_size = b`` each tensor's blocks of ``b·W``
+    elements (ALGORITHM.md, "Blocks of one scale")."""
 
     def __init__(
         self,
@@ -96,18 +99,35 @@ class Fragment:
         exchange: Exchange | None,
         backend: backends.Backend,
         per_tensor: bool = True,
+        block_size: int | None = None,
     ) -> None:
         self.indices, self.params, self.starts = indices, params, starts
-        self.per_tensor = per_tensor
+        self.per_tensor, self.block_size = per_tensor, block_size
         self.numels = [p.numel() for p in params]
         self.exchange = exchange
         self.traffic = TrafficCounter()
+        self.runs = self._runs(1)
         size = sum(self.numels)
         if exchange is not None:
-            exchange.bind(self.numels, torch.float32, params[0].device, backend, self.traffic)
-            size = exchange.buffer_size(self.numels)
+            self.runs = self._runs(exchange.world_size)
+            exchange.bind(self.segments, torch.float32, params[0].device, backend, self.traffic)
+            size = exchange.buffer_size(self.segments)
         self.buffer = torch.zeros(size, dtype=torch.float32, device=params[0].device)
         self.residual_moves = [0.0] * len(params)
+
+    def _runs(self, workers: int) -> list[tuple[int, int, int]]:
+        """``(parameter, offset, elements)`` of each run compressed alone over ``workers``
+        ranks: a tensor, or each block of ``block_size·workers`` elements of one."""
+        runs = []
+        for index, numel in enumerate(self.numels):
+            block = numel if self.block_size is None else self.block_size * workers
+            runs += [(index, start, min(block, numel - start)) for start in range(0, numel, block)]
+        return runs
+
+    @property
+    def segments(self) -> list[int]:
+        """Elements of each run, in order: the sizes the 1-bit exchange is bound to."""
+        return [elements for _, _, elements in self.runs]
 
     @torch.no_grad()
     def pseudo_gradient(self, out: Tensor) -> None:
@@ -121,13 +141,15 @@ class Fragment:
         out[total:].zero_()
 
     def use_exchange(self, exchange: Exchange) -> None:
-        """Exchange through ``exchange`` (bound here to this fragment's tensors) instead."""
+        """Exchange through ``exchange`` (bound here to this fragment's runs over its ranks)
+        instead."""
         assert self.exchange is not None
+        self.runs = self._runs(exchange.world_size)
         exchange.bind(
-            self.numels, torch.float32, self.buffer.device, self.exchange.backend, self.traffic
+            self.segments, torch.float32, self.buffer.device, self.exchange.backend, self.traffic
         )
         self.exchange = exchange
-        self.buffer = self.buffer.new_zeros(exchange.buffer_size(self.numels))
+        self.buffer = self.buffer.new_zeros(exchange.buffer_size(self.segments))
 
     def errors(self) -> tuple[Tensor | None, Tensor | None]:
         """This rank's worker and server errors (``None`` before the first 1-bit exchange,
@@ -137,26 +159,27 @@ class Fragment:
         return self.exchange.worker_error, self.exchange.server_error
 
     def residuals(self, row: int = 0) -> list[Tensor]:
-        """A worker's residual of each parameter in the last 1-bit exchange (its worker
-        error, the padding left out), flat views; zeros before the first. ``row``: the
+        """A worker's residual of each run (:attr:`runs`) in the last 1-bit exchange (its
+        worker error, the padding left out), flat views; zeros before the first. ``row``: the
         worker, in an exchange that holds a row of errors per worker (a simulated one); a
         distributed exchange holds this rank's only, row 0."""
         assert self.exchange is not None
         worker, _ = self.exchange.errors()
-        n, total = self.exchange.world_size, sum(self.numels)
-        if self.per_tensor:  # each tensor padded alone
-            layout = Layout.per_tensor(self.numels, n)
-            segments = worker.view(-1, layout.width)[row].split(list(layout.sizes))
-            return [segment[:numel] for segment, numel in zip(segments, self.numels, strict=True)]
-        return list(worker.view(-1, padded_size(total, n))[row][:total].split(self.numels))
+        n, sizes = self.exchange.world_size, self.segments
+        if self.per_tensor:  # each run padded alone
+            layout = Layout.per_tensor(sizes, n)
+            padded = worker.view(-1, layout.width)[row].split(list(layout.sizes))
+            return [segment[:size] for segment, size in zip(padded, sizes, strict=True)]
+        total = sum(sizes)
+        return list(worker.view(-1, padded_size(total, n))[row][:total].split(sizes))
 
     def take_residual_moves(self, rows: int = 1) -> None:
         """The error of each of ``rows`` workers' residuals times ``1 - κ``, κ that of the
         move by it (:attr:`residual_moves`): that much of it is in the worker's weights
         already. The moves are spent."""
         for row in range(rows):
-            for residual, move in zip(self.residuals(row), self.residual_moves, strict=True):
-                residual.mul_(1.0 - move)
+            for (param, _, _), residual in zip(self.runs, self.residuals(row), strict=True):
+                residual.mul_(1.0 - self.residual_moves[param])
         self.residual_moves = [0.0] * len(self.params)
 
     def move_by_residuals(self, workers: Sequence[Sequence[Tensor]], moves: list[float]) -> None:
@@ -164,8 +187,11 @@ class Fragment:
         moved by that worker's residual times the κ of its parameter, ``moves``, which are
         kept for the next exchange (:meth:`take_residual_moves`)."""
         for row, weights in enumerate(workers):
-            for weight, residual, move in zip(weights, self.residuals(row), moves, strict=True):
-                weight.add_(residual.view_as(weight).to(weight.dtype), alpha=-move)
+            for (param, start, elements), residual in zip(
+                self.runs, self.residuals(row), strict=True
+            ):
+                weight = weights[param].view(-1)[start : start + elements]
+                weight.add_(residual.to(weight.dtype), alpha=-moves[param])
         self.residual_moves = moves
 
     def undo_residual_moves(self, workers: Sequence[Sequence[Tensor]]) -> None:
@@ -190,7 +216,10 @@ class DiLoCo:
     round's message (error feedback); ``"local"``, besides, each worker's next inner steps
     start where the outer step would have put it had its message carried the residual (the
     outer optimizer then must be ``torch.optim.SGD`` without dampening; ALGORITHM.md, "Where
-    a worker's residual goes").
+    a worker's residual goes"). ``block_size`` (1-bit exchange, per tensor): ``b``, each
+    tensor compressed in blocks of ``b·W`` elements over ``W`` ranks, every block with its
+    own scales, ``b`` elements to each server scale (ALGORITHM.md, "Blocks of one scale");
+    ``None``: one scale per tensor.
 
     Streaming (ALGORITHM.md, "Streaming fragments and the delayed outer exchange"):
     ``fragments`` (an int K, the parameters cut in order into K runs of about equal size, or
@@ -215,6 +244,7 @@ class DiLoCo:
         delay: int = 0,
         local_share: float = 0.0,
         worker_residual: str = "carried",
+        block_size: int | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
@@ -231,6 +261,18 @@ class DiLoCo:
             raise ValueError(
                 f"worker_residual must be one of {WORKER_RESIDUALS}, got {worker_residual!r}"
             )
+        if block_size is not None:
+            if not _is_int(block_size) or block_size < 8 or block_size % 8:
+                raise ValueError(
+                    "block_size must be a multiple of 8 (elements to each server scale), "
+                    f"got {block_size!r}"
+                )
+            if exchange != "1bit" or compression != "per_tensor":
+                raise ValueError(
+                    "block_size cuts the tensors of the per-tensor 1-bit exchange into blocks: "
+                    f"it needs exchange='1bit' and compression='per_tensor', not {exchange!r} "
+                    f"and {compression!r}"
+                )
         if worker_residual == "local" and exchange != "1bit":
             raise ValueError(
                 "worker_residual='local' places the 1-bit exchange's residual: it needs "
@@ -274,6 +316,7 @@ class DiLoCo:
         self.sync_every, self.turn_steps = sync_every, turn_steps
         self.delay, self.local_share = delay, float(local_share)
         self.exchange_kind, self.worker_residual = exchange, worker_residual
+        self.block_size = block_size
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
         self.process_group = process_group
         self.traffic = TrafficCounter()
@@ -295,6 +338,7 @@ class DiLoCo:
                 one_bit(self._exchange_group) if exchange == "1bit" else None,
                 backend,
                 per_tensor=compression == "per_tensor",
+                block_size=block_size,
             )
             for indices in groups
         ]
@@ -567,6 +611,7 @@ class DiLoCo:
             "sync_every": self.sync_every,
             "exchange": self.exchange_kind,
             "worker_residual": self.worker_residual,
+            "block_size": self.block_size,
             "fragments": [list(fragment.indices) for fragment in self.fragments],
             "delay": self.delay,
             "round_start": [start.clone() for start in self._round_start],
@@ -592,6 +637,11 @@ class DiLoCo:
             raise ValueError(
                 f"checkpoint of a DiLoCo with worker_residual={saved_residual!r}; this one has "
                 f"worker_residual={self.worker_residual!r}"
+            )
+        if state.get("block_size") != self.block_size:
+            raise ValueError(
+                f"checkpoint of a DiLoCo with block_size={state.get('block_size')!r}; this one "
+                f"has block_size={self.block_size!r}"
             )
         layout = [list(f.indices) for f in self.fragments]
         saved_layout = state.get("fragments", [list(range(len(self.params)))])
@@ -634,7 +684,7 @@ class DiLoCo:
         for fragment, saved_errors in zip(self.fragments, errors, strict=True):
             if fragment.exchange is not None and saved_errors is not None:
                 worker, server = saved_errors
-                sizes = fragment.exchange.error_sizes(fragment.numels)
+                sizes = fragment.exchange.error_sizes(fragment.segments)
                 if (worker.numel(), server.numel()) != sizes:
                     raise ValueError(
                         f"checkpoint's error buffers hold {(worker.numel(), server.numel())} "
@@ -652,7 +702,7 @@ class DiLoCo:
             if fragment.exchange is not None and saved_errors is not None:
                 worker, server = saved_errors
                 fragment.exchange.carry_errors(
-                    fragment.numels,
+                    fragment.segments,
                     worker.to(fragment.buffer.device).clone(),
                     server.to(fragment.buffer.device).clone(),
                     fragment.exchange.backend,

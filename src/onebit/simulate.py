@@ -306,6 +306,7 @@ class SimulatedDiLoCo:
         fragments, delay, local_share: Streaming DiLoCo's, as :class:`onebit.DiLoCo`'s.
         worker_residual: as :class:`onebit.DiLoCo`'s; with ``"local"`` each simulated worker
             is moved by its own residual, as each rank is.
+        block_size: as :class:`onebit.DiLoCo`'s, blocks of ``block_size·workers`` elements.
 
     Use: ``results = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
     worker ``rank``'s forward and backward pass at its own weights (which the parameters hold
@@ -331,6 +332,7 @@ class SimulatedDiLoCo:
         delay: int = 0,
         local_share: float = 0.0,
         worker_residual: str = "carried",
+        block_size: int | None = None,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
@@ -346,6 +348,7 @@ class SimulatedDiLoCo:
             delay=delay,
             local_share=local_share,
             worker_residual=worker_residual,
+            block_size=block_size,
         )
         self.diloco.close()  # every worker's inner step runs here: the turns are ended below
         self.exchanges: list[SimulatedExchange | PerTensorSimulatedExchange] = []

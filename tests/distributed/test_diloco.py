@@ -28,12 +28,14 @@ SHAPES = [(6, 5), (6,), (2, 6), (2,)]
 #: after the dense exchange, momentum 0.5 after the 1-bit one.
 OUTER = {"dense": (0.7, 0.9), "1bit": (0.7, 0.5)}
 #: The DiLoCos run: (name, exchange, its compression, where the worker's residual goes, the
-#: factor of the outer lr after each round).
+#: factor of the outer lr after each round, the elements to each server scale: blocks of
+#: 8·WORLD = 16 elements cut the tensors of 30, 6, 12 and 2 into 16+14, 6, 12 and 2).
 VARIANTS = [
-    ("dense", "dense", "per_tensor", "carried", 1.0),
-    ("1bit", "1bit", "per_tensor", "carried", 1.0),
-    ("1bit-local", "1bit", "per_tensor", "local", 0.5),
-    ("1bit-fused-local", "1bit", "fused", "local", 1.0),
+    ("dense", "dense", "per_tensor", "carried", 1.0, None),
+    ("1bit", "1bit", "per_tensor", "carried", 1.0, None),
+    ("1bit-local", "1bit", "per_tensor", "local", 0.5, None),
+    ("1bit-fused-local", "1bit", "fused", "local", 1.0, None),
+    ("1bit-blocks-local", "1bit", "per_tensor", "local", 1.0, 8),
 ]
 
 
@@ -57,6 +59,7 @@ def _train(
     compression: str,
     residual: str,
     decay: float,
+    block: int | None,
     save_at: int | None = None,
 ):
     """The round start weights and this rank's weights after every round; with ``save_at``,
@@ -65,7 +68,7 @@ def _train(
     def build():
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), **INNER)
-        options = dict(compression=compression, worker_residual=residual)
+        options = dict(compression=compression, worker_residual=residual, block_size=block)
         return model, inner, _diloco(model, inner, exchange, **options)
 
     model, inner, diloco = build()
@@ -107,6 +110,7 @@ def _model_of_both_workers(
     residual: str = "carried",
     compression: str = "per_tensor",
     decay: float = 1.0,
+    block: int | None = None,
 ) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
     """Both workers in one process, from the text: after every round, the start weights and
     each worker's weights. With ``node_size``, each worker a node whose inner steps take the
@@ -114,25 +118,39 @@ def _model_of_both_workers(
     worker's weights move by its residual times κ = lr·(1 + momentum) after the outer step,
     and its error keeps 1 - κ of it for the next message (κ of that outer step, whatever the
     lr is when the message leaves); with ``compression="fused"``, the 1-bit oracle of one
-    padded buffer; the outer lr multiplied by ``decay`` after every round."""
+    padded buffer; the outer lr multiplied by ``decay`` after every round; with ``block``,
+    each tensor cut into blocks of ``block·WORLD`` elements, compressed as tensors of their own."""
     replicas = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
     theta = weights(replicas[0])
     buffers = None  # the outer momentum
     numels = [math.prod(s) for s in SHAPES]
     fused, total = compression == "fused", sum(numels)
-    padded = [per_tensor_padded_size(n, WORLD) for n in numels]
+    #: (tensor, offset, elements) of each run compressed alone
+    runs = [
+        (t, start, min(size, n - start))
+        for t, n in enumerate(numels)
+        for size in [n if block is None else block * WORLD]
+        for start in range(0, n, size)
+    ]
+    padded = [per_tensor_padded_size(size, WORLD) for _, _, size in runs]
     width = onebit.padded_size(total, WORLD) if fused else sum(padded)
     worker_errors, server_errors = torch.zeros(WORLD, width), torch.zeros(WORLD, width // WORLD)
     lr, momentum = OUTER[exchange]
     kappa = 0.0  # of the last move by the residuals
 
     def residuals(worker: int) -> list[torch.Tensor]:
-        """Views of ``worker``'s error of each tensor, the padding left out."""
+        """Views of ``worker``'s error of each run, the padding left out."""
         errors = worker_errors[worker]
         if fused:
             return list(errors[:total].split(numels))
-        return [e[:n] for e, n in zip(errors.split(padded), numels, strict=True)]
+        return [e[:size] for e, (_, _, size) in zip(errors.split(padded), runs, strict=True)]
+
+    def residual_of(worker: int, tensor: int) -> torch.Tensor:
+        """``worker``'s error of ``tensor``, its runs' joined."""
+        return torch.cat(
+            [e for e, (t, _, _) in zip(residuals(worker), runs, strict=True) if t == tensor]
+        )
 
     rounds = []
     for r in range(ROUNDS):
@@ -159,9 +177,16 @@ def _model_of_both_workers(
                 )
                 average = list(result[:total].split(numels))
             else:
-                average, worker_errors, server_errors = oracle_compressed_allreduce_per_tensor(
-                    per_tensor, worker_errors, server_errors, kernels="torch"
+                pieces, worker_errors, server_errors = oracle_compressed_allreduce_per_tensor(
+                    [per_tensor[t][:, start : start + size] for t, start, size in runs],
+                    worker_errors,
+                    server_errors,
+                    kernels="torch",
                 )
+                average = [
+                    torch.cat([p for p, (t, _, _) in zip(pieces, runs, strict=True) if t == tensor])
+                    for tensor in range(len(numels))
+                ]
         grads = [a.view_as(t) for a, t in zip(average, theta, strict=True)]
         if buffers is None:
             buffers = [g.clone() for g in grads]
@@ -172,8 +197,9 @@ def _model_of_both_workers(
         lr *= decay
         own = []
         for worker, model in enumerate(replicas):
-            for p, t, e in zip(model.parameters(), theta, residuals(worker), strict=True):
-                p.data.copy_(t - kappa * e.view_as(t) if residual == "local" else t)
+            for index, (p, t) in enumerate(zip(model.parameters(), theta, strict=True)):
+                move = kappa * residual_of(worker, index).view_as(t)
+                p.data.copy_(t - move if residual == "local" else t)
             own.append(weights(model))
         rounds.append(([t.clone() for t in theta], own))
     return rounds
@@ -196,12 +222,12 @@ def ranks():
     return spawn_workers(_runs, WORLD, timeout_s=240)
 
 
-@pytest.mark.parametrize("name, exchange, compression, residual, decay", VARIANTS)
+@pytest.mark.parametrize("name, exchange, compression, residual, decay, block", VARIANTS)
 def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(
-    ranks, name, exchange, compression, residual, decay
+    ranks, name, exchange, compression, residual, decay, block
 ):
     expected = _model_of_both_workers(
-        exchange, residual=residual, compression=compression, decay=decay
+        exchange, residual=residual, compression=compression, decay=decay, block=block
     )
     for rank in range(WORLD):
         (rounds, _, count, _), _ = ranks[rank][name]
@@ -250,6 +276,9 @@ def test_the_bytes_of_each_outer_exchange(ranks):
     one_bit = compressed_allreduce_per_tensor_bytes(numels, WORLD, torch.float32)
     assert ranks[0]["dense"][0][1] == ROUNDS * dense
     assert ranks[0]["1bit"][0][1] == ROUNDS * one_bit
+    blocks = [16, 14, 6, 12, 2]  # VARIANTS' blocks of 16 elements
+    in_blocks = compressed_allreduce_per_tensor_bytes(blocks, WORLD, torch.float32)
+    assert ranks[0]["1bit-blocks-local"][0][1] == ROUNDS * in_blocks > ROUNDS * one_bit
     # At a model's size the 1-bit exchange sends about 32 times fewer bytes a round.
     big = [4096 * 1024, 4096, 1024 * 1024]
     ratio = ring_allreduce_bytes(4 * sum(big), 4) / compressed_allreduce_per_tensor_bytes(
@@ -277,6 +306,9 @@ def test_bad_arguments_are_named_before_anything_changes():
             ValueError,
             "dampening=0.1",
         ),
+        ({"sync_every": 2, "block_size": 12}, ValueError, "multiple of 8"),
+        ({"sync_every": 2, "block_size": 8, "compression": "fused"}, ValueError, "'fused'"),
+        ({"sync_every": 2, "block_size": 8, "exchange": "dense"}, ValueError, "'dense'"),
     ]
     for options, error, name in cases:
         with pytest.raises(error, match=name):
@@ -290,6 +322,8 @@ def test_bad_arguments_are_named_before_anything_changes():
         onebit.DiLoCo(model.parameters(), inner, sync_every=2, exchange="dense").load_state_dict(
             saved
         )
+    with pytest.raises(ValueError, match="block_size=None; this one has block_size=8"):
+        onebit.DiLoCo(model.parameters(), inner, sync_every=2, block_size=8).load_state_dict(saved)
     local = onebit.DiLoCo(model.parameters(), inner, sync_every=2, worker_residual="local")
     with pytest.raises(ValueError, match="worker_residual='carried'"):
         local.load_state_dict(saved)

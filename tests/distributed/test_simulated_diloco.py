@@ -1,6 +1,7 @@
 """DiLoCo with its workers simulated in one process (onebit.simulate.SimulatedDiLoCo) against
 DiLoCo on real gloo ranks: every worker's weights after every round the rank's, bit for bit,
-dense and 1-bit (each tensor alone and fused, each worker also moved by its residual); the same
+dense and 1-bit (each tensor alone, in blocks and fused, each worker also moved by its
+residual); the same
 bytes; a simulation saved inside a round and resumed by new objects goes on bit for bit;
 ``sync()`` on a round's last step undoes the residual moves as the ranks' does."""
 
@@ -16,21 +17,27 @@ from onebit.simulate import SimulatedDiLoCo
 from onebit.testing import spawn_workers
 
 H, ROUNDS = 3, 3
-#: (outer exchange, compression, where each worker's residual goes)
+#: (outer exchange, compression, where each worker's residual goes, elements to each server
+#: scale: 8, blocks of 16 elements at 2 workers, 24 at 3)
 CASES = [
-    ("dense", "per_tensor", "carried"),
-    ("1bit", "per_tensor", "carried"),
-    ("1bit", "fused", "carried"),
-    ("1bit", "per_tensor", "local"),
-    ("1bit", "fused", "local"),
+    ("dense", "per_tensor", "carried", None),
+    ("1bit", "per_tensor", "carried", None),
+    ("1bit", "fused", "carried", None),
+    ("1bit", "per_tensor", "local", None),
+    ("1bit", "fused", "local", None),
+    ("1bit", "per_tensor", "local", 8),
 ]
+
+
+def _name(case: tuple) -> str:
+    return "-".join(str(part) for part in case)
 
 
 def _real(rank: int, world: int):
     """Every case on this rank: its weights after every round and after ``sync()`` on the
     last round's last step, and the bytes sent."""
     runs = {}
-    for exchange, compression, residual in CASES:
+    for exchange, compression, residual, block in CASES:
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), **INNER)
         diloco = onebit.DiLoCo(
@@ -40,6 +47,7 @@ def _real(rank: int, world: int):
             exchange=exchange,
             compression=compression,
             worker_residual=residual,
+            block_size=block,
             kernels="torch",
         )
         rounds = []
@@ -48,12 +56,17 @@ def _real(rank: int, world: int):
             if diloco.local_step == 0:
                 rounds.append(weights(model))
         diloco.sync()
-        runs[exchange, compression, residual] = rounds, weights(model), diloco.bytes_sent
+        runs[exchange, compression, residual, block] = rounds, weights(model), diloco.bytes_sent
     return runs
 
 
 def _simulated(
-    workers: int, exchange: str, compression: str, residual: str, save_after: int | None = None
+    workers: int,
+    exchange: str,
+    compression: str,
+    residual: str,
+    block: int | None,
+    save_after: int | None = None,
 ):
     """The simulation of the same run: every worker's weights after every round and after
     ``sync()``; with ``save_after``, saved after that step and continued by new objects that
@@ -70,6 +83,7 @@ def _simulated(
             exchange=exchange,
             compression=compression,
             worker_residual=residual,
+            block_size=block,
             kernels="torch",
         )
         return model, simulation
@@ -96,7 +110,7 @@ def real_runs():
     return spawn_workers(_real, 2, timeout_s=240)
 
 
-@pytest.mark.parametrize("case", CASES, ids="-".join)
+@pytest.mark.parametrize("case", CASES, ids=_name)
 def test_the_simulation_is_what_two_ranks_compute(real_runs, case):
     rounds, synced, sent = _simulated(2, *case)
     for rank, runs in enumerate(real_runs):
@@ -113,7 +127,7 @@ def test_the_simulation_is_what_two_ranks_compute(real_runs, case):
         assert all(torch.equal(a, b) for a, b in zip(*synced, strict=True))
 
 
-@pytest.mark.parametrize("case", CASES, ids="-".join)
+@pytest.mark.parametrize("case", CASES, ids=_name)
 def test_a_simulation_resumed_inside_a_round_goes_on_bit_for_bit(case):
     straight, _, sent = _simulated(3, *case)
     resumed, _, resumed_sent = _simulated(3, *case, save_after=H + 1)

@@ -139,6 +139,19 @@ from onebit.train.run_dir import prepare_run_dir
             "--worker-residual local places the 1-bit exchange's residual: give --outer-exchange",
         ),
         (
+            ["--optimizer", "adam", "--outer-block-size", "128"],
+            "--outer-block-size is an option of DiLoCo: give --sync-every too",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--outer-block-size", "100"],
+            "--outer-block-size sets the blocks of the 1-bit outer exchange: a multiple of 8",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--outer-exchange", "dense"]
+            + ["--outer-block-size", "128"],
+            "got 128 with --outer-exchange dense",
+        ),
+        (
             ["--optimizer", "adam", "--sync-every", "5", "--outer-implementation", "torchft"],
             "it takes --outer-exchange dense and not --outer-exchange 1bit",
         ),

@@ -370,6 +370,15 @@ class TrainConfig:
         "compression goes: carried into its next round's message (error feedback), or local, "
         "also into its own weights at once, as far as the outer step would move them",
     )
+    outer_block_size: int | None = option(
+        None,
+        group=_SYSTEM,
+        help="with --sync-every and --outer-exchange 1bit: elements to each server scale of "
+        "the 1-bit exchange, each tensor compressed in blocks of this many times the workers, "
+        "every block with its own scales (a multiple of 8; the bytes grow by 32/this times "
+        "the signs')",
+        default_help="one scale per tensor",
+    )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
     eval_every: int | None = option(
@@ -543,6 +552,7 @@ class TrainConfig:
             "delay": self.fragment_delay,
             "local_share": self.local_share,
             "worker_residual": self.worker_residual,
+            "block_size": self.outer_block_size,
         }
 
     @property

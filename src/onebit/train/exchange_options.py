@@ -115,6 +115,7 @@ def _check_diloco(config: TrainConfig) -> None:
             "--fragment-delay": config.fragment_delay != 0,
             "--local-share": config.local_share != 0.0,
             "--worker-residual": config.worker_residual != "carried",
+            "--outer-block-size": config.outer_block_size is not None,
         }
         for flag, is_given in given.items():
             if is_given:
@@ -154,6 +155,14 @@ def _check_diloco(config: TrainConfig) -> None:
             f"--worker-residual {config.worker_residual} places the 1-bit exchange's residual: "
             "give --outer-exchange 1bit"
         )
+    if config.outer_block_size is not None:
+        check_positive_int_option("outer_block_size", config.outer_block_size)
+        if config.outer_block_size % 8 or config.outer_exchange != "1bit":
+            raise ValueError(
+                "--outer-block-size sets the blocks of the 1-bit outer exchange: a multiple of "
+                f"8 with --outer-exchange 1bit, got {config.outer_block_size} with "
+                f"--outer-exchange {config.outer_exchange}"
+            )
     _check_outer_implementation(config)
     if config.outer_lr is not None:  # None: the outer exchange's default
         check_positive("--outer-lr", config.outer_lr)
