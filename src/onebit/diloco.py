@@ -106,10 +106,9 @@ class Fragment:
         self.numels = [p.numel() for p in params]
         self.exchange = exchange
         self.traffic = TrafficCounter()
-        self.runs = self._runs(1)
+        self.runs = self._runs(1 if exchange is None else exchange.world_size)
         size = sum(self.numels)
         if exchange is not None:
-            self.runs = self._runs(exchange.world_size)
             exchange.bind(self.segments, torch.float32, params[0].device, backend, self.traffic)
             size = exchange.buffer_size(self.segments)
         self.buffer = torch.zeros(size, dtype=torch.float32, device=params[0].device)
