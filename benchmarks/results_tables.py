@@ -119,6 +119,7 @@ COMMIT_DATES = {
     "7101be9": "2026-12-06",
     "028872d": "2026-12-06",
     "ffde085": "2026-12-06",
+    "791e022": "2026-12-06",
     "015841c": "2026-12-06",
 }
 
@@ -181,6 +182,9 @@ RECORDED_IN = {
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05-local": "ffde085",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-local": "ffde085",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-m05-local": "ffde085",
+    "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05-local-b128": "791e022",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-m05-local-b128": "791e022",
+    "docs/main-job/diloco-blocks": "791e022",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-m05": "e6ab329",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-k3-d5": "e6ab329",
@@ -1048,6 +1052,88 @@ def table_diloco_outer() -> Table:
 
 
 DILOCO_STUDY = "docs/convergence/diloco-study"
+#: The 1-bit exchange in blocks, beside one scale per tensor and the dense exchange (outer
+#: Nesterov SGD, lr 0.7, momentum 0.5; the residual local): (where, H, dense, per tensor,
+#: in blocks).
+DILOCO_BLOCKS = [
+    (
+        "main job",
+        25,
+        "docs/main-job/diloco-outer/h25-dense-m05",
+        "docs/main-job/diloco-local/h25-m05",
+        "docs/main-job/diloco-blocks/h25-m05-b128",
+    ),
+    *(
+        (
+            "study",
+            h,
+            f"docs/convergence/diloco-study/diloco-adam-n4-h{h}-dense-m05",
+            f"docs/convergence/diloco-study/diloco-adam-n4-h{h}-1bit-m05-local",
+            f"docs/convergence/diloco-study/diloco-adam-n4-h{h}-1bit-m05-local-b128",
+        )
+        for h in (20, 60)
+    ),
+]
+
+
+def _outer_bytes(folder: str) -> tuple[int, int]:
+    """A DiLoCo run's bytes per worker of its outer exchanges, and what LAMB's fp32
+    allreduce would have sent in their place."""
+    outer = _read(f"{folder}/summary.json")["bytes_sent"]["by_stage"]["outer"]
+    return outer["bytes"], outer["lamb_bytes"]
+
+
+def table_diloco_blocks() -> Table:
+    """The 1-bit outer exchange in blocks of 128 elements to each server scale against one
+    scale per tensor and against the dense exchange: final validation losses and bytes."""
+    rows, paths = [], []
+    for where, h, *runs in DILOCO_BLOCKS:
+        _first_losses_agree(runs)
+        dense, per_tensor, blocks = (
+            _read(f"{run}/summary.json")["final_validation_loss"] for run in runs
+        )
+        fewer = [lamb / sent for sent, lamb in map(_outer_bytes, runs[1:])]
+        rows.append(
+            [
+                where,
+                str(h),
+                f"{dense:.4f}",
+                f"{per_tensor:.4f} ({_pct(per_tensor / dense - 1)})",
+                f"{blocks:.4f} ({_pct(blocks / dense - 1)})",
+                f"{fewer[0]:.1f}x, {fewer[1]:.1f}x",
+            ]
+        )
+        paths += runs
+    commits, dates = _stamp(f"{path}/summary.json" for path in paths)
+    study = "python3 run.py onebit study run --spec docs/convergence/study.json --arms"
+    commands = [
+        f"python3 run.py train --optimizer adam {EARLIER_MAIN_JOB} --sync-every 25 "
+        f"--outer-exchange {exchange} --outer-lr 0.7 --outer-momentum 0.5{options}"
+        for exchange, options in (
+            ("dense", ""),
+            ("1bit", " --worker-residual local"),
+            ("1bit", " --worker-residual local --outer-block-size 128"),
+        )
+    ] + [f"{study} " + " ".join(Path(p).name for _, _, *runs in DILOCO_BLOCKS[1:] for p in runs)]
+    return Table(
+        "diloco-blocks",
+        [
+            "run",
+            "H",
+            "dense",
+            "1-bit, one scale per tensor",
+            "1-bit, blocks of 128",
+            "bytes per round, fewer than dense (tensor, blocks)",
+        ],
+        "lrrrrr",
+        rows,
+        [f"{path}/summary.json" for path in paths],
+        commits,
+        dates,
+        commands,
+    )
+
+
 DELAYED_PREDICTION = "docs/convergence/delayed/prediction"
 DELAYED_ORACLE = "docs/convergence/delayed/oracle"
 MOMENTUM_BOUND = "docs/convergence/variance-guard/momentum-bound"
@@ -1059,6 +1145,7 @@ DILOCO_STUDY_DILOCO = [
     "diloco-adam-n4-h20-1bit",
     "diloco-adam-n4-h20-1bit-m05",
     "diloco-adam-n4-h20-1bit-m05-local",
+    "diloco-adam-n4-h20-1bit-m05-local-b128",
     "diloco-adam-n4-h20-1bit-local",
     "diloco-adam-n4-h60-dense",
     "diloco-adam-n4-h60-dense-torchft",
@@ -1066,6 +1153,7 @@ DILOCO_STUDY_DILOCO = [
     "diloco-adam-n4-h60-1bit",
     "diloco-adam-n4-h60-1bit-m05",
     "diloco-adam-n4-h60-1bit-m05-local",
+    "diloco-adam-n4-h60-1bit-m05-local-b128",
     "diloco-adam-n4-h60-1bit-sgd",
     "diloco-adam-n4-h60-1bit-k3-d5",
 ]
@@ -1085,6 +1173,8 @@ def _diloco_label(folder: str) -> str:
     )
     if train.get("worker_residual") == "local":
         label += ", residual local"
+    if train.get("outer_block_size"):
+        label += f", blocks of {train['outer_block_size']}"
     if (train.get("fragments") or 1) > 1:
         label = (
             f"Streaming {label}, {train['fragments']} fragments, delay {train['fragment_delay']}"
@@ -2044,6 +2134,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "seed-study": table_seed_study,
     "diloco-main-job": table_diloco_main_job,
     "diloco-outer": table_diloco_outer,
+    "diloco-blocks": table_diloco_blocks,
     "diloco-study": table_diloco_study,
     "link-choice": table_link_choice,
     "link-choice-bert-base": table_link_choice_bert_base,
