@@ -1076,11 +1076,9 @@ DILOCO_BLOCKS = [
 ]
 
 
-def _outer_bytes(folder: str) -> tuple[int, int]:
-    """A DiLoCo run's bytes per worker of its outer exchanges, and what LAMB's fp32
-    allreduce would have sent in their place."""
-    outer = _read(f"{folder}/summary.json")["bytes_sent"]["by_stage"]["outer"]
-    return outer["bytes"], outer["lamb_bytes"]
+def _outer_bytes(folder: str) -> int:
+    """A DiLoCo run's bytes per worker of its outer exchanges."""
+    return int(_read(f"{folder}/summary.json")["bytes_sent"]["by_stage"]["outer"]["bytes"])
 
 
 def table_diloco_blocks() -> Table:
@@ -1092,7 +1090,8 @@ def table_diloco_blocks() -> Table:
         dense, per_tensor, blocks = (
             _read(f"{run}/summary.json")["final_validation_loss"] for run in runs
         )
-        fewer = [lamb / sent for sent, lamb in map(_outer_bytes, runs[1:])]
+        dense_bytes, *one_bit_bytes = map(_outer_bytes, runs)  # the same rounds each
+        fewer = [dense_bytes / sent for sent in one_bit_bytes]
         rows.append(
             [
                 where,
@@ -1100,7 +1099,7 @@ def table_diloco_blocks() -> Table:
                 f"{dense:.4f}",
                 f"{per_tensor:.4f} ({_pct(per_tensor / dense - 1)})",
                 f"{blocks:.4f} ({_pct(blocks / dense - 1)})",
-                f"{fewer[0]:.1f}x, {fewer[1]:.1f}x",
+                f"{_x(fewer[0])}, {_x(fewer[1])}",
             ]
         )
         paths += runs
