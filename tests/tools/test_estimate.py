@@ -8,9 +8,11 @@ import json
 import math
 
 import pytest
+import torch
 from helpers.paths import ROOT
 
 from onebit.cli import main
+from onebit.collectives import compressed_allreduce_per_tensor_bytes
 from onebit.estimate.model import (
     COMPRESSION_THROUGHPUT,
     HOST_THROUGHPUT,
@@ -218,6 +220,28 @@ def test_diloco_rounds_by_hand():
     ]
 
 
+def test_the_1bit_outer_exchange_in_blocks_by_hand():
+    # W = 4, N = 1024, H = 8, blocks of b = 64 per rank: 4 blocks of 256 elements, each with
+    # its worker scale and 4 server scales: the same 192 bytes of signs, and per peer 2·4
+    # scales and the backend code (108 bytes of scalars, against 36 for one scale).
+    rows = {
+        row.method: row
+        for row in estimate(job(4, 1, sync_every=(8,), outer_block_size=64), MACHINE)
+    }
+    sent = 192 + (2 * 4 + 1) * 4 * 3
+    outer = 4 * 1024 / 2e4 + 12 * 0.01 + sent / 500 + sent / 1e4
+    row = rows["diloco-1bit-h8"]
+    assert row.label.endswith("blocks of 64")
+    assert row.compression_step == pytest.approx(2.0 + outer)
+    assert row.rank_bytes == row.node_link_bytes == pytest.approx(sent / 8)
+    assert rows["diloco-dense-h8"].rank_bytes == pytest.approx(6144 / 8)  # dense unchanged
+    assert sent == compressed_allreduce_per_tensor_bytes([256] * 4, 4, torch.float32)
+    # N = 1200, padded to 1216: four blocks of 256 and a short one of 192
+    short = estimate(job(4, 1, 1200, sync_every=(8,), outer_block_size=64), MACHINE)
+    expected = compressed_allreduce_per_tensor_bytes([256] * 4 + [192], 4, torch.float32)
+    assert {r.method: r for r in short}["diloco-1bit-h8"].rank_bytes == expected / 8
+
+
 def test_streaming_diloco_turns_by_hand():
     # W = 4 nodes of one rank, N = 1024 in K = 2 fragments of 512, H = 8: a turn of 4 steps
     # of t_c = 2 s exchanges one fragment (dense: 3072 bytes a rank; 1-bit: 96 of signs and
@@ -288,6 +312,8 @@ def test_one_node_sends_nothing_over_links_and_mixed_precision_drops_the_fp16_ro
             {"sync_every": (10,), "fragments": 2, "fragment_delay": 5},
             "fragment_delay 5 less than their quotient",
         ),
+        ({"sync_every": (10,), "outer_block_size": 12}, "outer_block_size must be a multiple"),
+        ({"outer_block_size": 128}, "outer_block_size prices DiLoCo's 1-bit outer exchange"),
     ],
 )
 def test_cluster_rejects_bad_input(kwargs, message):

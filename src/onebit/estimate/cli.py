@@ -123,6 +123,13 @@ class EstimateSettings:
         help="with --sync-every: add Streaming DiLoCo, each fragment's outer exchange running "
         "behind this many inner steps (onebit train --fragment-delay)",
     )
+    outer_block_size: int | None = option(
+        None,
+        group="job",
+        help="with --sync-every: the 1-bit outer exchange in blocks of this many times the "
+        "ranks elements, each block with its own scales (onebit train --outer-block-size)",
+        default_help="one scale",
+    )
     mixed_precision: bool = option(
         False,
         group="job",
@@ -203,6 +210,7 @@ class EstimateSettings:
             sync_every=tuple(self.sync_every),
             fragments=self.fragments,
             fragment_delay=self.fragment_delay,
+            outer_block_size=self.outer_block_size,
         )
 
     def machine(

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from onebit.collectives import allreduce_bytes, compressed_allreduce_bytes, padded_size
+from onebit.collectives import (
+    allreduce_bytes,
+    compressed_allreduce_bytes,
+    compressed_allreduce_per_tensor_bytes,
+    padded_size,
+)
 from onebit.exchange.bucketed import bucket_elements, bucket_size
 from onebit.exchange.hierarchical import hierarchical_bytes
 from onebit.optim import DEFAULT_BUCKET_CAP_MB
@@ -140,6 +145,9 @@ class Cluster:
     """K: Streaming DiLoCo's fragments, one exchanged every H/K steps (1: not streaming)."""
     fragment_delay: int = 0
     """τ: inner steps each fragment's outer exchange runs behind (less than H/K)."""
+    outer_block_size: int | None = None
+    """b: DiLoCo's 1-bit outer exchange in blocks of ``b·W`` elements, each with its own
+    scales (``None``: one scale for the buffer)."""
 
     def __post_init__(self) -> None:
         for name in ("parameters", "nodes", "ranks_per_node"):
@@ -161,6 +169,15 @@ class Cluster:
             ):
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
         _check_positive("bucket_cap_mb", self.bucket_cap_mb)
+        block = self.outer_block_size
+        if block is not None and (
+            isinstance(block, bool) or not isinstance(block, int) or block < 8 or block % 8
+        ):
+            raise ValueError(f"outer_block_size must be a multiple of 8, got {block!r}")
+        if block is not None and not self.sync_every:
+            raise ValueError(
+                "outer_block_size prices DiLoCo's 1-bit outer exchange: give sync_every"
+            )
         self._check_streaming()
 
     def _check_streaming(self) -> None:
@@ -250,17 +267,21 @@ def dense_allreduce(cluster: Cluster, machine: Machine, element_bytes: int) -> E
     return Exchange(seconds, sent, node_link)
 
 
-def flat_exchange(cluster: Cluster, machine: Machine) -> Exchange:
+def flat_exchange(cluster: Cluster, machine: Machine, block_size: int | None = None) -> Exchange:
     """:func:`~onebit.compressed_allreduce` over all W ranks: an all-to-all of signs, then a
     ring all-gather, with three all-gathers of scalars. With ``p`` one phase's bytes per rank,
     a node link carries ``p (L (W-L)/(W-1) + 1)`` (the all-to-all sends W-L of each rank's W-1
     chunks off the node; the ring all-gather leaves the node once); seconds
     ``4 (W-1) alpha + link(node bytes) / eta_b + max over the node's inside 2p / B_intra
-    + k 2p / R_h``."""
+    + k 2p / R_h``. With ``block_size = b`` the buffer is cut into blocks of ``b·W``
+    elements, each with its own scales (DiLoCo's outer exchange in blocks)."""
     w, per_node = cluster.world, cluster.ranks_per_node
     if w == 1:
         return Exchange(0.0, 0, 0)
-    sent = compressed_allreduce_bytes(cluster.padded, w, torch.float32)
+    if block_size is None:
+        sent = compressed_allreduce_bytes(cluster.padded, w, torch.float32)
+    else:
+        sent = _blocks_bytes(cluster.padded, block_size * w, w)
     phase = sent / 2
     node_link = phase * (per_node * (w - per_node) / (w - 1) + 1) if cluster.nodes > 1 else 0
     intra = sent / cluster.intra_bandwidth if per_node > 1 else 0.0
@@ -270,6 +291,19 @@ def flat_exchange(cluster: Cluster, machine: Machine) -> Exchange:
         + host_seconds(sent, machine)
     )
     return Exchange(seconds, sent, node_link)
+
+
+def _blocks_bytes(numel: int, block: int, n: int) -> int:
+    """Bytes a rank sends in the per-tensor exchange of ``numel`` elements cut into blocks of
+    ``block`` (the last one shorter), without listing the blocks: beyond the backend code each
+    segment's bytes are its own, so the whole blocks cost one block's times their count."""
+
+    def sent(sizes: list[int]) -> int:
+        return compressed_allreduce_per_tensor_bytes(sizes, n, torch.float32)
+
+    whole, rest = divmod(numel, block)
+    code = sent([])  # the backend code, once per exchange
+    return whole * (sent([block]) - code) + (sent([rest]) if rest else code)
 
 
 def overlapped_exchange(cluster: Cluster, machine: Machine) -> Exchange:
@@ -448,6 +482,8 @@ def _diloco_rows(
                 mean_step = compute + added / turn
                 node_bytes = exchange.node_link_bytes / turn
                 method, label = f"diloco-{name}-h{rounds}", f"{DILOCO_LABELS[name]}, H = {rounds}"
+                if name == "1bit" and cluster.outer_block_size is not None:
+                    label += f", blocks of {cluster.outer_block_size}"
                 if (fragments, delay) != (1, 0):
                     method += f"-k{fragments}-d{delay}"
                     label = f"Streaming {label}, {fragments} fragments, delay {delay}"
@@ -483,7 +519,8 @@ def turn_seconds(
     if exchange == "dense":
         sent, local = dense_allreduce(part, machine, FP32_BYTES), 0.0
     else:
-        sent, local = flat_exchange(part, machine), local_compression_seconds(part, machine)
+        sent = flat_exchange(part, machine, cluster.outer_block_size)
+        local = local_compression_seconds(part, machine)
     outer = local + sent.seconds
     if delay == 0:
         return outer, sent
