@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -47,6 +46,8 @@ from onebit.estimate.model import Cluster, Machine, estimate
 from onebit.estimate.models import model_parameters
 from onebit.units import parse_bandwidth
 
+#: The plot's colours (matplotlib's cycle, ``C0`` to ``C9``) and markers, a pair per run.
+COLOURS, MARKERS = 10, "os^D"
 #: The step kinds of ``metrics.jsonl`` timed as a dense step, and as a 1-bit exchange's.
 DENSE_STAGES = ("dense", "warmup", "refresh", "variance_update")
 ONEBIT_STAGES = ("compression", "gradient_1bit", "sync")
@@ -127,6 +128,7 @@ def stage_seconds(run: dict[str, Any], cluster: Cluster, machine: Machine) -> di
             sync_every=(int(train["sync_every"]),),
             fragments=fragments,
             fragment_delay=delay,
+            outer_block_size=train.get("outer_block_size"),
         )
     rows = {row.method: row for row in estimate(cluster, machine)}
     seconds = {stage: rows["lamb"].compression_step for stage in DENSE_STAGES}
@@ -247,37 +249,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot_loss_against_bytes(results: dict[str, Any], path: Path) -> None:
     """Each run's final validation loss against the bytes a worker sent, bytes on a log
-    scale, the target as a line; a name goes below its point where another point sits just
-    above it, else above, so that neighbours' names do not cover each other."""
+    scale, the target as a line; each run a colour and marker of its own, named in the
+    legend beside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    points = {
-        name: (entry["total_bytes"], entry["final"]) for name, entry in results["runs"].items()
-    }
-    losses = [loss for _, loss in points.values()]
-    near = 0.025 * (max(losses) - min(losses))
-    for name, point in points.items():
-        axes.scatter(*point)
-        below = any(
-            0 < loss - point[1] < near and abs(math.log10(sent / point[0])) < 0.7
-            for sent, loss in points.values()
-        )
-        axes.annotate(
-            name,
-            point,
-            xytext=(4, -9 if below else 3),
-            textcoords="offset points",
-            fontsize=7,
+    figure, axes = plt.subplots(figsize=(10, 5.5))
+    for index, (name, entry) in enumerate(results["runs"].items()):
+        marker = MARKERS[index // COLOURS % len(MARKERS)]
+        axes.scatter(
+            entry["total_bytes"],
+            entry["final"],
+            color=f"C{index % COLOURS}",
+            marker=marker,
+            label=name,
         )
     axes.axhline(results["target"], color="grey", linestyle=":", label="target")
     axes.set_xscale("log")
     axes.set_xlabel("bytes sent per worker, whole run")
     axes.set_ylabel("final validation loss")
-    axes.legend()
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
