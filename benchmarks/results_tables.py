@@ -121,6 +121,7 @@ COMMIT_DATES = {
     "ffde085": "2026-12-06",
     "791e022": "2026-12-06",
     "015841c": "2026-12-06",
+    "70e3013": "2026-12-06",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -168,12 +169,12 @@ RECORDED_IN = {
     "docs/main-job/longer/lamb-1000x64": "252367a",
     "docs/main-job/longer/onebit-lamb-1000x64-freeze-200": "252367a",
     "docs/convergence/diloco-study": "ae839b0",
-    "docs/convergence/diloco-study/link-choice.json": "015841c",
+    "docs/convergence/diloco-study/link-choice.json": "70e3013",
     "docs/convergence/diloco-study/lamb-n256": "79d17a7",
     "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
-    "docs/convergence/diloco-study/link-choice-bert-base.json": "015841c",
+    "docs/convergence/diloco-study/link-choice-bert-base.json": "70e3013",
     "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
     "docs/convergence/diloco-study/zero-one-adam-n4-auto": "5de40a3",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
@@ -914,7 +915,11 @@ DILOCO_RUNS = {
             f"DiLoCo, H = {h}, {'1-bit' if x == '1bit' else x} outer exchange",
             f"python3 run.py train --optimizer adam {EARLIER_MAIN_JOB} --sync-every {h} "
             f"--outer-exchange {x}"
-            + (" --outer-lr 0.7 --outer-momentum 0.9" if x == "1bit" else ""),
+            + (
+                " --outer-lr 0.7 --outer-momentum 0.9 --worker-residual carried"
+                if x == "1bit"
+                else ""
+            ),
         )
         for h in (10, 25)
         for x in ("dense", "1bit")
@@ -1026,7 +1031,9 @@ def table_diloco_outer() -> Table:
                 f"python3 run.py train --optimizer adam {EARLIER_MAIN_JOB} --sync-every {h} "
                 f"--outer-exchange {'dense' if x == 'dense' else '1bit'} "
                 f"--outer-lr {lr:g} --outer-momentum {momentum:g}"
-                + (" --worker-residual local" if x == "local" else "")
+                + {"dense": "", "1bit": " --worker-residual carried"}.get(
+                    x, " --worker-residual local"
+                )
                 for x in runs
             ]
     _first_losses_agree(paths)
@@ -1170,8 +1177,8 @@ def _diloco_label(folder: str) -> str:
         f"DiLoCo over {DILOCO_INNER[train['optimizer']]}, H = {train['sync_every']}, "
         f"{exchange}, {outer}"
     )
-    if train.get("worker_residual") == "local":
-        label += ", residual local"
+    if train["outer_exchange"] == "1bit":  # runs before the option carried it, null: the default
+        label += f", residual {train.get('worker_residual', 'carried') or 'local'}"
     if train.get("outer_block_size"):
         label += f", blocks of {train['outer_block_size']}"
     if (train.get("fragments") or 1) > 1:

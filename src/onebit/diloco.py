@@ -49,6 +49,7 @@ __all__ = [
     "Fragment",
     "ONEBIT_OUTER",
     "OUTER_DEFAULTS",
+    "RESIDUAL_DEFAULTS",
     "WORKER_RESIDUALS",
     "outer_sgd",
 ]
@@ -69,6 +70,10 @@ _COMPRESSIONS = ("per_tensor", "fused")
 #: feedback) alone, or also into its own weights at once, as far as the outer step would have
 #: moved them (ALGORITHM.md, "Where a worker's residual goes").
 WORKER_RESIDUALS = ("carried", "local")
+#: Each outer exchange's default ``worker_residual``: ``"carried"`` for the dense exchange,
+#: which leaves no residual; ``"local"`` for the 1-bit one, which ended lower with it in every
+#: run that compared them (ALGORITHM.md, "Where a worker's residual goes").
+RESIDUAL_DEFAULTS: dict[str, str] = {"dense": "carried", "1bit": "local"}
 
 
 def outer_sgd(
@@ -215,10 +220,11 @@ class DiLoCo:
     round's message (error feedback); ``"local"``, besides, each worker's next inner steps
     start where the outer step would have put it had its message carried the residual (the
     outer optimizer then must be ``torch.optim.SGD`` without dampening; ALGORITHM.md, "Where
-    a worker's residual goes"). ``block_size`` (1-bit exchange, per tensor): ``b``, each
-    tensor compressed in blocks of ``b·W`` elements over ``W`` ranks, every block with its
-    own scales, ``b`` elements to each server scale (ALGORITHM.md, "Blocks of one scale");
-    ``None``: one scale per tensor.
+    a worker's residual goes"); ``None`` (the default): the exchange's
+    :data:`RESIDUAL_DEFAULTS`, ``"local"`` for the 1-bit one. ``block_size`` (1-bit
+    exchange, per tensor): ``b``, each tensor compressed in blocks of ``b·W`` elements over
+    ``W`` ranks, every block with its own scales, ``b`` elements to each server scale
+    (ALGORITHM.md, "Blocks of one scale"); ``None``: one scale per tensor.
 
     Streaming (ALGORITHM.md, "Streaming fragments and the delayed outer exchange"):
     ``fragments`` (an int K, the parameters cut in order into K runs of about equal size, or
@@ -242,7 +248,7 @@ class DiLoCo:
         fragments: int | Sequence[Iterable[Tensor]] = 1,
         delay: int = 0,
         local_share: float = 0.0,
-        worker_residual: str = "carried",
+        worker_residual: str | None = None,
         block_size: int | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
@@ -256,6 +262,8 @@ class DiLoCo:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be one of {_COMPRESSIONS}, got {compression!r}")
+        if worker_residual is None:
+            worker_residual = RESIDUAL_DEFAULTS[exchange]
         if worker_residual not in WORKER_RESIDUALS:
             raise ValueError(
                 f"worker_residual must be one of {WORKER_RESIDUALS}, got {worker_residual!r}"
@@ -380,21 +388,21 @@ class DiLoCo:
         fragment = self.fragments[self.fragment]
         fragment.pseudo_gradient(fragment.buffer)
         if self._executor is None:
-            self._average(fragment)  # raises with nothing pending
+            self._average(self.fragment)  # raises with nothing pending
             self._in_flight = _completed()
         else:
             # grad mode is per thread: the thread's exchange runs without autograd too
-            self._in_flight = self._executor.submit(torch.no_grad()(self._average), fragment)
+            self._in_flight = self._executor.submit(torch.no_grad()(self._average), self.fragment)
 
-    def _average(self, fragment: Fragment) -> None:
-        """In place, the ranks' mean of ``fragment``'s buffer: densely (a non-finite mean
-        raises), or the 1-bit exchange's (its ``NonFiniteError``)."""
+    def _average(self, index: int) -> None:
+        """In place, the ranks' mean of fragment ``index``'s buffer: densely (a non-finite
+        mean raises), or the 1-bit exchange's (its ``NonFiniteError``)."""
+        fragment = self.fragments[index]
         if fragment.exchange is None:
             allreduce_mean_(fragment.buffer, self._exchange_group, traffic=fragment.traffic)
             self.check_finite(fragment.buffer)
             return
-        if self.worker_residual == "local":
-            fragment.take_residual_moves()
+        self.take_residual_moves(index)
         fragment.exchange.exchange(fragment.buffer).decode(fragment.buffer)
 
     @property
@@ -441,7 +449,7 @@ class DiLoCo:
         if own is not None:
             for param, mine in zip(fragment.params, own, strict=True):
                 param.lerp_(mine, local_share)
-        if residual and self.worker_residual == "local":
+        if residual:
             self.move_by_residuals(index)
         self.turn_ended()
 
@@ -450,11 +458,28 @@ class DiLoCo:
     ) -> None:
         """With ``worker_residual="local"``, after ``fragment``'s outer step: ``θ ← θ - κ ρ``,
         each worker moved by its residual of the fragment's last exchange as the outer step
-        moves the weights on a pseudo-gradient (:meth:`_residual_moves`). ``workers``: each
-        worker's weights of the fragment, a row per worker of its exchange (the simulation's);
-        default: this rank's parameters."""
+        moves the weights on a pseudo-gradient (:meth:`_residual_moves`); nothing otherwise.
+        ``workers``: each worker's weights of the fragment, a row per worker of its exchange
+        (the simulation's); default: this rank's parameters."""
+        if self.worker_residual == "local":
+            part = self.fragments[fragment]
+            part.move_by_residuals(workers or [part.params], self._residual_moves(part))
+
+    def take_residual_moves(self, fragment: int, rows: int = 1) -> None:
+        """With ``worker_residual="local"``, as ``fragment``'s exchange starts: the error of
+        each of ``rows`` workers' residuals times ``1 - κ`` of the move by it (the rest is in
+        the worker's weights already); nothing otherwise."""
+        if self.worker_residual == "local":
+            self.fragments[fragment].take_residual_moves(rows)
+
+    def undo_residual_moves(
+        self, fragment: int, workers: Sequence[Sequence[Tensor]] | None = None
+    ) -> None:
+        """``fragment``'s workers (rows of weights as for :meth:`move_by_residuals`; default:
+        this rank's parameters) set back to its start weights, the move by the residuals
+        undone; the residuals stay in the error buffers, undelivered."""
         part = self.fragments[fragment]
-        part.move_by_residuals(workers or [part.params], self._residual_moves(part))
+        part.undo_residual_moves(workers or [part.params])
 
     def residual_move_to_undo(self) -> int | None:
         """With ``worker_residual="local"``, the fragment whose outer step has just moved the
@@ -484,14 +509,13 @@ class DiLoCo:
         move by the residual undone (the residual stays in the error buffer, undelivered)."""
         index, just_ended = self.fragment, self.residual_move_to_undo()
         if just_ended is not None:
-            fragment = self.fragments[just_ended]
-            fragment.undo_residual_moves([fragment.params])
+            self.undo_residual_moves(just_ended)
         if just_ended != index:
             self._end_turn(local_share=0.0, residual=False)
         for other, fragment in enumerate(self.fragments):
             if other not in (index, just_ended):
                 fragment.pseudo_gradient(fragment.buffer)
-                self._average(fragment)
+                self._average(other)
                 self.outer_step(fragment.buffer, other)
 
     def pseudo_gradient(self, out: Tensor, fragment: int = 0) -> None:
@@ -721,15 +745,17 @@ def _check_residual_moves(optimizer: Optimizer) -> None:
     the weights on a pseudo-gradient, which is known for SGD without dampening."""
     if not isinstance(optimizer, torch.optim.SGD):
         raise TypeError(
-            "worker_residual='local' moves each worker as the outer SGD would: the outer "
-            f"optimizer must be a torch.optim.SGD, got {type(optimizer).__name__}"
+            "worker_residual='local' (the 1-bit exchange's default) moves each worker as the "
+            "outer SGD would: the outer optimizer must be a torch.optim.SGD, got "
+            f"{type(optimizer).__name__}; with another, pass worker_residual='carried'"
         )
     for index, group in enumerate(optimizer.param_groups):
         if group["dampening"] or group["maximize"]:
             raise ValueError(
                 "worker_residual='local' moves each worker as the outer SGD would: param "
                 f"group {index} of the outer SGD has dampening={group['dampening']} and "
-                f"maximize={group['maximize']}; it needs dampening=0 and maximize=False"
+                f"maximize={group['maximize']}; it needs dampening=0 and maximize=False (or "
+                "pass worker_residual='carried')"
             )
 
 

@@ -304,8 +304,8 @@ class SimulatedDiLoCo:
         sync_every, exchange, compression, outer_optimizer, kernels: as
             :class:`onebit.DiLoCo`'s.
         fragments, delay, local_share: Streaming DiLoCo's, as :class:`onebit.DiLoCo`'s.
-        worker_residual: as :class:`onebit.DiLoCo`'s; with ``"local"`` each simulated worker
-            is moved by its own residual, as each rank is.
+        worker_residual: as :class:`onebit.DiLoCo`'s (the 1-bit exchange's default
+            ``"local"``): each simulated worker is moved by its own residual, as each rank is.
         block_size: as :class:`onebit.DiLoCo`'s, blocks of ``block_size·workers`` elements.
 
     Use: ``results = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
@@ -331,7 +331,7 @@ class SimulatedDiLoCo:
         fragments: int | Sequence[Iterable[Tensor]] = 1,
         delay: int = 0,
         local_share: float = 0.0,
-        worker_residual: str = "carried",
+        worker_residual: str | None = None,
         block_size: int | None = None,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -392,7 +392,7 @@ class SimulatedDiLoCo:
         diloco = self.diloco
         index, just_ended = diloco.fragment, diloco.residual_move_to_undo()
         if just_ended is not None:
-            diloco.fragments[just_ended].undo_residual_moves(self._rows(just_ended))
+            diloco.undo_residual_moves(just_ended, self._rows(just_ended))
         if just_ended != index:
             self._end_turn(local_share=0.0, residual=False)
         for other in range(len(diloco.fragments)):
@@ -406,8 +406,7 @@ class SimulatedDiLoCo:
         outer exchange averages them."""
         diloco = self.diloco
         exchange = self.exchanges[fragment] if self.exchanges else None
-        if exchange is not None and diloco.worker_residual == "local":
-            diloco.fragments[fragment].take_residual_moves(rows=self.workers)
+        diloco.take_residual_moves(fragment, rows=self.workers)
         size = diloco.buffer_size(fragment)
         work = torch.zeros(size, dtype=torch.float32, device=self.params[0].device)
         average = torch.zeros_like(work)
@@ -448,7 +447,7 @@ class SimulatedDiLoCo:
             for i in diloco.fragments[fragment].indices:
                 result = self.params[i].detach()
                 weights[i].copy_(result.lerp(weights[i], keep) if keep else result)
-        if residual and diloco.worker_residual == "local":
+        if residual:
             diloco.move_by_residuals(fragment, self._rows(fragment))
         _copy_into(self.params, self._weights[-1])
 

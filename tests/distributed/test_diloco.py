@@ -316,15 +316,24 @@ def test_bad_arguments_are_named_before_anything_changes():
     with pytest.raises(ValueError, match="inner_optimizer"):
         onebit.DiLoCo(model.parameters(), other, sync_every=2)
     assert not inner._optimizer_step_post_hooks  # no hook left behind
-    diloco = onebit.DiLoCo(model.parameters(), inner, sync_every=2)
+    with pytest.raises(TypeError, match="worker_residual='carried'"):  # the default's "local"
+        onebit.DiLoCo(model.parameters(), inner, sync_every=2, outer_optimizer=adam)
+    carried = onebit.DiLoCo(
+        model.parameters(), inner, sync_every=2, outer_optimizer=adam, worker_residual="carried"
+    )
+    carried.close()
+    diloco = onebit.DiLoCo(model.parameters(), inner, sync_every=2, worker_residual="carried")
     saved = diloco.state_dict()
     with pytest.raises(ValueError, match="exchange"):
         onebit.DiLoCo(model.parameters(), inner, sync_every=2, exchange="dense").load_state_dict(
             saved
         )
+    blocks = onebit.DiLoCo(
+        model.parameters(), inner, sync_every=2, block_size=8, worker_residual="carried"
+    )
     with pytest.raises(ValueError, match="block_size=None; this one has block_size=8"):
-        onebit.DiLoCo(model.parameters(), inner, sync_every=2, block_size=8).load_state_dict(saved)
-    local = onebit.DiLoCo(model.parameters(), inner, sync_every=2, worker_residual="local")
+        blocks.load_state_dict(saved)
+    local = onebit.DiLoCo(model.parameters(), inner, sync_every=2)  # the default
     with pytest.raises(ValueError, match="worker_residual='carried'"):
         local.load_state_dict(saved)
     without_moves = {k: v for k, v in local.state_dict().items() if k != "residual_moves"}
@@ -332,9 +341,9 @@ def test_bad_arguments_are_named_before_anything_changes():
         local.load_state_dict(without_moves)
     local.close()
     with pytest.raises(ValueError, match="inner step 1 .* sync_every=1"):
-        onebit.DiLoCo(model.parameters(), inner, sync_every=1).load_state_dict(
-            saved | {"local_step": 1}
-        )
+        onebit.DiLoCo(
+            model.parameters(), inner, sync_every=1, worker_residual="carried"
+        ).load_state_dict(saved | {"local_step": 1})
 
 
 def _nodes_of_two(rank: int, world: int, exchange: str):
@@ -356,12 +365,17 @@ def _nodes_of_two(rank: int, world: int, exchange: str):
 @pytest.mark.slow  # four processes
 @pytest.mark.parametrize("exchange", ["dense", "1bit"])
 def test_diloco_between_nodes_with_ddp_inside_them(exchange):
+    """The exchange's default placement of the residual (the 1-bit one's "local": each node
+    at its own weights), every rank at its node's weights, the ranks of a node identical."""
     ranks = spawn_workers(_nodes_of_two, 4, args=(exchange,), timeout_s=240)
-    expected = _model_of_both_workers(exchange, node_size=2)
+    residual = onebit.diloco.RESIDUAL_DEFAULTS[exchange]
+    expected = _model_of_both_workers(exchange, node_size=2, residual=residual)
     for rank, rounds in enumerate(ranks):
-        for r, (got, (want, _)) in enumerate(zip(rounds, expected, strict=True)):
-            for a, b in zip(got, want, strict=True):
+        node = rank // 2
+        for r, (got, (_, workers)) in enumerate(zip(rounds, expected, strict=True)):
+            for a, b in zip(got, workers[node], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-            assert all(torch.equal(a, b) for a, b in zip(got, ranks[0][r], strict=True)), (
-                f"rank {rank} differs from rank 0 after round {r + 1}"
+            same_node = ranks[2 * node][r]
+            assert all(torch.equal(a, b) for a, b in zip(got, same_node, strict=True)), (
+                f"rank {rank} differs from its node's first rank after round {r + 1}"
             )

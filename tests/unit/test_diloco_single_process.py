@@ -70,18 +70,24 @@ def test_the_outer_sgd_steps_by_nesterovs_rule_and_plainly_without_momentum(mome
 
 
 @pytest.mark.parametrize(
-    ("exchange", "lr", "momentum", "nesterov"),
-    [("dense", 0.7, 0.9, True), ("1bit", 0.7, 0.5, True)],
+    ("exchange", "lr", "momentum", "nesterov", "residual"),
+    [("dense", 0.7, 0.9, True, "carried"), ("1bit", 0.7, 0.5, True, "local")],
 )
-def test_each_exchange_has_its_own_default_outer_sgd(exchange, lr, momentum, nesterov):
+def test_each_exchange_has_its_own_default_outer_sgd_and_residual(
+    exchange, lr, momentum, nesterov, residual
+):
     # DiLoCo's Nesterov SGD after the dense exchange; momentum 0.5 after the 1-bit one, whose
-    # error outer momentum multiplies by up to 1/(1 - momentum) (ALGORITHM.md)
+    # error outer momentum multiplies by up to 1/(1 - momentum), and each worker moved by its
+    # residual (ALGORITHM.md)
     model = torch.nn.Linear(4, 3)
     inner = torch.optim.AdamW(model.parameters())
     diloco = onebit.DiLoCo(model.parameters(), inner, sync_every=2, exchange=exchange)
     group = diloco.outer_optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"]) == (lr, momentum, nesterov)
+    assert diloco.worker_residual == residual
     config = TrainConfig(optimizer="adam", sync_every=2, outer_exchange=exchange).resolved()
     assert (config.outer_lr, config.outer_momentum) == (lr, momentum)
+    assert config.worker_residual == residual
+    assert TrainConfig(optimizer="adam").resolved().worker_residual is None  # no DiLoCo
     given = TrainConfig(optimizer="adam", sync_every=2, outer_exchange=exchange, outer_lr=0.5)
     assert (given.resolved().outer_lr, given.resolved().outer_momentum) == (0.5, momentum)

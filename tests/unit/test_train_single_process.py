@@ -355,6 +355,22 @@ def test_a_run_folder_from_before_the_momentum_bound_continues_without_it(tmp_pa
     assert read_config(tmp_path).resolved().momentum_bound is False
 
 
+def test_a_diloco_run_folder_from_before_the_local_default_continues_carried(tmp_path: Path):
+    from onebit.train.run_dir import read_config
+
+    def saved(**train) -> TrainConfig:
+        write_json_atomic(tmp_path / "config.json", {"train": train, "launch": {}})
+        return read_config(tmp_path).resolved()
+
+    diloco = TrainConfig(optimizer="adam", sync_every=5).resolved().to_json()
+    assert diloco["worker_residual"] == "local"
+    assert saved(**diloco).worker_residual == "local"
+    del diloco["worker_residual"]  # saved before the option existed: carried
+    assert saved(**diloco).worker_residual == "carried"
+    plain = TrainConfig(optimizer="adam").resolved().to_json() | {"worker_residual": "carried"}
+    assert saved(**plain).worker_residual is None  # recorded by every run while the default
+
+
 def test_tensors_digest_is_sha256_of_the_values_in_order() -> None:
     a = torch.tensor([1.0, -2.5], dtype=torch.float32)
     b = torch.arange(6, dtype=torch.int64).reshape(2, 3).t()  # not contiguous

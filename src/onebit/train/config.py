@@ -10,7 +10,7 @@ from typing import Any
 
 from onebit.cli import check_choice, check_positive_int_option, int_or_auto, option
 from onebit.diloco import EXCHANGES as DILOCO_EXCHANGES
-from onebit.diloco import OUTER_DEFAULTS, WORKER_RESIDUALS
+from onebit.diloco import OUTER_DEFAULTS, RESIDUAL_DEFAULTS, WORKER_RESIDUALS
 from onebit.optim import AUTO, COMPRESSIONS, registry
 from onebit.optim.checks import (
     check_betas,
@@ -362,13 +362,14 @@ class TrainConfig:
         help="with --fragment-delay: the share of its own move during the delay each worker "
         "keeps at the fragment's outer step (0: the outer step's result alone)",
     )
-    worker_residual: str = option(
-        "carried",
+    worker_residual: str | None = option(
+        None,
         group=_SYSTEM,
         choices=WORKER_RESIDUALS,
         help="with --sync-every and --outer-exchange 1bit: where each worker's residual of the "
         "compression goes: carried into its next round's message (error feedback), or local, "
         "also into its own weights at once, as far as the outer step would move them",
+        default_help="local with --outer-exchange 1bit, carried with dense (no residual)",
     )
     outer_block_size: int | None = option(
         None,
@@ -428,6 +429,8 @@ class TrainConfig:
             config.outer_lr = outer["lr"]
         if config.outer_momentum is None:
             config.outer_momentum = outer["momentum"]
+        if config.worker_residual is None and config.diloco:
+            config.worker_residual = RESIDUAL_DEFAULTS[config.outer_exchange]
         if config.eval_every is None:
             config.eval_every = max(1, config.steps // DEFAULT_EVALS)
         if config.checkpoint_every is None:
@@ -453,7 +456,8 @@ class TrainConfig:
         check_choice("pre_freeze_exchange", self.pre_freeze_exchange, PRE_FREEZE_EXCHANGES)
         check_choice("outer_exchange", self.outer_exchange, DILOCO_EXCHANGES)
         check_choice("outer_implementation", self.outer_implementation, DILOCO_IMPLEMENTATIONS)
-        check_choice("worker_residual", self.worker_residual, WORKER_RESIDUALS)
+        if self.worker_residual is not None:
+            check_choice("worker_residual", self.worker_residual, WORKER_RESIDUALS)
         for name in ("freeze_step", "var_freeze_step", "var_warmup_steps"):
             if getattr(self, name) not in (None, AUTO):
                 check_positive_int_option(name, getattr(self, name))

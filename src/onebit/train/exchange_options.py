@@ -114,7 +114,7 @@ def _check_diloco(config: TrainConfig) -> None:
             "--fragments": config.fragments != 1,
             "--fragment-delay": config.fragment_delay != 0,
             "--local-share": config.local_share != 0.0,
-            "--worker-residual": config.worker_residual != "carried",
+            "--worker-residual": config.worker_residual is not None,
             "--outer-block-size": config.outer_block_size is not None,
         }
         for flag, is_given in given.items():
@@ -150,7 +150,7 @@ def _check_diloco(config: TrainConfig) -> None:
     ):
         if value:
             raise ValueError(f"--sync-every (DiLoCo) is not offered with {flag}")
-    if config.worker_residual != "carried" and config.outer_exchange != "1bit":
+    if config.worker_residual == "local" and config.outer_exchange != "1bit":
         raise ValueError(
             f"--worker-residual {config.worker_residual} places the 1-bit exchange's residual: "
             "give --outer-exchange 1bit"

@@ -63,12 +63,18 @@ _LEGACY_COMPRESSION = "onebit_adam_compression"
 
 def read_config(run_dir: Path) -> TrainConfig:
     """The configuration saved in ``run_dir``; a clear error if there is none. A run saved
-    before ``momentum_bound`` existed exchanged the momentum unbounded, and continues so."""
+    before ``momentum_bound`` existed exchanged the momentum unbounded, and continues so; a
+    DiLoCo run saved before ``worker_residual`` existed, or while ``"carried"`` was its
+    default (then recorded by every run, DiLoCo's or not), continues with it."""
     train = dict(_read_run_file(run_dir)["train"])
     if _LEGACY_COMPRESSION in train:
         legacy = train.pop(_LEGACY_COMPRESSION)
         train["compression"] = "fused" if train.get("optimizer") == "onebit-lamb" else legacy
     train.setdefault("momentum_bound", False)
+    if train.get("sync_every") is None:
+        train["worker_residual"] = None
+    else:
+        train.setdefault("worker_residual", "carried")
     return TrainConfig.from_json(train)
 
 
