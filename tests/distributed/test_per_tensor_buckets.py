@@ -1,9 +1,10 @@
 """Per-tensor compression in buckets of whole tensors (ALGORITHM.md, "Bucketed exchange"):
 on gloo ranks, every tensor's result and error slices equal the per-tensor exchange's bit
 for bit, whatever the buckets (one tensor each, several, all in one), whether the buckets
-run in one call or are started one by one as backward would; inside 1-bit LAMB and 1-bit
-Adam, buckets and the exchange overlapped with backward leave the trajectory of the
-unbucketed per-tensor optimizer unchanged, bit for bit."""
+run in one call or are started one by one as backward would, and whether the error updates
+wait for the last check (a caller's buffer) or run while the bytes travel (the exchange's
+own); inside 1-bit LAMB and 1-bit Adam, buckets and the exchange overlapped with backward
+leave the trajectory of the unbucketed per-tensor optimizer unchanged, bit for bit."""
 
 from __future__ import annotations
 
@@ -28,33 +29,45 @@ def test_tensor_buckets_hold_whole_tensors_in_order():
     assert tensor_buckets(NUMELS, 10_000) == [(0, 5)]
 
 
+#: ``(bucket elements or None for the unbucketed exchange, stepwise, own)``: started one by
+#: one as backward would, or in one call; with the exchange's own ``send_buffer()`` (error
+#: updates computed while the bytes travel) or a buffer of the caller's.
+VARIANTS = [(None, False, False), (None, False, True)] + [
+    (bucket, stepwise, own)
+    for bucket in BUCKETS
+    for stepwise in (False, True)
+    for own in (False, True)
+]
+
+
 def _calls(rank: int, world: int):
     out = {}
     for backend in CPU_BACKENDS:
         chosen = kernels.select(torch.zeros(8), backend)
-        for bucket in (None, *BUCKETS):
-            for stepwise in (False, True) if bucket is not None else (False,):
-                exchange = (
-                    PerTensorExchange(None)
-                    if bucket is None
-                    else PerTensorBucketedExchange(None, bucket)
-                )
-                exchange.bind(NUMELS, torch.float32, torch.device("cpu"), chosen, TrafficCounter())
-                results = []
-                for call in range(CALLS):
-                    gen = torch.Generator().manual_seed(100 * call + rank)
-                    values = torch.randn(sum(NUMELS), generator=gen)
-                    if stepwise:  # as backward: begun first, values written, then started
-                        buffer = torch.zeros(sum(NUMELS))
-                        pipeline = exchange.begin(buffer)
-                        buffer.copy_(values)
-                        pipeline.start_next()
-                        result = pipeline.complete()
-                    else:
-                        result = exchange.exchange(values)
-                    results.append(result.decode(torch.empty(sum(NUMELS))))
-                errors = exchange.worker_error.clone(), exchange.server_error.clone()
-                out[backend, bucket, stepwise] = results, errors
+        for bucket, stepwise, own in VARIANTS:
+            exchange = (
+                PerTensorExchange(None)
+                if bucket is None
+                else PerTensorBucketedExchange(None, bucket)
+            )
+            exchange.bind(NUMELS, torch.float32, torch.device("cpu"), chosen, TrafficCounter())
+            results = []
+            for call in range(CALLS):
+                gen = torch.Generator().manual_seed(100 * call + rank)
+                values = torch.randn(sum(NUMELS), generator=gen)
+                buffer = exchange.send_buffer() if own else torch.zeros(sum(NUMELS))
+                if stepwise:  # as backward: begun first, values written, then started
+                    buffer.zero_()
+                    pipeline = exchange.begin(buffer)
+                    buffer.copy_(values)
+                    pipeline.start_next()
+                    result = pipeline.complete()
+                else:
+                    buffer.copy_(values)
+                    result = exchange.exchange(buffer)
+                results.append(result.decode(torch.empty(sum(NUMELS))))
+            errors = exchange.worker_error.clone(), exchange.server_error.clone()
+            out[backend, bucket, stepwise, own] = results, errors
     return out
 
 
@@ -62,11 +75,11 @@ def _calls(rank: int, world: int):
 def test_buckets_of_whole_tensors_are_the_per_tensor_exchange_bit_for_bit(world):
     for rank, calls in enumerate(spawn_workers(_calls, world, timeout_s=180)):
         for backend in CPU_BACKENDS:
-            results, errors = calls[backend, None, False]
-            for (name, bucket, stepwise), (got, got_errors) in calls.items():
-                if name != backend or bucket is None:
+            results, errors = calls[backend, None, False, False]
+            for (name, bucket, stepwise, own), (got, got_errors) in calls.items():
+                if name != backend:
                     continue
-                where = f"rank {rank} {backend} bucket {bucket} stepwise {stepwise}"
+                where = f"rank {rank} {backend} bucket {bucket} stepwise {stepwise} own {own}"
                 assert all(torch.equal(a, b) for a, b in zip(got, results, strict=True)), where
                 assert all(torch.equal(a, b) for a, b in zip(got_errors, errors, strict=True))
 

@@ -12,7 +12,7 @@ from helpers.onebit_problem import FREEZE, build, set_grads
 
 import onebit
 from onebit import kernels
-from onebit.exchange import BucketedExchange, TrafficCounter
+from onebit.exchange import BucketedExchange, PerTensorBucketedExchange, TrafficCounter
 from onebit.exchange.bucketed import bucket_ranges
 
 
@@ -89,13 +89,15 @@ def test_the_buckets_phases_are_pipelined(monkeypatch):
 
 
 @pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("kind", [BucketedExchange, PerTensorBucketedExchange])
 def test_error_updates_run_while_the_bytes_travel_only_for_the_exchanges_own_buffer(
-    monkeypatch, own
+    monkeypatch, own, kind
 ):
     """With ``send_buffer()`` every bucket's worker error update runs right after its worker
     phase is sent and its server update right after its server phase, before ``complete()``;
-    the error state changes only when the exchange completes (the storages swapped). With a
-    caller's buffer every update waits for ``complete()``."""
+    the error state changes only when the exchange completes (the storages swapped: fused,
+    with the send buffer's; per tensor, with a scratch buffer's). With a caller's buffer
+    every update waits for ``complete()``."""
     from onebit.exchange.protocol import Stages
 
     done = {"worker": 0, "server": 0}
@@ -107,11 +109,12 @@ def test_error_updates_run_while_the_bytes_travel_only_for_the_exchanges_own_buf
             return original(self, *args)
 
         monkeypatch.setattr(Stages, f"update_{side}_errors", count)
-    exchange = BucketedExchange(None, 8)
+    numels = [40] if kind is BucketedExchange else [8, 5, 11, 8, 8]  # 5 buckets either way
+    exchange = kind(None, 8)
     exchange.bind(
-        [40], torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()
+        numels, torch.float32, torch.device("cpu"), kernels.select(torch.zeros(8)), TrafficCounter()
     )
-    buffer = exchange.send_buffer() if own else torch.empty(exchange.buffer_size([40]))
+    buffer = exchange.send_buffer() if own else torch.empty(exchange.buffer_size(numels))
     buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(3)))
     pipeline = exchange.begin(buffer)
     errors = [e.clone() for e in exchange.errors()]
@@ -124,6 +127,7 @@ def test_error_updates_run_while_the_bytes_travel_only_for_the_exchanges_own_buf
     pipeline.complete()
     assert (done["worker"], done["server"]) == (buckets, buckets)
     assert not torch.equal(errors[0], exchange.worker_error)  # (one rank: server error 0)
-    if own:  # the tensor is the same, its memory the former worker error's
+    if own:  # the tensor is the same, its memory (fused) the former worker error's
         assert exchange.send_buffer() is buffer
-        assert torch.equal(buffer, errors[0])
+        if kind is BucketedExchange:
+            assert torch.equal(buffer, errors[0])

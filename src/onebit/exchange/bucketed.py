@@ -117,15 +117,7 @@ class BucketedExchange(FlatExchange):
         :attr:`BucketPipeline.order`, as their values become final (the exchange overlapped
         with backward); :meth:`BucketPipeline.complete` gives what :meth:`exchange` gives
         and counts its bytes. Until then ``buffer``'s started buckets must stay as they are."""
-        pipeline = self._pipeline(self._checked(buffer), *self.errors())
-        take_errors = pipeline.on_complete
-
-        def on_complete() -> None:
-            take_errors()
-            self.traffic.record_all(self.bytes_per_call())
-
-        pipeline.on_complete = on_complete
-        return pipeline
+        return _counted_when_complete(self, self._pipeline(self._checked(buffer), *self.errors()))
 
     def _exchange_into(
         self, buffer: Tensor, scratch: Tensor, worker_error: Tensor, server_error: Tensor
@@ -160,7 +152,7 @@ class BucketedExchange(FlatExchange):
             segment = buffer[start:end]
             x = segment if in_place else scratch[start:end]
             chunk = slice(int(server_starts[k]), int(server_starts[k + 1]))
-            next_server = None if ahead is None else ahead[chunk]
+            bucket_ahead = None if ahead is None else (ahead[0][start:end], ahead[1][chunk])
             rounds.append(
                 Round(
                     [segment],
@@ -169,7 +161,7 @@ class BucketedExchange(FlatExchange):
                     server_error[chunk],
                     transport,
                     ws,
-                    next_server,
+                    bucket_ahead,
                 )
             )
         # Every message's receive posted now: gloo's notices then travel before any bytes.
@@ -233,15 +225,13 @@ class PerTensorBucketedExchange(PerTensorExchange):
         )
         return {"compressed_allreduce": total}
 
-    def nbytes(self) -> int:
+    def _scratch_bytes(self) -> int:
         return sum(ws.nbytes() for ws in self._workspaces)
 
     def begin(self, buffer: Tensor) -> BucketPipeline:
         """An exchange of ``buffer`` whose buckets the caller starts one by one, as
         :meth:`BucketedExchange.begin`'s."""
-        pipeline = self._pipeline(self._checked(buffer), *self.errors())
-        pipeline.on_complete = lambda: self.traffic.record_all(self.bytes_per_call())
-        return pipeline
+        return _counted_when_complete(self, self._pipeline(self._checked(buffer), *self.errors()))
 
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
         return self._pipeline(buffer, worker_error, server_error).complete()
@@ -249,13 +239,15 @@ class PerTensorBucketedExchange(PerTensorExchange):
     def _pipeline(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor):
         """The pipeline of every bucket's exchange (its tensors padded alone in its
         workspace, intermediates in place: ``buffer`` is scratch afterwards), over its slices
-        of the error buffers."""
+        of the error buffers; its error updates computed ahead where ``buffer`` is the
+        exchange's own (taken as the error state when it completes)."""
         n, numels = self.world_size, list(self.numels)
         whole = Layout.per_tensor(numels, n)
         elements = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
         workers = np.concatenate([[0], np.cumsum(whole.sizes)]).astype(np.int64)
         servers = np.concatenate([[0], np.cumsum(whole.chunks)]).astype(np.int64)
         tensors = self._tensor_buckets()
+        ahead = self._errors_ahead(buffer)
         while len(self._workspaces) < len(tensors):
             self._workspaces.append(CompressionWorkspace())
         transport = GroupTransport(self.group)
@@ -267,14 +259,18 @@ class PerTensorBucketedExchange(PerTensorExchange):
             ws = self._workspaces[k].prepare(layout, self.dtype, self.device, self.backend)
             values = buffer[int(elements[first]) : int(elements[end])].split(numels[first:end])
             segments, padding = segment_views(values, layout, ws)
+            worker = slice(int(workers[first]), int(workers[end]))
+            server = slice(int(servers[first]), int(servers[end]))
+            bucket_ahead = None if ahead is None else (ahead[0][worker], ahead[1][server])
             rounds.append(
                 Round(
                     segments,
                     segments,
-                    worker_error[int(workers[first]) : int(workers[end])],
-                    server_error[int(servers[first]) : int(servers[end])],
+                    worker_error[worker],
+                    server_error[server],
                     transport,
                     ws,
+                    bucket_ahead,
                     # the padded copies, once the bucket's values are final
                     refill=functools.partial(fill_segments, values, segments),
                 )
@@ -284,7 +280,23 @@ class PerTensorBucketedExchange(PerTensorExchange):
             [out for r in rounds for out in (r.ws.received_framed, r.ws.gathered_framed)]
         )
         buckets = [(int(elements[first]), int(elements[end])) for first, end in tensors]
-        return BucketPipeline(buckets, order, rounds, transport, paddings)
+        pipeline = BucketPipeline(buckets, order, rounds, transport, paddings)
+        if ahead is not None:
+            pipeline.on_complete = self._take_errors_ahead
+        return pipeline
+
+
+def _counted_when_complete(exchange, pipeline: BucketPipeline) -> BucketPipeline:
+    """``pipeline``, which counts ``exchange``'s bytes once it completes, after what it does
+    then already (taking the error updates computed ahead)."""
+    take_errors = pipeline.on_complete
+
+    def on_complete() -> None:
+        take_errors()
+        exchange.traffic.record_all(exchange.bytes_per_call())
+
+    pipeline.on_complete = on_complete
+    return pipeline
 
 
 #: Bucket ``i``'s server phase is sent right after the worker phase of the bucket

@@ -32,7 +32,9 @@ def per_tensor_error_sizes(numels: Sequence[int], n: int) -> tuple[int, int]:
 
 class GroupExchange(Exchange):
     """An exchange over the ranks of ``group`` (default: the world), flat, with its workspace
-    (``workspace``, or one of its own)."""
+    (``workspace``, or one of its own), and the scratch its error updates go into while the
+    bytes travel, where the buffer is its own (ALGORITHM.md, "Error updates while the bytes
+    travel")."""
 
     def __init__(
         self,
@@ -42,13 +44,42 @@ class GroupExchange(Exchange):
         super().__init__()
         self.group = group
         self.workspace = CompressionWorkspace() if workspace is None else workspace
+        self._ahead: dict[str, Tensor] = {}  # scratch like the error buffers, by side
 
     @property
     def topology(self) -> tuple[int, int]:
         return 1, world_size(self.group)
 
     def nbytes(self) -> int:
+        ahead = sum(t.numel() * t.element_size() for t in self._ahead.values())
+        return self._scratch_bytes() + ahead
+
+    def _scratch_bytes(self) -> int:
         return self.workspace.nbytes()
+
+    def _scratch_like(self, side: str, error: Tensor) -> Tensor:
+        held = self._ahead.get(side)
+        if held is None or held.shape != error.shape or held.dtype != error.dtype:
+            held = self._ahead[side] = torch.empty_like(error)
+        return held
+
+    def _worker_errors_ahead(self) -> Tensor:
+        """Where the worker's error updates go while the bytes travel (the layout of the
+        worker error): a scratch buffer of its own; the fused layouts' send buffer."""
+        return self._scratch_like("worker", self.worker_error)
+
+    def _errors_ahead(self, buffer: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Where the worker's and the server's error updates go while the bytes travel when
+        ``buffer`` is the exchange's own, else ``None``."""
+        if not self._owns(buffer):
+            return None
+        return self._worker_errors_ahead(), self._scratch_like("server", self.server_error)
+
+    def _take_errors_ahead(self) -> None:
+        """The updates computed ahead become the error state, the former error storage the
+        scratch they go into next (no copy)."""
+        swap_storages(self._worker_errors_ahead(), self.worker_error)
+        swap_storages(self._ahead["server"], self.server_error)
 
 
 class FlatExchange(GroupExchange):
@@ -58,37 +89,10 @@ class FlatExchange(GroupExchange):
     while the bytes travel (ALGORITHM.md, "Error updates while the bytes travel");
     :meth:`exchange_into` leaves the buffer as it is."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None = None,
-        workspace: CompressionWorkspace | None = None,
-    ) -> None:
-        super().__init__(group, workspace)
-        self._next_server_error: Tensor | None = None
-
-    def nbytes(self) -> int:
-        ahead = self._next_server_error
-        ahead_bytes = 0 if ahead is None else ahead.numel() * ahead.element_size()
-        return self._scratch_bytes() + ahead_bytes
-
-    def _scratch_bytes(self) -> int:
-        return self.workspace.nbytes()
-
-    def _errors_ahead(self, buffer: Tensor) -> Tensor | None:
-        """Where the server's error updates go while the bytes travel when ``buffer`` is the
-        exchange's own (the worker's go into the buffer), else ``None``."""
-        if not self._owns(buffer):
-            return None
-        server, ahead = self.server_error, self._next_server_error
-        if ahead is None or ahead.shape != server.shape or ahead.dtype != server.dtype:
-            self._next_server_error = torch.empty_like(server)
-        return self._next_server_error
-
-    def _take_errors_ahead(self) -> None:
-        """The updates computed ahead become the error state, the former error storage the
-        send buffer and the server's scratch (no copy)."""
-        swap_storages(self._send_buffer, self.worker_error)
-        swap_storages(self._next_server_error, self.server_error)
+    def _worker_errors_ahead(self) -> Tensor:
+        """The send buffer: its layout is the worker error's, and the local momentum in it
+        is not needed once its signs are sent."""
+        return self._send_buffer
 
     def buffer_size(self, numels: Sequence[int]) -> int:
         return padded_size(sum(numels), self.world_size)
@@ -133,7 +137,9 @@ class PerTensorExchange(GroupExchange):
     ``P_t`` (:func:`~onebit.compression.per_tensor_padded_size`) with its own worker scale,
     per-chunk server scales and slices of the error buffers; all tensors travel in the same
     two collectives. The buffer holds the tensors one after another, unpadded; the result
-    decodes into the same layout. :meth:`exchange_tensors` takes the tensors where they are."""
+    decodes into the same layout. :meth:`exchange_tensors` takes the tensors where they are.
+    An exchange of :meth:`send_buffer` computes its error updates while the bytes travel,
+    into scratch as large as the error buffers."""
 
     def buffer_size(self, numels: Sequence[int]) -> int:
         return sum(numels)
@@ -190,7 +196,11 @@ class PerTensorExchange(GroupExchange):
 
     def _exchange(self, buffer: Tensor, worker_error: Tensor, server_error: Tensor) -> PackedResult:
         result, _ = self._exchange_tensors(
-            buffer.split(self.numels), worker_error, server_error, in_place=True
+            buffer.split(self.numels),
+            worker_error,
+            server_error,
+            in_place=True,
+            errors_ahead=self._errors_ahead(buffer),
         )
         return result
 
@@ -200,11 +210,14 @@ class PerTensorExchange(GroupExchange):
         worker_error: Tensor,
         server_error: Tensor,
         in_place: bool = False,
+        errors_ahead: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[PackedResult, list[Tensor]]:
         """One exchange of ``tensors``: the result, and the segments it was made of (each
         tensor flat, or its zero-padded copy in the workspace). The intermediates go into
         the segments themselves with ``in_place`` (the buffer of :meth:`exchange`, scratch
-        afterwards), else into the workspace (the tensors stay as they are if it raises)."""
+        afterwards), else into the workspace (the tensors stay as they are if it raises).
+        With ``errors_ahead`` (:meth:`_errors_ahead`) the error updates go there while the
+        bytes travel, taken as the error state once it has passed its checks."""
         layout = self._layout()
         ws = self.workspace.prepare(layout, self.dtype, self.device, self.backend)
         segments, padding = padded_segments(tensors, layout, ws)
@@ -213,7 +226,11 @@ class PerTensorExchange(GroupExchange):
         else:
             xs = ws.buffer("x", layout.width, self.dtype, self.device).split(layout.sizes)
         transport = GroupTransport(self.group)
-        result = exchange_over_group(segments, xs, worker_error, server_error, transport, ws)
+        result = exchange_over_group(
+            segments, xs, worker_error, server_error, transport, ws, errors_ahead
+        )
+        if errors_ahead is not None:
+            self._take_errors_ahead()
         result.padding = padding
         return result, segments
 

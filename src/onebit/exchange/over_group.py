@@ -40,7 +40,7 @@ def exchange_over_group(
     server_error: Tensor,
     transport: GroupTransport,
     workspace: CompressionWorkspace,
-    next_server_error: Tensor | None = None,
+    errors_ahead: tuple[Tensor, Tensor] | None = None,
 ) -> PackedResult:
     """The two-phase exchange of this rank's ``segments`` (flat, ``P_t`` elements each, of
     the layout ``workspace`` was prepared for) over ``transport``'s group, with this rank's
@@ -51,9 +51,9 @@ def exchange_over_group(
     server's scales after the server compression, before any error state changes: a
     :class:`~onebit.exchange.transport.NonFiniteError` or
     :class:`~onebit.exchange.transport.KernelMismatchError` is raised on every rank alike.
-    With ``next_server_error`` the error updates go to scratch instead (:class:`Round`)."""
+    With ``errors_ahead`` the error updates go to scratch instead (:class:`Round`)."""
     pending = start_exchange(
-        segments, xs, worker_error, server_error, transport, workspace, next_server_error
+        segments, xs, worker_error, server_error, transport, workspace, errors_ahead
     )
     return pending.commit()
 
@@ -65,16 +65,14 @@ def start_exchange(
     server_error: Tensor,
     transport: GroupTransport,
     workspace: CompressionWorkspace,
-    next_server_error: Tensor | None = None,
+    errors_ahead: tuple[Tensor, Tensor] | None = None,
 ) -> PendingExchange:
     """:func:`exchange_over_group` with the error updates left for the caller to apply
     (``commit()``), so that several exchanges can all be checked before any error state
     changes (the bucketed exchange). The error updates read only what the exchange leaves in
     ``xs``, the segments and the workspace, so applying them later gives the same bits. With
-    ``next_server_error`` they are computed ahead, into scratch (:class:`Round`)."""
-    exchange = Round(
-        segments, xs, worker_error, server_error, transport, workspace, next_server_error
-    )
+    ``errors_ahead`` they are computed ahead, into scratch (:class:`Round`)."""
+    exchange = Round(segments, xs, worker_error, server_error, transport, workspace, errors_ahead)
     exchange.send_workers()
     exchange.send_servers()
     return exchange.finish()
@@ -96,12 +94,13 @@ class Round:
     A check that fails raises on every rank alike (they all gathered the same values) with
     no error state changed; :meth:`drain` then waits for what is still in flight.
 
-    With ``next_server_error`` (one segment, which is its own ``xs``), the error updates are
-    computed while each phase's collective travels, into scratch: the new worker error into
-    the segment itself (after its signs are sent), the new server error into
-    ``next_server_error`` (after the server signs are sent). Nothing is left to commit; the
-    caller takes the two as the error state once every check has passed (ALGORITHM.md,
-    "Error updates while the bytes travel").
+    With ``errors_ahead = (next_worker_error, next_server_error)`` (flat, as large as the
+    error buffers; the worker's may be the one segment itself), the error updates are
+    computed while each phase's collective travels, into them: the new worker errors after
+    the worker signs are sent (each segment copied into its place first, where it is not
+    there), the new server errors after the server signs are sent. Nothing is left to
+    commit; the caller takes the two as the error state once every check has passed
+    (ALGORITHM.md, "Error updates while the bytes travel").
 
     ``refill`` (where segments are padded copies of values that are final only when the
     worker phase starts, as in a bucket started during backward) copies them in then."""
@@ -114,18 +113,18 @@ class Round:
         server_error: Tensor,
         transport: GroupTransport,
         workspace: CompressionWorkspace,
-        next_server_error: Tensor | None = None,
+        errors_ahead: tuple[Tensor, Tensor] | None = None,
         refill: Callable[[], object] | None = None,
     ) -> None:
         self.segments, self.xs, self.transport, self.ws = segments, xs, transport, workspace
         self.refill = refill
         self.worker_error, self.server_error = worker_error.view(-1), server_error.view(-1)
         self.device = worker_error.device
-        self.next_server_error = next_server_error
-        if next_server_error is not None and not (
-            len(segments) == 1 and len(xs) == 1 and xs[0] is segments[0]
-        ):
-            raise ValueError("error updates ahead need one segment that is its own x")
+        if errors_ahead is not None:
+            sizes = (self.worker_error.numel(), self.server_error.numel())
+            if tuple(error.numel() for error in errors_ahead) != sizes:
+                raise ValueError(f"the errors ahead must have {sizes} elements, as the errors")
+        self.errors_ahead = errors_ahead
         self._works: list = []
 
     def drain(self) -> None:
@@ -146,11 +145,8 @@ class Round:
         stages.fill_send(ws.worker_packed, ws.send)  # chunk j of every segment, for rank j
         ws.frame_worker_message()  # the scales travel with the signs: one message per peer
         self._works = [self.transport.all_to_all(ws.received_framed, ws.send_framed, async_op=True)]
-        if self.next_server_error is not None:  # segment <- x - a sign(x), x = error + segment
-            segment = self.segments[0]
-            stages.update_worker_errors(
-                [self.worker_error], self.xs, segment, ws.worker_packed, ws.local_scales
-            )
+        if self.errors_ahead is not None:
+            self._update_worker_errors_ahead(self.errors_ahead[0])
 
     def send_servers(self) -> None:
         ws, stages = self.ws, self.ws.stages
@@ -172,8 +168,8 @@ class Round:
         self._works = [
             self.transport.all_gather(ws.gathered_framed, ws.server_frame, async_op=True)
         ]
-        if self.next_server_error is not None:
-            self._update_server_errors(self.next_server_error)
+        if self.errors_ahead is not None:
+            self._update_server_errors(self.errors_ahead[1])
 
     def finish(self) -> PendingExchange:
         ws, stages = self.ws, self.ws.stages
@@ -182,7 +178,7 @@ class Round:
         self.transport.agree(finite_problem(ws.server_scales.tolist(), "server scale"), self.device)
 
         def commit() -> None:
-            if self.next_server_error is None:
+            if self.errors_ahead is None:
                 stages.update_worker_errors(
                     self.segments, self.xs, self.worker_error, ws.worker_packed, ws.local_scales
                 )
@@ -190,6 +186,22 @@ class Round:
 
         result = PackedResult(ws.gathered, ws.server_scales, stages.layout, stages.backend)
         return PendingExchange(result, commit)
+
+    def _update_worker_errors_ahead(self, out: Tensor) -> None:
+        """``out[S_t] = x - a_t sign(x)``, ``x = segment_t + worker_error[S_t]``: each segment
+        copied into ``out`` where it is not there, then the update with the roles of the two
+        summands swapped (the same bits: IEEE addition is commutative)."""
+        sizes = self.ws.stages.layout.sizes
+        for place, segment in zip(out.split(sizes), self.segments, strict=True):
+            if place.data_ptr() != segment.data_ptr():
+                place.copy_(segment)
+        self.ws.stages.update_worker_errors(
+            self.worker_error.split(sizes),
+            self.xs,
+            out,
+            self.ws.worker_packed,
+            self.ws.local_scales,
+        )
 
     def _update_server_errors(self, out: Tensor) -> None:
         """``out = y - b sign(y)``, ``y`` formed from the server error (``out`` may be it)."""
