@@ -122,15 +122,15 @@ def test_memory_bytes_counts_the_tensors_the_optimizer_holds() -> None:
 
 def test_the_per_tensor_exchange_copies_nothing_it_can_use_in_place() -> None:
     # Tensors that need no padding (multiples of 8 elements at n = 1) are compressed where
-    # they are, the intermediates in the spent buffer: with the fused kernels (no stage
-    # scratch) the exchange's own scratch, besides the error updates computed ahead (as
-    # large as the error buffers), is the packed signs, the messages and the scales, well
-    # under a word per element.
+    # they are, the intermediates and the worker's error updates in the spent buffer: with
+    # the fused kernels (no stage scratch) the exchange's own scratch, besides the server's
+    # error updates computed ahead (as large as the server error, here the worker's), is the
+    # packed signs, the messages and the scales, well under a word per element.
     pytest.importorskip("numba")
     aligned = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(256))]
     optimizer = onebit.OneBitLamb(aligned, lr=0.01, freeze_step=1, kernels="numba")
     for _ in range(2):
         step(optimizer, aligned)
-    errors = sum(error.numel() * error.element_size() for error in optimizer.exchange.errors())
-    assert errors == 2 * 4 * 2304  # n = 1: the server error is as large as the worker's
-    assert optimizer.exchange.nbytes() - errors < 4 * 2304 / 2
+    server_error = optimizer.exchange.server_error
+    assert server_error.numel() == 2304
+    assert optimizer.exchange.nbytes() - 4 * 2304 < 4 * 2304 / 2

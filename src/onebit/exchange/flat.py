@@ -138,11 +138,19 @@ class PerTensorExchange(GroupExchange):
     per-chunk server scales and slices of the error buffers; all tensors travel in the same
     two collectives. The buffer holds the tensors one after another, unpadded; the result
     decodes into the same layout. :meth:`exchange_tensors` takes the tensors where they are.
-    An exchange of :meth:`send_buffer` computes its error updates while the bytes travel,
-    into scratch as large as the error buffers."""
+    An exchange of :meth:`send_buffer` computes its error updates while the bytes travel:
+    the worker's into the send buffer where no tensor is padded, else into scratch as large
+    as the worker error."""
 
     def buffer_size(self, numels: Sequence[int]) -> int:
         return sum(numels)
+
+    def _worker_errors_ahead(self) -> Tensor:
+        """The send buffer where no tensor is padded (its layout is then the worker
+        error's), else a scratch buffer as large as the worker error."""
+        if self._send_buffer.numel() == self.worker_error.numel():
+            return self._send_buffer
+        return super()._worker_errors_ahead()
 
     def error_sizes(self, numels: Sequence[int]) -> tuple[int, int]:
         return per_tensor_error_sizes(numels, self.world_size)
