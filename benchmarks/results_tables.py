@@ -122,6 +122,7 @@ COMMIT_DATES = {
     "791e022": "2026-12-06",
     "015841c": "2026-12-06",
     "70e3013": "2026-12-06",
+    "b83aeee": "2026-12-07",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -129,7 +130,8 @@ COMMIT_DATES = {
 #: commit they were measured on, that commit.
 RECORDED_IN = {
     "docs/bench/micro-allreduce.json": "e41c598",
-    "docs/bench/micro-optimizer.json": "79d17a7",
+    "docs/bench/micro-optimizer.json": "b83aeee",
+    "docs/bench/errors-ahead": "b83aeee",
     "docs/convergence/lamb": "4118b9c",
     "docs/convergence/onebit-lamb-n4": "488406f",
     "docs/convergence/onebit-adam-n4": "488406f",
@@ -669,6 +671,50 @@ def table_optimizer_memory() -> Table:
         commits,
         dates,
         table_optimizer_step().commands,
+    )
+
+
+#: (result file, the exchange it timed, its ``--bucket-cap-mb``) of benchmarks/errors_ahead.py.
+ERRORS_AHEAD = [
+    ("docs/bench/errors-ahead/buckets-25mb.json", "per tensor, in buckets of 25 MiB", "25"),
+    ("docs/bench/errors-ahead/whole.json", "per tensor, whole", "0"),
+]
+
+
+def table_errors_ahead() -> Table:
+    rows = []
+    for path, label, _ in ERRORS_AHEAD:
+        for row in _read(path)["rows"]:
+            rows.append(
+                [
+                    label,
+                    {"none": "unshaped", "100mbit": "100 Mbit/s"}.get(row["bandwidth"]),
+                    f"{row['ahead_median']:.3f} s",
+                    f"{row['after_median']:.3f} s",
+                    _x(row["after_over_ahead"]),
+                ]
+            )
+    paths = [path for path, _, _ in ERRORS_AHEAD]
+    commits, dates = _stamp(paths)
+    return Table(
+        "errors-ahead",
+        [
+            "exchange (BERT-base's tensors, 2 hosts)",
+            "link",
+            "error updates while the bytes travel",
+            "error updates after the last check",
+            "after / while",
+        ],
+        "llrrr",
+        rows,
+        paths,
+        commits,
+        dates,
+        [
+            f".venv/bin/python benchmarks/errors_ahead.py --calls 7 --bucket-cap-mb {cap} "
+            f"--record {path}"
+            for path, _, cap in ERRORS_AHEAD
+        ],
     )
 
 
@@ -2115,6 +2161,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "allreduce-loopback": table_allreduce_loopback,
     "optimizer-step": table_optimizer_step,
     "optimizer-memory": table_optimizer_memory,
+    "errors-ahead": table_errors_ahead,
     "convergence-study": table_convergence_study,
     "convergence-defaults": table_convergence_defaults,
     "main-job": table_main_job,

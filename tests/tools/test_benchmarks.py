@@ -15,6 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers.emulated_cluster import needs_cluster
 from helpers.jobs import TINY, write_corpus
 from helpers.paths import BENCHMARKS, ROOT
 
@@ -429,3 +430,34 @@ def test_link_choice_on_the_main_jobs_diloco_runs(tmp_path):
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bert = _run("link_choice", *runs, "--model", "bert-base", "--compute", "1.2")
     assert bert != out  # another model's step times
+
+
+# ---------------------------------------------------------------------------- errors_ahead
+
+
+@needs_cluster
+def test_errors_ahead_times_both_places_of_the_updates_side_by_side(tmp_path):
+    record = tmp_path / "ahead.json"
+    printed = _run(
+        "errors_ahead",
+        *("--model", "tiny", "--bandwidths", "none", "--calls", "3", "--bucket-cap-mb", "0.01"),
+        *("--record", str(record)),
+    )
+    (row,) = json.loads(record.read_text())["rows"]
+    assert row["bandwidth"] == "none"
+    for place in ("ahead", "after"):
+        assert len(row[f"{place}_seconds"]) == 2  # the first call of each not timed
+        assert 0 < row[f"{place}_fastest"] <= row[f"{place}_median"]
+    assert row["after_over_ahead"] == row["after_median"] / row["ahead_median"]
+    assert f"after / ahead {row['after_over_ahead']:.2f}x" in printed
+
+
+def test_errors_ahead_refuses_bad_options_by_name(monkeypatch, capsys):
+    tool = _tool("errors_ahead", monkeypatch)
+    for args, message in (
+        (["--calls", "1"], "--calls must be at least 2"),
+        (["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be 0"),
+    ):
+        with pytest.raises(SystemExit):
+            tool.main(args)
+        assert message in capsys.readouterr().err
