@@ -121,7 +121,7 @@ COMMIT_DATES = {
     "ffde085": "2026-12-06",
     "791e022": "2026-12-06",
     "015841c": "2026-12-06",
-    "70e3013": "2026-12-06",
+    "4704429": "2026-12-06",
     "b83aeee": "2026-12-07",
 }
 
@@ -171,12 +171,12 @@ RECORDED_IN = {
     "docs/main-job/longer/lamb-1000x64": "252367a",
     "docs/main-job/longer/onebit-lamb-1000x64-freeze-200": "252367a",
     "docs/convergence/diloco-study": "ae839b0",
-    "docs/convergence/diloco-study/link-choice.json": "70e3013",
+    "docs/convergence/diloco-study/link-choice.json": "4704429",
     "docs/convergence/diloco-study/lamb-n256": "79d17a7",
     "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
-    "docs/convergence/diloco-study/link-choice-bert-base.json": "70e3013",
+    "docs/convergence/diloco-study/link-choice-bert-base.json": "4704429",
     "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
     "docs/convergence/diloco-study/zero-one-adam-n4-auto": "5de40a3",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
