@@ -62,13 +62,16 @@ from onebit.train.powersgd import POWERSGD_START_ITER, CountedPowerSGD, one_buck
 
 logger = logging.getLogger("onebit.bench.worker")
 
+#: Every host's (tx, rx) interface byte counters, as rank 0 reads them.
+Counters = list[list[int]]
+
 
 def _emit(kind: str, record: dict[str, Any]) -> None:
     sys.stdout.write(f"@@{kind} {json.dumps(record)}\n")
     sys.stdout.flush()
 
 
-def _interface_counters() -> list[list[int]]:
+def _interface_counters() -> Counters:
     """Ask the parent for every host's (tx, rx) byte counters (rank 0 only)."""
     _emit("mark", {})
     line = sys.stdin.readline()
@@ -214,13 +217,14 @@ class _Runner:
         self.world = dist.get_world_size()
         self.batches: list[dict[str, torch.Tensor]] = []
         self.cursor = 0
+        self.last_counters: Counters | None = None
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         batch = self.batches[self.cursor % len(self.batches)]
         self.cursor += 1
         return batch
 
-    def counters(self) -> list[list[int]] | None:
+    def counters(self) -> Counters | None:
         dist.barrier()
         counters = _interface_counters() if self.rank == 0 else None
         dist.barrier()
@@ -230,13 +234,17 @@ class _Runner:
         for _ in range(steps):
             method.step(self.next_batch())
 
-    def run_timed(self, method: _Method, steps: int, stage: str) -> dict[str, Any]:
+    def run_timed(
+        self, method: _Method, steps: int, stage: str, before: Counters | None
+    ) -> dict[str, Any]:
+        """Time ``steps`` steps of ``stage``, their interface bytes counted from the reading
+        ``before`` (rank 0's; ``None`` on the others); the reading at the block's end is left
+        in ``self.last_counters``."""
         stage_now = getattr(method.optimizer, "stage", None)
         if stage_now is not None and stage_now != stage:
             raise RuntimeError(
                 f"{method.name}: expected stage {stage!r}, optimizer is {stage_now!r}"
             )
-        before = self.counters()
         library_before = method.library_bytes()
         step_seconds = []
         phases = []
@@ -249,6 +257,7 @@ class _Runner:
         seconds = time.perf_counter() - start
         library = method.library_bytes() - library_before
         after = _interface_counters() if self.rank == 0 else None
+        self.last_counters = after
         gathered = torch.zeros(self.world, dtype=torch.int64)
         all_gather_into(gathered, torch.tensor([library], dtype=torch.int64), None, self.world)
         library_all = gathered.tolist()
@@ -277,16 +286,22 @@ class _Runner:
     def run_each_kind(self, method: _Method, kinds: list[str]) -> list[dict[str, Any]]:
         """Steps of the given kinds, each timed alone except the first ``skip_steps`` of its
         kind and those after the first ``skip_steps + steps``; one block per kind, of its
-        timed steps."""
+        timed steps. The interface counters are read after every step, and each timed step
+        counts from the reading after the step before it: an exchange a step leaves in flight
+        (Streaming DiLoCo's) sends its bytes within the next step's block or its own, never
+        between them."""
         skip, timed = self.cfg["skip_steps"], self.cfg["steps"]
         seen: collections.Counter[str] = collections.Counter()
         by_kind: dict[str, list[dict[str, Any]]] = {}
+        reading = self.counters()
         for kind in kinds:
             seen[kind] += 1
             if skip < seen[kind] <= skip + timed:
-                by_kind.setdefault(kind, []).append(self.run_timed(method, 1, kind))
+                by_kind.setdefault(kind, []).append(self.run_timed(method, 1, kind, reading))
+                reading = self.last_counters
             else:
                 self.run_untimed(method, 1)
+                reading = self.counters()
         return [_joined(blocks) for blocks in by_kind.values()]
 
     def run_method(self, name: str, template: torch.nn.Module) -> dict[str, Any]:
@@ -298,12 +313,12 @@ class _Runner:
                 blocks = self.run_each_kind(method, method.step_kinds)
             elif method.freeze_step is not None:
                 self.run_untimed(method, cfg["skip_steps"])
-                blocks.append(self.run_timed(method, cfg["warm_steps"], "warmup"))
+                blocks.append(self.run_timed(method, cfg["warm_steps"], "warmup", self.counters()))
                 self.run_untimed(method, untimed_before_compression(name, cfg["skip_steps"]))
-                blocks.append(self.run_timed(method, cfg["steps"], "compression"))
+                blocks.append(self.run_timed(method, cfg["steps"], "compression", self.counters()))
             else:
                 self.run_untimed(method, method.untimed_before_steady)
-                blocks.append(self.run_timed(method, cfg["steps"], "steady"))
+                blocks.append(self.run_timed(method, cfg["steps"], "steady", self.counters()))
             return {"freeze_step": method.freeze_step, "blocks": blocks}
         finally:
             method.close()
