@@ -1,6 +1,7 @@
 """The per-tensor compressed allreduce (DeepSpeed's 1-bit Adam scheme, fused collectives) on
-real gloo ranks: the distributed exchange against the simulation, its bytes, its two
-collectives, and non-finite input on one rank."""
+real gloo ranks: the distributed exchange against the simulation, its bytes, its messages
+(one per peer and phase, point to point with their receives posted ahead), and non-finite
+input on one rank."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from helpers.per_tensor_inputs import CALLS, SHAPES, seeded_inputs
 import onebit
 from onebit import kernels
 from onebit.collectives import NonFiniteError, TrafficCounter, compressed_allreduce_per_tensor_bytes
+from onebit.exchange import transport
 from onebit.testing import spawn_workers
 
 CPU_BACKENDS = [name for name in kernels.available() if name != "triton"]
@@ -27,12 +29,14 @@ COLLECTIVES = (
     "alltoall_base",
     "all_to_all_single",
     "broadcast",
+    "send",
+    "recv",
 )
 
 
 class CollectiveCounter:
-    """Counts the calls of ``torch.distributed.ProcessGroup``'s collectives (every route
-    through ``torch.distributed`` ends there), by name."""
+    """Counts the calls of ``torch.distributed.ProcessGroup``'s collectives and point-to-point
+    messages (every route through ``torch.distributed`` ends there), by name."""
 
     def __enter__(self) -> dict[str, int]:
         self.calls: dict[str, int] = {}
@@ -98,7 +102,7 @@ def _exchange_against_simulation(rank: int, n: int):
 
 
 @pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_distributed_exchange_matches_simulation_in_two_collectives(n):
+def test_distributed_exchange_matches_simulation_in_a_message_per_peer_and_phase(n):
     outputs = spawn_workers(_exchange_against_simulation, n, timeout_s=120)
     numels = [math.prod(shape) for shape in SHAPES]
     _, server = onebit.per_tensor_error_sizes(numels, n)
@@ -111,11 +115,15 @@ def test_distributed_exchange_matches_simulation_in_two_collectives(n):
             assert torch.equal(rank_results, results), f"{backend}: rank {rank} differs"
             assert sent == {"compressed_allreduce": CALLS * per_call}
             assert calls == {"compressed_allreduce": CALLS}
-            for counted in collectives:  # the flat exchange's: a message per peer and phase
-                assert counted == {"all_gather_single": 1, "all_to_all_single": 1}
+            for counted in collectives:  # a message per peer and phase, each way
+                assert counted == {"send": 2 * (n - 1), "recv": 2 * (n - 1)}
 
 
 def _nan_on_last_rank(rank: int, n: int):
+    """A NaN on the last rank: the message raised, whether the tensors and the error state
+    were kept, and whether the next exchange, given the failed one's tags, gives the
+    oracle's result (every message posted ahead for the failed one was sent, none left for
+    the next one's to land in)."""
     numels = [12, 40]
     width, server = onebit.per_tensor_error_sizes(numels, n)
     tensors = [torch.randn(12), torch.randn(4, 10)]
@@ -124,19 +132,37 @@ def _nan_on_last_rank(rank: int, n: int):
     if rank == n - 1:
         tensors[1][2, 3] = float("nan")
         before[1] = tensors[1].clone()
+    group = dist.group.WORLD.group_name
+    serial = transport._posted_exchanges.get(group, 0)
     try:
         onebit.compressed_allreduce_per_tensor(tensors, worker_error, server_error)
     except NonFiniteError as error:
+        transport._posted_exchanges[group] = serial  # the tags again
         errors_kept = bool((worker_error == 0.5).all() and (server_error == 0.25).all())
         tensors_kept = all(
             torch.equal(a.nan_to_num(), b.nan_to_num())
             for a, b in zip(tensors, before, strict=True)
         )
-        return str(error), errors_kept and tensors_kept
-    return None, None
+        return str(error), errors_kept and tensors_kept, _next_exchange_is_the_oracles(rank, n)
+    return None, None, None
+
+
+def _next_exchange_is_the_oracles(rank: int, n: int) -> bool:
+    inputs = seeded_inputs(n, 0, torch.float32)
+    tensors = [b[rank].reshape(shape).clone() for b, shape in zip(inputs, SHAPES, strict=True)]
+    width, server = onebit.per_tensor_error_sizes([math.prod(s) for s in SHAPES], n)
+    onebit.compressed_allreduce_per_tensor(
+        tensors, torch.zeros(width), torch.zeros(server), kernels="torch"
+    )
+    expected, _, _ = oracle_compressed_allreduce_per_tensor(
+        inputs, torch.zeros(n, width), torch.zeros(n, server), kernels="torch"
+    )
+    return all(
+        torch.equal(got.reshape(-1), want) for got, want in zip(tensors, expected, strict=True)
+    )
 
 
 def test_non_finite_input_on_one_rank_raises_on_every_rank_with_nothing_changed():
-    for message, untouched in spawn_workers(_nan_on_last_rank, 2, timeout_s=60):
+    for message, untouched, next_exact in spawn_workers(_nan_on_last_rank, 2, timeout_s=60):
         assert message is not None and "rank(s) [1]" in message
-        assert untouched
+        assert untouched and next_exact

@@ -49,7 +49,7 @@ INSTALLED = {
 # The collectives of each stage's gradient traffic; anything else is the framework's own.
 GRADIENT_TRAFFIC = {
     "warmup": {"allreduce"},  # DDP's averaging, through onebit's hook
-    "compression": {"all_to_all_single", "all_gather_single"},  # the 1-bit exchange
+    "compression": {"send"},  # the 1-bit exchange: its messages, point to point over gloo
 }
 CONTROL_BYTES = 64  # what a framework may add per step (flags, counters), at most
 

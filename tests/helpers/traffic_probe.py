@@ -4,7 +4,7 @@ Every collective issued from Python goes through a method of ``torch.distributed
 :class:`TrafficProbe` patches those methods to record what each call is handed. A call's
 bytes are those this rank sends in a bandwidth-optimal implementation: an allreduce of S
 bytes sends 2 (n-1)/n S, an all-gather of S local bytes (n-1) S, an all-to-all of S bytes
-(n-1)/n S, a broadcast (n-1) S at its root.
+(n-1)/n S, a broadcast (n-1) S at its root, a point-to-point send of S bytes S.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ _SENT = {
     "broadcast": lambda group, args, size: (
         (group.size() - 1) * size if group.rank() == args[1].rootRank else 0
     ),
+    "send": lambda group, args, size: size,
 }
-_PAYLOAD_ARG = {"allreduce": 0, "broadcast": 0}
+_PAYLOAD_ARG = {"allreduce": 0, "broadcast": 0, "send": 0}
 
 
 class TrafficProbe:
-    """Records ``(optimizer steps so far, collective, bytes sent)`` for every collective."""
+    """Records ``(optimizer steps so far, collective, bytes sent)`` for every collective and
+    point-to-point send."""
 
     def __init__(self) -> None:
         self.optimizer: onebit.OneBitOptimizer | None = None

@@ -71,11 +71,20 @@ def start_exchange(
     (``commit()``), so that several exchanges can all be checked before any error state
     changes (the bucketed exchange). The error updates read only what the exchange leaves in
     ``xs``, the segments and the workspace, so applying them later gives the same bits. With
-    ``errors_ahead`` they are computed ahead, into scratch (:class:`Round`)."""
+    ``errors_ahead`` they are computed ahead, into scratch (:class:`Round`).
+
+    Over gloo the receives of both messages are posted first (ALGORITHM.md, "Receives posted
+    ahead"); a failure drains what is in flight and sends the messages not yet sent."""
     exchange = Round(segments, xs, worker_error, server_error, transport, workspace, errors_ahead)
-    exchange.send_workers()
-    exchange.send_servers()
-    return exchange.finish()
+    transport.post_receives([workspace.received_framed, workspace.gathered_framed])
+    try:
+        exchange.send_workers()
+        exchange.send_servers()
+        return exchange.finish()
+    except BaseException:
+        exchange.drain()
+        transport.settle()
+        raise
 
 
 class Round:
