@@ -49,7 +49,8 @@ INSTALLED = {
 # The collectives of each stage's gradient traffic; anything else is the framework's own.
 GRADIENT_TRAFFIC = {
     "warmup": {"allreduce"},  # DDP's averaging, through onebit's hook
-    "compression": {"send"},  # the 1-bit exchange: its messages, point to point over gloo
+    # the 1-bit exchange's messages (point to point over gloo), the gradient check's all-gather
+    "compression": {"send", "all_gather_single"},
 }
 CONTROL_BYTES = 64  # what a framework may add per step (flags, counters), at most
 
