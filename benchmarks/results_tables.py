@@ -123,6 +123,7 @@ COMMIT_DATES = {
     "015841c": "2026-12-06",
     "4704429": "2026-12-06",
     "b83aeee": "2026-12-07",
+    "2601711": "2026-12-07",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -132,6 +133,7 @@ RECORDED_IN = {
     "docs/bench/micro-allreduce.json": "e41c598",
     "docs/bench/micro-optimizer.json": "b83aeee",
     "docs/bench/errors-ahead": "b83aeee",
+    "docs/bench/errors-ahead/whole.json": "2601711",
     "docs/convergence/lamb": "4118b9c",
     "docs/convergence/onebit-lamb-n4": "488406f",
     "docs/convergence/onebit-adam-n4": "488406f",
