@@ -1,5 +1,5 @@
-"""The per-tensor compressed allreduce (DeepSpeed's 1-bit Adam scheme, fused collectives) on
-real gloo ranks: the distributed exchange against the simulation, its bytes, its messages
+"""The per-tensor compressed allreduce (DeepSpeed's 1-bit Adam scheme, every tensor in the
+same two messages per peer) on real gloo ranks: the distributed exchange against the simulation, its bytes, its messages
 (one per peer and phase, point to point with their receives posted ahead), and non-finite
 input on one rank."""
 
