@@ -1,6 +1,7 @@
 """Tests of the emulated-cluster comparison (``onebit bench cluster``) without a cluster: the
-arithmetic of its analysis and report, its settings and options, the commands' checks before
-they run (the runs on an emulated cluster: end_to_end/test_bench_cluster_runs.py).
+arithmetic of its analysis and report, how its worker counts the interface bytes, its settings
+and options, the commands' checks before they run (the runs on an emulated cluster:
+end_to_end/test_bench_cluster_runs.py).
 """
 
 from __future__ import annotations
@@ -231,6 +232,46 @@ def test_blocks_of_one_kind_are_joined() -> None:
     assert joined["rank0_step_seconds"] == [1.0, 3.0]
     assert joined["library_bytes_by_rank"] == [80, 80]
     assert joined["interface_tx_bytes_by_host"] == [400, 400]
+
+
+class _SendingBetweenReadings:
+    """A method whose every step sends 1000 bytes, and a link on which 10 more bytes go out
+    before every reading of the counters: an exchange a step left in flight."""
+
+    name = "diloco-dense-k2-d1"
+    optimizer = None
+    last_loss = 0.0
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.readings: list[int] = []
+
+    def step(self, batch: dict) -> tuple[float, float]:
+        self.sent += 1000
+        return 0.0, 0.0
+
+    def library_bytes(self) -> int:
+        return 0
+
+    def counters(self) -> list[list[int]]:
+        self.sent += 10
+        self.readings.append(self.sent)
+        return [[self.sent, self.sent]]
+
+
+def test_steps_timed_one_by_one_count_every_byte_between_their_readings(monkeypatch) -> None:
+    method = _SendingBetweenReadings()
+    monkeypatch.setattr(_worker, "_interface_counters", method.counters)
+    monkeypatch.setattr(_worker.dist, "barrier", lambda: None)
+    runner = _worker._Runner.__new__(_worker._Runner)  # one rank, no process group
+    runner.cfg, runner.rank, runner.world = {"skip_steps": 1, "steps": 2}, 0, 1
+    runner.batches, runner.cursor, runner.last_counters = [{}], 0, None
+    blocks = runner.run_each_kind(method, ["inner", "outer"] * 4)
+    counted = sum(block["interface_tx_bytes_by_host"][0] for block in blocks)
+    # the 2nd and 3rd turns are timed: from the reading after the 1st turn to the last timed one
+    first, last = method.readings[2], method.readings[6]
+    assert [block["steps"] for block in blocks] == [2, 2]
+    assert counted == last - first == 4 * 1010
 
 
 def test_hierarchical_figures_and_targets() -> None:
