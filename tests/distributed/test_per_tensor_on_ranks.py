@@ -1,7 +1,7 @@
 """The per-tensor compressed allreduce (DeepSpeed's 1-bit Adam scheme, every tensor in the
-same two messages per peer) on real gloo ranks: the distributed exchange against the simulation, its bytes, its messages
-(one per peer and phase, point to point with their receives posted ahead), and non-finite
-input on one rank."""
+same two messages per peer) on real gloo ranks: the distributed exchange against the
+simulation, its bytes, its messages (one per peer and phase, point to point with their
+receives posted ahead), and non-finite input on one rank."""
 
 from __future__ import annotations
 

@@ -165,9 +165,7 @@ class BucketedExchange(FlatExchange):
                 )
             )
         # Every message's receive posted now: gloo's notices then travel before any bytes.
-        transport.post_receives(
-            [out for r in rounds for out in (r.ws.received_framed, r.ws.gathered_framed)]
-        )
+        transport.post_receives([out for r in rounds for out in r.ws.incoming()])
         pipeline = BucketPipeline(buckets, order, rounds, transport)
         if ahead is not None:
             pipeline.on_complete = self._take_errors_ahead
@@ -276,9 +274,7 @@ class PerTensorBucketedExchange(PerTensorExchange):
                 )
             )
             paddings.append(padding)
-        transport.post_receives(
-            [out for r in rounds for out in (r.ws.received_framed, r.ws.gathered_framed)]
-        )
+        transport.post_receives([out for r in rounds for out in r.ws.incoming()])
         buckets = [(int(elements[first]), int(elements[end])) for first, end in tensors]
         pipeline = BucketPipeline(buckets, order, rounds, transport, paddings)
         if ahead is not None:

@@ -76,7 +76,7 @@ def start_exchange(
     Over gloo the receives of both messages are posted first (ALGORITHM.md, "Receives posted
     ahead"); a failure drains what is in flight and sends the messages not yet sent."""
     exchange = Round(segments, xs, worker_error, server_error, transport, workspace, errors_ahead)
-    transport.post_receives([workspace.received_framed, workspace.gathered_framed])
+    transport.post_receives(workspace.incoming())
     try:
         exchange.send_workers()
         exchange.send_servers()

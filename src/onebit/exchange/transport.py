@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -169,7 +170,7 @@ class GroupTransport:
         self.n = world_size(group)
         self._posted: dict[int, _Posted] = {}  # by the address of the tensor it fills
 
-    def post_receives(self, outputs: list[Tensor]) -> None:
+    def post_receives(self, outputs: Sequence[Tensor]) -> None:
         """Post now the receives of the messages that will fill ``outputs`` (``[n, M]`` each:
         row ``i`` from rank ``i``), each to come from one :meth:`all_to_all` or
         :meth:`all_gather`; every rank lists the same messages in the same order. Nothing is

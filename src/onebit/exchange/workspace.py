@@ -89,6 +89,12 @@ class CompressionWorkspace:
         self.gathered.copy_(self.gathered_framed[:, :signs])
         _bytes(self.server_scales).view(self._n, -1).copy_(self.gathered_framed[:, signs:])
 
+    def incoming(self) -> tuple[Tensor, Tensor]:
+        """The two messages one exchange receives, in the order they arrive: the workers'
+        signs and scales for this rank's chunk (:attr:`received_framed`), then every
+        server's (:attr:`gathered_framed`)."""
+        return self.received_framed, self.gathered_framed
+
     def buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A named scratch buffer (contents undefined), kept for the current layout."""
         buffer = self._buffers.get(name)
