@@ -265,7 +265,7 @@ def test_steps_timed_one_by_one_count_every_byte_between_their_readings(monkeypa
     monkeypatch.setattr(_worker.dist, "barrier", lambda: None)
     runner = _worker._Runner.__new__(_worker._Runner)  # one rank, no process group
     runner.cfg, runner.rank, runner.world = {"skip_steps": 1, "steps": 2}, 0, 1
-    runner.batches, runner.cursor, runner.last_counters = [{}], 0, None
+    runner.batches, runner.cursor = [{}], 0
     blocks = runner.run_each_kind(method, ["inner", "outer"] * 4)
     counted = sum(block["interface_tx_bytes_by_host"][0] for block in blocks)
     # the 2nd and 3rd turns are timed: from the reading after the 1st turn to the last timed one

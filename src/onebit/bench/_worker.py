@@ -217,7 +217,6 @@ class _Runner:
         self.world = dist.get_world_size()
         self.batches: list[dict[str, torch.Tensor]] = []
         self.cursor = 0
-        self.last_counters: Counters | None = None
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         batch = self.batches[self.cursor % len(self.batches)]
@@ -236,10 +235,9 @@ class _Runner:
 
     def run_timed(
         self, method: _Method, steps: int, stage: str, before: Counters | None
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], Counters | None]:
         """Time ``steps`` steps of ``stage``, their interface bytes counted from the reading
-        ``before`` (rank 0's; ``None`` on the others); the reading at the block's end is left
-        in ``self.last_counters``."""
+        ``before`` (rank 0's; ``None`` on the others): the block, and the reading at its end."""
         stage_now = getattr(method.optimizer, "stage", None)
         if stage_now is not None and stage_now != stage:
             raise RuntimeError(
@@ -257,7 +255,6 @@ class _Runner:
         seconds = time.perf_counter() - start
         library = method.library_bytes() - library_before
         after = _interface_counters() if self.rank == 0 else None
-        self.last_counters = after
         gathered = torch.zeros(self.world, dtype=torch.int64)
         all_gather_into(gathered, torch.tensor([library], dtype=torch.int64), None, self.world)
         library_all = gathered.tolist()
@@ -281,6 +278,11 @@ class _Runner:
             block["interface_rx_bytes_by_host"] = [
                 a[1] - b[1] for a, b in zip(after, before, strict=False)
             ]
+        return block, after
+
+    def run_timed_alone(self, method: _Method, steps: int, stage: str) -> dict[str, Any]:
+        """:meth:`run_timed` from a fresh reading of the interface counters."""
+        block, _ = self.run_timed(method, steps, stage, self.counters())
         return block
 
     def run_each_kind(self, method: _Method, kinds: list[str]) -> list[dict[str, Any]]:
@@ -297,8 +299,8 @@ class _Runner:
         for kind in kinds:
             seen[kind] += 1
             if skip < seen[kind] <= skip + timed:
-                by_kind.setdefault(kind, []).append(self.run_timed(method, 1, kind, reading))
-                reading = self.last_counters
+                block, reading = self.run_timed(method, 1, kind, reading)
+                by_kind.setdefault(kind, []).append(block)
             else:
                 self.run_untimed(method, 1)
                 reading = self.counters()
@@ -313,12 +315,12 @@ class _Runner:
                 blocks = self.run_each_kind(method, method.step_kinds)
             elif method.freeze_step is not None:
                 self.run_untimed(method, cfg["skip_steps"])
-                blocks.append(self.run_timed(method, cfg["warm_steps"], "warmup", self.counters()))
+                blocks.append(self.run_timed_alone(method, cfg["warm_steps"], "warmup"))
                 self.run_untimed(method, untimed_before_compression(name, cfg["skip_steps"]))
-                blocks.append(self.run_timed(method, cfg["steps"], "compression", self.counters()))
+                blocks.append(self.run_timed_alone(method, cfg["steps"], "compression"))
             else:
                 self.run_untimed(method, method.untimed_before_steady)
-                blocks.append(self.run_timed(method, cfg["steps"], "steady", self.counters()))
+                blocks.append(self.run_timed_alone(method, cfg["steps"], "steady"))
             return {"freeze_step": method.freeze_step, "blocks": blocks}
         finally:
             method.close()
