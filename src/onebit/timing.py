@@ -85,7 +85,10 @@ def optimizer_step_times(
     of ``shapes`` on every rank of the process group (world size 1 without one), each
     interleaved with a copy of all parameters, the dense allreduce of the gradients and
     ``compressed_allreduce`` alone; ``backend`` chooses OneBitLamb's kernels (the default
-    ones when ``None``). Also the optimizers' memory (:meth:`memory_bytes`).
+    ones when ``None``). Also the optimizers' memory (:meth:`memory_bytes`). At world size
+    1 also the compression step of ``OneBitLamb(delayed_exchange=True)``, whose exchange
+    then runs at once: beside the undelayed one, the delayed step's own passes over the
+    weights (elsewhere its exchange runs in a thread, behind the other timings).
 
     Every rank passes the same gradients: Lamb, which does not communicate, then keeps its
     replicas identical, as it would under DDP."""
@@ -131,9 +134,17 @@ def optimizer_step_times(
         "dense_allreduce": lambda: dist.all_reduce(dense) if world > 1 else None,
         "onebit_warmup_step": lambda: step(optimizer, onebit_params),
     }
+    if world == 1:
+        delayed_params = parameters()
+        delayed = optimizer_spec("onebit-lamb").build(
+            delayed_params, {**settings, "kernels": backend, "delayed_exchange": True}
+        )
+        fns["delayed_warmup_step"] = lambda: step(delayed, delayed_params)
     warmup = interleaved(fns, repeats, sync)  # repeats + 1 warm-up steps: the last switches
     warmup_memory = optimizer.memory_bytes()
     del fns["onebit_warmup_step"], fns["dense_allreduce"]
+    if world == 1:
+        fns["onebit_delayed_compression_step"] = fns.pop("delayed_warmup_step")
     dense.resize_(0)
     size = padded_size(numel, world)
     exchange = (
@@ -165,6 +176,7 @@ def optimizer_step_times(
         "onebit_warmup_step_s": warmup["onebit_warmup_step"],
         "onebit_compression_step_s": compression["onebit_compression_step"],
         "compressed_allreduce_s": compression["compressed_allreduce"],
+        "onebit_delayed_compression_step_s": compression.get("onebit_delayed_compression_step"),
         "lamb_state_bytes": lamb.memory_bytes()["state"],
         "onebit_warmup_state_bytes": warmup_memory["state"],
         "onebit_compression_state_bytes": memory["state"] + memory["error_feedback"],

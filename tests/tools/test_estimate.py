@@ -15,6 +15,7 @@ from onebit.cli import main
 from onebit.collectives import compressed_allreduce_per_tensor_bytes
 from onebit.estimate.model import (
     COMPRESSION_THROUGHPUT,
+    COPY_THROUGHPUT,
     HOST_THROUGHPUT,
     Cluster,
     Machine,
@@ -119,17 +120,24 @@ def test_overlapped_exchange_by_hand():
 
 
 def test_delayed_exchange_by_hand():
-    # The core: t_c 2 s, local work 4096 / 2e4 s, host 228 / 1e4 s; the link: 12 message
-    # steps of 10 ms and 228 / (1000 * 0.5) s of bytes, shorter: the exchange adds the host.
-    delayed = delayed_exchange(job(4, 1), MACHINE)
-    assert delayed.seconds == pytest.approx(228 / 1e4)
-    assert delayed.rank_bytes == flat_exchange(job(4, 1), MACHINE).rank_bytes
-    # a link of 10 B/s: 0.12 + 228 / 5 s on the wire sets the step, of which t_c and the
-    # local work are not the exchange's
-    slow = dataclasses.replace(job(4, 1), bandwidth=10.0)
-    expected = 0.12 + 228 / 5 - 2 - 4096 / 2e4
-    assert delayed_exchange(slow, MACHINE).seconds == pytest.approx(expected)
-    assert delayed_exchange(job(1, 1), MACHINE).seconds == 0
+    # One pass over the weights: 4096 / 4e4 s. The core: t_c 2 s, local work 4096 / 2e4 s,
+    # four passes, host 228 / 1e4 s; the chain: the update 0.17 * 2 s, three passes, the local
+    # work and the flat exchange (12 message steps of 10 ms, 228 / (1000 * 0.5) s of bytes, the
+    # host), shorter: the exchange adds the four passes and the host.
+    machine = dataclasses.replace(MACHINE, copy_throughput=4e4)
+    weights_pass = 4096 / 4e4
+    delayed = delayed_exchange(job(4, 1), machine)
+    assert delayed.seconds == pytest.approx(4 * weights_pass + 228 / 1e4)
+    assert delayed.rank_bytes == flat_exchange(job(4, 1), machine).rank_bytes
+    # a link of 100 B/s and an update of half the step: the chain sets the step, of which
+    # t_c and the local work are not the exchange's
+    slow = dataclasses.replace(job(4, 1), bandwidth=100.0, update_share=0.5)
+    flat = 0.12 + 228 / 50 + 228 / 1e4
+    expected = 0.5 * 2 + 3 * weights_pass + flat - 2
+    assert delayed_exchange(slow, machine).seconds == pytest.approx(expected)
+    # the delay hides forward and backward, (1 - u_p) t_c, and no more
+    assert flat - delayed_exchange(slow, machine).seconds <= 0.5 * 2
+    assert delayed_exchange(job(1, 1), machine).seconds == 0
 
 
 def test_tail_shares_are_the_embeddings_of_named_models(capsys):
@@ -304,6 +312,7 @@ def test_one_node_sends_nothing_over_links_and_mixed_precision_drops_the_fp16_ro
         ({"warmup_fraction": 1.5}, r"warmup_fraction must be in \[0, 1\]"),
         ({"backward_share": -0.1}, r"backward_share must be in \[0, 1\]"),
         ({"tail_share": 1.5}, r"tail_share must be in \[0, 1\]"),
+        ({"update_share": -0.2}, r"update_share must be in \[0, 1\]"),
         ({"bucket_cap_mb": 0.0}, "bucket_cap_mb must be a positive number"),
         ({"sync_every": (10, 0)}, "sync_every must hold integers >= 1, got 0"),
         ({"fragments": 0}, "fragments must be an integer >= 1, got 0"),
@@ -326,6 +335,7 @@ def test_cluster_rejects_bad_input(kwargs, message):
     ("kwargs", "message"),
     [
         ({"compression_throughput": 0.0}, "compression_throughput must be a positive number"),
+        ({"copy_throughput": -1.0}, "copy_throughput must be a positive number"),
         ({"latency": -1e-6}, "latency must be finite seconds >= 0"),
         ({"burst_efficiency": 1.5}, r"burst_efficiency must be in \(0, 1\]"),
         ({"cpu_sharing": 0.5}, "cpu_sharing must be a number >= 1"),
@@ -393,6 +403,8 @@ def test_command_rejects_bad_input_with_clear_errors(capsys):
         ("--model", "gpt-7", "model must be one of"),
         ("--bandwidth", "fast", "bandwidth must be a positive rate"),
         ("--host-throughput", "-3", "a throughput must be a positive number"),
+        ("--copy-throughput", "0", "a throughput must be a positive number"),
+        ("--update-share", "1.5", "a share must be in [0, 1]"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(["estimate", "--compute", "1", option, value])
@@ -497,7 +509,7 @@ def test_calibration_measures_positive_throughputs_with_the_library_kernels():
     measured = calibrate(scale=0.05, repeats=3)
     assert measured["parameters"] == sum(math.prod(shape) for shape in shapes)
     assert measured["world_size"] == 2
-    for key in ("compression_throughput", "host_throughput"):
+    for key in ("compression_throughput", "host_throughput", "copy_throughput"):
         assert 0 < measured[key] < math.inf
 
 
@@ -523,6 +535,7 @@ def test_step_times_on_one_device_without_a_process_group():
     measured = optimizer_step_times(bert_shapes(0.05), 2, device="cpu")
     assert measured["world_size"] == 1 and measured["dense_allreduce_s"] == 0.0
     assert measured["onebit_compression_step_s"] > measured["lamb_step_s"] > 0
+    assert measured["onebit_delayed_compression_step_s"] > 0  # its exchange runs at once
     assert measured["onebit_compression_state_bytes"] > measured["lamb_state_bytes"] > 0
 
 
@@ -530,11 +543,12 @@ def test_a_saved_calibration_is_what_later_estimates_use(tmp_path, monkeypatch, 
     from onebit.estimate import calibration
 
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path))
-    assert calibration.machine_constants() == (
-        COMPRESSION_THROUGHPUT,
-        HOST_THROUGHPUT,
-        calibration.FALLBACK_SOURCE,
-    )
+    defaults = {
+        "compression_throughput": COMPRESSION_THROUGHPUT,
+        "host_throughput": HOST_THROUGHPUT,
+        "copy_throughput": COPY_THROUGHPUT,
+    }
+    assert calibration.machine_constants() == (defaults, calibration.FALLBACK_SOURCE)
     args = ["estimate", "--model", "bert-base", "--nodes", "4", "--compute", "0.8"]
     assert main(args) == 0
     assert "measured on a 2-core CPU" in capsys.readouterr().out
@@ -548,8 +562,17 @@ def test_a_saved_calibration_is_what_later_estimates_use(tmp_path, monkeypatch, 
     path = calibration.save_calibration(measured)
     assert path == tmp_path / "calibration-cuda.json"
     assert calibration.load_calibration("cuda") == measured  # inf survives JSON
-    rate, host, source = calibration.machine_constants("cuda")
-    assert (rate, host) == (2.3e10, math.inf) and "2026-12-01 12:00:00" in source
+    throughputs, source = calibration.machine_constants("cuda")
+    # saved before the copy throughput was measured: the default, and the source says so
+    assert throughputs == {
+        **defaults,
+        "compression_throughput": 2.3e10,
+        "host_throughput": math.inf,
+    }
+    assert "2026-12-01 12:00:00" in source and "copy throughput: onebit's default" in source
+    calibration.save_calibration({**measured, "copy_throughput": 9e11})
+    assert calibration.machine_constants("cuda")[0]["copy_throughput"] == 9e11
+    calibration.save_calibration(measured)
     assert main([*args, "--device", "cuda", "--json"]) == 0
     machine = json.loads(capsys.readouterr().out)["machine"]
     assert machine["compression_throughput"] == 2.3e10

@@ -183,17 +183,22 @@ def _print_optimizer_rows(rows: list[dict[str, Any]]) -> None:
     print(f"world size {n}, {numel / 1e6:.1f}M parameters; times in copies of all parameters")
     print(
         f"{'backend':>8} {'Lamb.step':>10} {'+allreduce':>11} {'warm-up':>8} {'compress':>9} "
-        f"{'exchange':>9} {'warm-up/LAMB':>13} {'compress/LAMB':>14}"
+        f"{'exchange':>9} {'+delayed':>9} {'warm-up/LAMB':>13} {'compress/LAMB':>14}"
     )
     for row in rows:
         copy = row["copy_s"]
         lamb = row["lamb_step_s"] + row["dense_allreduce_s"]
+        delayed = row.get("onebit_delayed_compression_step_s")  # world size 1 only
+        delayed_extra = (
+            "-" if delayed is None else f"{(delayed - row['onebit_compression_step_s']) / copy:.1f}"
+        )
         print(
             f"{row['backend']:>8} {row['lamb_step_s'] / copy:>10.1f} "
             f"{row['dense_allreduce_s'] / copy:>11.1f} "
             f"{row['onebit_warmup_step_s'] / copy:>8.1f} "
             f"{row['onebit_compression_step_s'] / copy:>9.1f} "
             f"{row['compressed_allreduce_s'] / copy:>9.1f} "
+            f"{delayed_extra:>9} "
             f"{row['onebit_warmup_step_s'] / lamb:>13.2f} "
             f"{row['onebit_compression_step_s'] / lamb:>14.2f}"
         )

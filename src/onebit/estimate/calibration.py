@@ -1,12 +1,14 @@
-"""The cost model's two machine constants, measured on the machine where the user runs it.
+"""The cost model's machine constants, measured on the machine where the user runs it.
 
 ``R_c``, the bytes of fp32 parameters per second through the compression stage's local work
-beyond LAMB's update, and ``R_h``, the bytes per second a rank moves through gloo's dense
-allreduce, from one measurement (:func:`onebit.timing.optimizer_step_times`, the same as
-``onebit bench optimizer``) on BERT-base's parameter shapes:
+beyond LAMB's update, ``R_h``, the bytes per second a rank moves through gloo's dense
+allreduce, and ``R_m``, the bytes of fp32 per second through a copy of the weights, from one
+measurement (:func:`onebit.timing.optimizer_step_times`, the same as ``onebit bench
+optimizer``) on BERT-base's parameter shapes:
 
     R_c = 4N / (t(OneBitLamb compression-stage step) - t(Lamb.step()))
     R_h = 4N / t(dist.all_reduce)     (2 ranks send 2 (n-1)/n 4N = 4N bytes each)
+    R_m = 4N / t(copy of the N parameters)
 
 On CPU: 2 local gloo ranks, one thread each, the fastest CPU kernels. On an accelerator: one
 device, its default kernels; ``R_h`` is ``inf`` (NCCL reduces on the device).
@@ -14,7 +16,8 @@ device, its default kernels; ``R_h`` is ``inf`` (NCCL reduces on the device).
 ``onebit estimate --calibrate`` saves the result in the cache (:mod:`onebit.cache`), and later
 estimates on this machine use it; without one they fall back to the constants measured on the
 2-core machine of docs/bench (:data:`~onebit.estimate.model.COMPRESSION_THROUGHPUT`,
-:data:`~onebit.estimate.model.HOST_THROUGHPUT`) and say so.
+:data:`~onebit.estimate.model.HOST_THROUGHPUT`, :data:`~onebit.estimate.model.COPY_THROUGHPUT`)
+and say so.
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ from typing import Any
 
 from onebit.atomic import write_json_atomic
 from onebit.cache import default_cache_dir
-from onebit.estimate.model import COMPRESSION_THROUGHPUT, FP32_BYTES, HOST_THROUGHPUT
+from onebit.estimate.model import (
+    COMPRESSION_THROUGHPUT,
+    COPY_THROUGHPUT,
+    FP32_BYTES,
+    HOST_THROUGHPUT,
+)
 
 __all__ = [
     "calibrate",
@@ -37,6 +45,12 @@ __all__ = [
     "save_calibration",
 ]
 
+#: The shipped throughputs, measured on the 2-core CPU of docs/bench.
+DEFAULT_THROUGHPUTS = {
+    "compression_throughput": COMPRESSION_THROUGHPUT,
+    "host_throughput": HOST_THROUGHPUT,
+    "copy_throughput": COPY_THROUGHPUT,
+}
 #: Where the fallback constants were measured.
 FALLBACK_SOURCE = "onebit's defaults, measured on a 2-core CPU (docs/ESTIMATE.md)"
 
@@ -44,7 +58,7 @@ FALLBACK_SOURCE = "onebit's defaults, measured on a 2-core CPU (docs/ESTIMATE.md
 def calibrate(
     device: str = "cpu", scale: float | None = None, repeats: int | None = None
 ) -> dict[str, Any]:
-    """Measure ``R_c`` and ``R_h`` here on ``device`` (widths of BERT-base times ``scale``:
+    """Measure ``R_c``, ``R_h`` and ``R_m`` here on ``device`` (widths of BERT-base times ``scale``:
     0.5 on CPU, 1 on an accelerator; ``repeats`` interleaved rounds: 3 on CPU, 10 otherwise).
     Returns the step times too. Raises ``RuntimeError`` when the machine is too busy to tell
     the two steps apart."""
@@ -83,6 +97,7 @@ def calibrate(
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "compression_throughput": nbytes / extra,
         "host_throughput": nbytes / times["dense_allreduce_s"] if on_cpu else math.inf,
+        "copy_throughput": nbytes / times["copy_s"],
     }
 
 
@@ -111,11 +126,15 @@ def load_calibration(device: str = "cpu") -> dict[str, Any] | None:
     return saved
 
 
-def machine_constants(device: str = "cpu") -> tuple[float, float, str]:
-    """``(R_c, R_h, where they come from)``: this machine's saved calibration on ``device``,
-    else the shipped constants."""
+def machine_constants(device: str = "cpu") -> tuple[dict[str, float], str]:
+    """The throughputs (``compression_throughput`` R_c, ``host_throughput`` R_h,
+    ``copy_throughput`` R_m) and where they come from: this machine's saved calibration on
+    ``device``, else the shipped constants (R_m alone where a calibration saved before it
+    was measured has none)."""
     saved = load_calibration(device)
     if saved is None:
-        return COMPRESSION_THROUGHPUT, HOST_THROUGHPUT, FALLBACK_SOURCE
+        return dict(DEFAULT_THROUGHPUTS), FALLBACK_SOURCE
     source = f"calibrated here on {saved['measured_on']} at {saved['measured_at']}"
-    return saved["compression_throughput"], saved["host_throughput"], source
+    if saved.get("copy_throughput") is None:
+        source += "; copy throughput: onebit's default"
+    return {name: saved.get(name) or value for name, value in DEFAULT_THROUGHPUTS.items()}, source

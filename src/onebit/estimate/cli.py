@@ -20,6 +20,7 @@ from typing import Any
 from onebit.cli import add_options, given_options, option
 from onebit.estimate.model import (
     COMPRESSION_THROUGHPUT,
+    COPY_THROUGHPUT,
     HOST_THROUGHPUT,
     TCP_PAYLOAD_SHARE,
     Cluster,
@@ -90,6 +91,13 @@ class EstimateSettings:
         group="job",
         help="share of --compute spent in backward, from whose start an overlapped exchange "
         "keeps the link busy (this machine's BERT-base: 0.6, benchmarks/step_phases.py)",
+    )
+    update_share: float = option(
+        0.17,
+        parse=_share_option,
+        group="job",
+        help="share of --compute spent in the optimizer's update (LAMB's step()), which the "
+        "delayed exchange's chain of exchanges waits for (this machine's BERT-base: 0.17)",
     )
     bucket_cap_mb: float = option(
         DEFAULT_BUCKET_CAP_MB,
@@ -183,6 +191,14 @@ class EstimateSettings:
         "where the library reduces on the device (NCCL)",
         default_help="this machine's, saved by --calibrate; else 1.59e9, measured on a 2-core CPU",
     )
+    copy_throughput: float | None = option(
+        None,
+        parse=_throughput_option,
+        group="machine",
+        help="bytes of fp32 per second through a copy of the weights, read and written: the "
+        "delayed exchange's own passes over them",
+        default_help="this machine's, saved by --calibrate; else 5.4e9, measured on a 2-core CPU",
+    )
     cpu_sharing: float = option(
         1.0, group="machine", help="ranks sharing one processor core for the local work"
     )
@@ -205,6 +221,7 @@ class EstimateSettings:
             warmup_fraction=self.warmup_fraction,
             mixed_precision=self.mixed_precision,
             backward_share=self.backward_share,
+            update_share=self.update_share,
             bucket_cap_mb=self.bucket_cap_mb,
             tail_share=model_tail_share(self.model) if self.tail_share is None else self.tail_share,
             sync_every=tuple(self.sync_every),
@@ -217,12 +234,14 @@ class EstimateSettings:
         self,
         compression_throughput: float = COMPRESSION_THROUGHPUT,
         host_throughput: float = HOST_THROUGHPUT,
+        copy_throughput: float = COPY_THROUGHPUT,
     ) -> Machine:
         """The machine, with these throughputs where the options give none."""
-        given = self.compression_throughput, self.host_throughput
+        given = self.compression_throughput, self.host_throughput, self.copy_throughput
         return Machine(
             compression_throughput=compression_throughput if given[0] is None else given[0],
             host_throughput=host_throughput if given[1] is None else given[1],
+            copy_throughput=copy_throughput if given[2] is None else given[2],
             latency=parse_latency(self.latency),
             link_efficiency=self.link_efficiency,
             burst_efficiency=self.burst_efficiency,
@@ -247,7 +266,8 @@ def format_estimate(
         f"{cluster.compute_seconds:g} s/step, warm-up fraction {cluster.warmup_fraction:g}"
         f"{', fp16 gradients' if cluster.mixed_precision else ''}\n"
         f"compression throughput {machine.compression_throughput / 1e9:g} GB/s, host "
-        f"throughput {machine.host_throughput / 1e9:g} GB/s, cpu sharing {machine.cpu_sharing:g}"
+        f"throughput {machine.host_throughput / 1e9:g} GB/s, copy throughput "
+        f"{machine.copy_throughput / 1e9:g} GB/s, cpu sharing {machine.cpu_sharing:g}"
         + (f" ({constants})" if constants else "")
     )
     header = (
@@ -286,7 +306,8 @@ def format_validation(predictions: list[Any], machine: Machine) -> str:
     lines = [
         f"alpha {machine.latency * 1e3:g} ms, burst efficiency {machine.burst_efficiency:g}, "
         f"compression throughput {machine.compression_throughput / 1e9:g} GB/s, host "
-        f"throughput {machine.host_throughput / 1e9:g} GB/s",
+        f"throughput {machine.host_throughput / 1e9:g} GB/s, copy throughput "
+        f"{machine.copy_throughput / 1e9:g} GB/s",
         "",
         "| run | method | stage | measured (s) | predicted (s) | predicted / measured |",
         "|---|---|---|---:|---:|---:|",
@@ -344,7 +365,8 @@ def _estimate_command(args: argparse.Namespace) -> int:
                 f"calibrated on {measured['parameters'] / 1e6:.1f}M parameters, "
                 f"{measured['measured_on']}: compression throughput "
                 f"{measured['compression_throughput']:.3g} B/s, host throughput "
-                f"{measured['host_throughput']:.3g} B/s; saved in {path} for later estimates "
+                f"{measured['host_throughput']:.3g} B/s, copy throughput "
+                f"{measured['copy_throughput']:.3g} B/s; saved in {path} for later estimates "
                 "on this machine\n"
             )
             if args.json:
@@ -355,8 +377,8 @@ def _estimate_command(args: argparse.Namespace) -> int:
             raise ValueError("--fit refits the emulated cluster's constants: give --validate DIR")
         if args.calibrate and settings.compute is None:
             return 0
-        compression, host, source = machine_constants(args.device)
-        cluster, machine = settings.cluster(), settings.machine(compression, host)
+        throughputs, source = machine_constants(args.device)
+        cluster, machine = settings.cluster(), settings.machine(**throughputs)
     except ValueError as exc:
         print(f"onebit estimate: {exc}", file=sys.stderr)
         return 2
@@ -414,7 +436,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure this machine's compression and host throughputs first (about a minute)",
+        help="measure this machine's compression, host and copy throughputs first (about a minute)",
     )
     parser.add_argument(
         "--device",

@@ -28,6 +28,7 @@ from onebit.optim import DEFAULT_BUCKET_CAP_MB
 
 __all__ = [
     "COMPRESSION_THROUGHPUT",
+    "COPY_THROUGHPUT",
     "HOST_THROUGHPUT",
     "TCP_PAYLOAD_SHARE",
     "DILOCO_LABELS",
@@ -57,6 +58,10 @@ COMPRESSION_THROUGHPUT = 2.27e9
 #: ``2 (n-1)/n 4N / t(dist.all_reduce)`` at world size 2 on loopback (the same measurement:
 #: 0.274 s).
 HOST_THROUGHPUT = 1.59e9
+#: Bytes of fp32 per second through a copy (read and written) of all parameters, on one core:
+#: ``4N / t(copy)`` in the same measurement at library commit b83aeee (world size 2, numba:
+#: 0.0807 s for 108.9M parameters); the delayed exchange's own passes over the weights.
+COPY_THROUGHPUT = 5.40e9
 #: Payload share of a full Ethernet frame for TCP with timestamps: 1448 of 1514 bytes.
 TCP_PAYLOAD_SHARE = 1448 / 1514
 
@@ -85,6 +90,8 @@ class Machine:
     host_throughput: float = HOST_THROUGHPUT
     """R_h: bytes per second a rank's processor moves through the dense allreduce; ``inf``
     where the collective library reduces on the device (NCCL on GPUs)."""
+    copy_throughput: float = COPY_THROUGHPUT
+    """R_m: bytes of fp32 per second through one copy of the weights (read and written)."""
     latency: float = 50e-6
     """alpha: seconds per message step of a collective."""
     link_efficiency: float = TCP_PAYLOAD_SHARE
@@ -97,6 +104,7 @@ class Machine:
     def __post_init__(self) -> None:
         _check_positive("compression_throughput", self.compression_throughput, allow_inf=True)
         _check_positive("host_throughput", self.host_throughput, allow_inf=True)
+        _check_positive("copy_throughput", self.copy_throughput, allow_inf=True)
         if isinstance(self.latency, bool) or not (
             isinstance(self.latency, (int, float)) and 0 <= self.latency < math.inf
         ):
@@ -135,6 +143,10 @@ class Cluster:
     the link busy (this machine's BERT-base: 0.6, ``benchmarks/step_phases.py``)."""
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     """MiB per bucket of the overlapped exchange (the optimizer's ``bucket_cap_mb``)."""
+    update_share: float = 0.17
+    """u_p: share of ``t_c`` spent in the optimizer's update (LAMB's ``step()``), which the
+    delayed exchange's chain waits for (this machine's BERT-base: 0.15-0.19 in most of
+    docs/bench's runs)."""
     tail_share: float = 0.0
     """u: share of the parameters whose gradients backward completes last, those forward
     uses first (a BERT's embeddings: 0.22 of BERT-base, 0.55 of ``small``); an overlapped
@@ -160,7 +172,7 @@ class Cluster:
         _check_positive("compute_seconds", self.compute_seconds)
         _check_positive("bandwidth", self.bandwidth)
         _check_positive("intra_bandwidth", self.intra_bandwidth, allow_inf=True)
-        for name in ("warmup_fraction", "backward_share", "tail_share"):
+        for name in ("warmup_fraction", "backward_share", "update_share", "tail_share"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -336,24 +348,27 @@ def overlapped_exchange(cluster: Cluster, machine: Machine) -> Exchange:
 
 def delayed_exchange(cluster: Cluster, machine: Machine) -> Exchange:
     """:func:`flat_exchange` with ``delayed_exchange=True``: step t's exchange runs during step
-    t+1 (ALGORITHM.md, "Delayed exchange"), so the core and the link work at once over the
-    whole step, and the step takes the longer of two bounds.
+    t+1's forward and backward (ALGORITHM.md, "Delayed exchange"), and the step takes the
+    longer of two bounds.
 
-    * The core computes, does the compression stage's local work and moves the exchange's
-      bytes through the collective library: ``T_core = t_c + t_local + k 2p / R_h``.
-    * The link carries one exchange a step, with nothing to wait for but its own messages:
-      ``T_link = 4 (W-1) alpha + link(node bytes) / eta_b``.
+    * The core computes, does the compression stage's local work and the delayed step's four
+      passes over the weights (``t_pred = k 4N / R_m`` each: the prediction undone, the
+      shared weights set aside, the prediction's two), and moves the exchange's bytes through
+      the collective library: ``T_core = t_c + t_local + 4 t_pred + k 2p / R_h``.
+    * The exchanges form a chain, each started once the one before has landed and the step
+      has run its update, set the weights aside and predicted:
+      ``T_chain = u_p t_c + 3 t_pred + t_local + T_flat``.
 
-    ``seconds`` is what the exchange adds to the step: ``max(T_core, T_link) - t_c -
+    ``seconds`` is what the exchange adds to the step: ``max(T_core, T_chain) - t_c -
     t_local``."""
     flat = flat_exchange(cluster, machine)
     if cluster.world == 1:
         return flat
     compute, local = cluster.compute_seconds, local_compression_seconds(cluster, machine)
-    wire = link_seconds(flat.node_link_bytes, cluster, machine) / machine.burst_efficiency
-    core = compute + local + host_seconds(flat.rank_bytes, machine)
-    link = message_seconds(cluster, machine) + wire
-    return Exchange(max(core, link) - compute - local, flat.rank_bytes, flat.node_link_bytes)
+    weights_pass = machine.cpu_sharing * FP32_BYTES * cluster.parameters / machine.copy_throughput
+    core = compute + local + 4 * weights_pass + host_seconds(flat.rank_bytes, machine)
+    chain = cluster.update_share * compute + 3 * weights_pass + local + flat.seconds
+    return Exchange(max(core, chain) - compute - local, flat.rank_bytes, flat.node_link_bytes)
 
 
 def hierarchical_exchange(cluster: Cluster, machine: Machine) -> Exchange:

@@ -3,7 +3,8 @@
 
 Each run gives the model what a user would measure or know: the parameters, the topology, the
 link's rate (the run's own TCP stream check, a payload rate, so ``eta = 1``), the step without
-communication (the run's ``lamb-compute`` method) and the cores its ranks share. The machine's
+communication (the run's ``lamb-compute`` method) and its update's share (rank 0's
+``step()`` in it), and the cores its ranks share. The machine's
 throughputs are measured on this machine (:mod:`onebit.estimate.model`); the emulated
 network's per-message latency and burst efficiency are the two constants fitted once, on all
 runs together (:func:`fit_emulation`), never per run.
@@ -125,7 +126,8 @@ def load_results(paths: Iterable[Path]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _cluster_and_machine(result: dict[str, Any], machine: Machine) -> tuple[Cluster, Machine]:
-    """The run's job as the model sees it (with its BERT preset's tail share), and
+    """The run's job as the model sees it (with its BERT preset's tail share and, where the
+    run recorded it, the update's share of the step without communication), and
     ``machine`` with the run's own link efficiency (1: the TCP check is a payload rate), core
     sharing and, for a run of the library before the fused kernels, that library's
     compression throughput."""
@@ -140,6 +142,7 @@ def _cluster_and_machine(result: dict[str, Any], machine: Machine) -> tuple[Clus
         nodes=world // per_node,
         ranks_per_node=per_node,
         tail_share=0.0 if preset is None else preset.tail_share(),
+        **_update_share(result),
     )
     run_machine = dataclasses.replace(
         machine,
@@ -148,6 +151,18 @@ def _cluster_and_machine(result: dict[str, Any], machine: Machine) -> tuple[Clus
         **({} if "code" in result else {"compression_throughput": OLDER_COMPRESSION_THROUGHPUT}),
     )
     return cluster, run_machine
+
+
+def _update_share(result: dict[str, Any]) -> dict[str, float]:
+    """``{"update_share": u_p}`` of the run's step without communication: rank 0's seconds
+    in ``optimizer.step()`` over its seconds of whole steps, every timed step of every round
+    of ``lamb-compute`` (nothing where the run did not record them)."""
+    update = whole = 0.0
+    for run in result.get("methods", {}).get("lamb-compute", {}).get("runs", []):
+        for block in run.get("blocks", []):
+            update += sum(block.get("rank0_optimizer_step_seconds", []))
+            whole += sum(block.get("rank0_step_seconds", []))
+    return {"update_share": update / whole} if update and whole else {}
 
 
 def predict_result(name: str, result: dict[str, Any], machine: Machine) -> list[Prediction]:
