@@ -124,6 +124,7 @@ COMMIT_DATES = {
     "4704429": "2026-12-06",
     "b83aeee": "2026-12-07",
     "2601711": "2026-12-07",
+    "60686f5": "2026-12-07",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
