@@ -486,6 +486,36 @@ def test_dilocos_steps_are_the_compute_and_the_rounds_outer_exchange():
     assert seen == {*methods, *methods.values()}
 
 
+def test_a_runs_delayed_step_takes_the_update_share_of_its_own_step_without_communication():
+    # u_p: rank 0's seconds in step() over its seconds of whole steps, every timed step of
+    # lamb-compute; without those records, the default
+    (name, result), *_ = load_results([BENCH / "delayed-prediction"])
+    blocks = [b for run in result["methods"]["lamb-compute"]["runs"] for b in run["blocks"]]
+    update = sum(sum(b["rank0_optimizer_step_seconds"]) for b in blocks)
+    share = update / sum(sum(b["rank0_step_seconds"]) for b in blocks)
+    assert 0.05 < share < 0.5
+
+    def delayed_step(result) -> float:
+        predictions = validate([(name, result)], emulated_machine(Machine()))
+        (delayed,) = [
+            p.predicted
+            for p in predictions
+            if (p.method, p.stage) == ("onebit-lamb-delayed", "compression")
+        ]
+        return delayed
+
+    unrecorded = json.loads(json.dumps(result))
+    for run in unrecorded["methods"]["lamb-compute"]["runs"]:
+        for block in run["blocks"]:
+            del block["rank0_optimizer_step_seconds"]
+    compute = result["summary"]["lamb-compute"]["stages"]["steady"]["step_seconds"]
+    # the chain sets BERT-base's delayed step at 100 Mbit/s: it moves with u_p t_c
+    assert name == "cluster-base-2w-100mbit"
+    assert delayed_step(result) - delayed_step(unrecorded) == pytest.approx(
+        (share - 0.17) * compute
+    )
+
+
 def test_the_stated_emulation_constants_are_the_fit():
     results = load_results([BENCH])
     machine = emulated_machine(Machine())
