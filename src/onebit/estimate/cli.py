@@ -18,10 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from onebit.cli import add_options, given_options, option
+from onebit.estimate.calibration import DEFAULT_THROUGHPUTS
 from onebit.estimate.model import (
-    COMPRESSION_THROUGHPUT,
-    COPY_THROUGHPUT,
-    HOST_THROUGHPUT,
     TCP_PAYLOAD_SHARE,
     Cluster,
     Machine,
@@ -230,18 +228,15 @@ class EstimateSettings:
             outer_block_size=self.outer_block_size,
         )
 
-    def machine(
-        self,
-        compression_throughput: float = COMPRESSION_THROUGHPUT,
-        host_throughput: float = HOST_THROUGHPUT,
-        copy_throughput: float = COPY_THROUGHPUT,
-    ) -> Machine:
-        """The machine, with these throughputs where the options give none."""
-        given = self.compression_throughput, self.host_throughput, self.copy_throughput
+    def machine(self, **throughputs: float) -> Machine:
+        """The machine: each throughput the options give, else the one in ``throughputs``
+        (this machine's saved calibration), else the shipped one."""
+        for name in DEFAULT_THROUGHPUTS:
+            given = getattr(self, name)
+            if given is not None:
+                throughputs[name] = given
         return Machine(
-            compression_throughput=compression_throughput if given[0] is None else given[0],
-            host_throughput=host_throughput if given[1] is None else given[1],
-            copy_throughput=copy_throughput if given[2] is None else given[2],
+            **throughputs,
             latency=parse_latency(self.latency),
             link_efficiency=self.link_efficiency,
             burst_efficiency=self.burst_efficiency,
