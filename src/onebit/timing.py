@@ -139,12 +139,10 @@ def optimizer_step_times(
         delayed = optimizer_spec("onebit-lamb").build(
             delayed_params, {**settings, "kernels": backend, "delayed_exchange": True}
         )
-        fns["delayed_warmup_step"] = lambda: step(delayed, delayed_params)
+        fns["onebit_delayed_step"] = lambda: step(delayed, delayed_params)  # both stages
     warmup = interleaved(fns, repeats, sync)  # repeats + 1 warm-up steps: the last switches
     warmup_memory = optimizer.memory_bytes()
     del fns["onebit_warmup_step"], fns["dense_allreduce"]
-    if world == 1:
-        fns["onebit_delayed_compression_step"] = fns.pop("delayed_warmup_step")
     dense.resize_(0)
     size = padded_size(numel, world)
     exchange = (
@@ -176,7 +174,7 @@ def optimizer_step_times(
         "onebit_warmup_step_s": warmup["onebit_warmup_step"],
         "onebit_compression_step_s": compression["onebit_compression_step"],
         "compressed_allreduce_s": compression["compressed_allreduce"],
-        "onebit_delayed_compression_step_s": compression.get("onebit_delayed_compression_step"),
+        "onebit_delayed_compression_step_s": compression.get("onebit_delayed_step"),
         "lamb_state_bytes": lamb.memory_bytes()["state"],
         "onebit_warmup_state_bytes": warmup_memory["state"],
         "onebit_compression_state_bytes": memory["state"] + memory["error_feedback"],
