@@ -5,10 +5,10 @@ step s + 1 are the undelayed optimizer's after step s, bit for bit, from the fre
 same momenta, error feedback and updates, each applied one step later), and equal after
 ``finish_exchange()``; a non-finite momentum drops the same update. Between steps the
 parameters hold each rank's own prediction, unlike the shared weights. The bytes are the same
-(the failed step's gradient flags aside). A checkpoint taken with
-an exchange in flight resumes the run exactly, also when only rank 0 takes it; under DDP
-(whose buffer broadcast, and the loop's own allreduce, run while the exchange is in flight)
-the run is the plain loop's."""
+(the failed step's gradient flags aside), and the replica check finds the shared weights the
+same on every rank. A checkpoint taken with an exchange in flight resumes the run exactly,
+also when only rank 0 takes it; under DDP (whose buffer broadcast, and the loop's own
+allreduce, run while the exchange is in flight) the run is the plain loop's."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ NAN_STEP = 6  # the step whose gradient on rank 1 is not finite, in the cases th
 
 # (optimizer, options, inject a non-finite gradient)
 CASES = [
-    ("OneBitLamb", dict(kernels="numba"), False),
+    ("OneBitLamb", dict(kernels="numba", verify_every=1), False),  # replicas checked each step
     ("OneBitLamb", dict(kernels="torch", compression="fused"), True),
     ("OneBitLamb", dict(kernels="numba", bucket_cap_mb=100 * 4 / 2**20), False),
     ("OneBitAdam", dict(kernels="torch"), True),

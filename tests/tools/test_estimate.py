@@ -121,19 +121,19 @@ def test_overlapped_exchange_by_hand():
 
 def test_delayed_exchange_by_hand():
     # One pass over the weights: 4096 / 4e4 s. The core: t_c 2 s, local work 4096 / 2e4 s,
-    # four passes, host 228 / 1e4 s; the chain: the update 0.17 * 2 s, three passes, the local
+    # two passes, host 228 / 1e4 s; the chain: the update 0.17 * 2 s, two passes, the local
     # work and the flat exchange (12 message steps of 10 ms, 228 / (1000 * 0.5) s of bytes, the
-    # host), shorter: the exchange adds the four passes and the host.
+    # host), shorter: the exchange adds the two passes and the host.
     machine = dataclasses.replace(MACHINE, copy_throughput=4e4)
     weights_pass = 4096 / 4e4
     delayed = delayed_exchange(job(4, 1), machine)
-    assert delayed.seconds == pytest.approx(4 * weights_pass + 228 / 1e4)
+    assert delayed.seconds == pytest.approx(2 * weights_pass + 228 / 1e4)
     assert delayed.rank_bytes == flat_exchange(job(4, 1), machine).rank_bytes
     # a link of 100 B/s and an update of half the step: the chain sets the step, of which
     # t_c and the local work are not the exchange's
     slow = dataclasses.replace(job(4, 1), bandwidth=100.0, update_share=0.5)
     flat = 0.12 + 228 / 50 + 228 / 1e4
-    expected = 0.5 * 2 + 3 * weights_pass + flat - 2
+    expected = 0.5 * 2 + 2 * weights_pass + flat - 2
     assert delayed_exchange(slow, machine).seconds == pytest.approx(expected)
     # the delay hides forward and backward, (1 - u_p) t_c, and no more
     assert flat - delayed_exchange(slow, machine).seconds <= 0.5 * 2

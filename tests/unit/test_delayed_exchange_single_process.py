@@ -145,6 +145,69 @@ def test_the_parameters_hold_the_prediction_from_this_ranks_momentum(cls, option
     assert any(clamped) == momentum_bound
 
 
+def test_half_precision_parameters_hold_the_prediction_and_take_the_shared_weights_back():
+    """bfloat16 parameters (fp32 masters in the optimizer): after each stage step they hold
+    this rank's prediction, rounded, while the shared weights (fp32) stay aside and take
+    each landed update; ``finish_exchange()`` gives them the shared weights, the last update
+    applied, rounded, as a run without the delay ends (its exchange run at once)."""
+
+    def run(delayed: bool) -> tuple[list[nn.Parameter], onebit.OneBitLamb]:
+        params = [nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+        optimizer = onebit.OneBitLamb(params, lr=0.05, freeze_step=FREEZE, delayed_exchange=delayed)
+        for step in range(1, FREEZE + 5):
+            generator = torch.Generator().manual_seed(step)
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+            optimizer.step()
+            if delayed and step > FREEZE:
+                shared = optimizer.shared_weights()
+                assert all(w.dtype == torch.float32 for w in shared)
+                assert not all(
+                    torch.equal(p, w.to(torch.bfloat16))
+                    for p, w in zip(params, shared, strict=True)
+                )
+                with optimizer.holding_shared_weights():
+                    assert all(
+                        torch.equal(p, w.to(torch.bfloat16))
+                        for p, w in zip(params, shared, strict=True)
+                    )
+        optimizer.finish_exchange()
+        return params, optimizer
+
+    late, late_optimizer = run(True)
+    plain, plain_optimizer = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(late, plain, strict=True))
+    assert torch.equal(
+        torch.cat([w.reshape(-1) for w in late_optimizer.shared_weights()]),
+        torch.cat([w.reshape(-1) for w in plain_optimizer.shared_weights()]),
+    )
+
+
+def test_a_raising_step_changes_nothing():
+    """With ``on_nonfinite="raise"`` the step that finds the last exchange failed raises
+    before changing anything: the parameters keep their prediction, the shared weights and
+    the momentum stay as they were."""
+    params = _params()
+    optimizer = onebit.OneBitAdam(
+        params, freeze_step=FREEZE, delayed_exchange=True, on_nonfinite="raise"
+    )
+    for step in range(1, FREEZE + 3):
+        _gradients(params, step)
+        if step == FREEZE + 2:
+            params[0].grad[1, 1] = float("nan")  # this step's exchange fails
+        optimizer.step()
+    predicted = [p.detach().clone() for p in params]
+    shared = optimizer.shared_weights()
+    momentum = [optimizer.state[p]["exp_avg"].clone() for p in params]
+    _gradients(params, FREEZE + 3)
+    with pytest.raises(onebit.NonFiniteError, match=f"step {FREEZE + 2}"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(predicted, params, strict=True))
+    assert all(torch.equal(a, w) for a, w in zip(shared, optimizer.shared_weights(), strict=True))
+    for before, param in zip(momentum, params, strict=True):
+        assert torch.equal(before, optimizer.state[param]["exp_avg"])
+
+
 def _quadratic(lr: float, gradients_at: str, steps: int = 250) -> float:
     """Final loss of 1-bit Adam, delayed where ``gradients_at`` is not ``"undelayed"``, on
     ``sum_i h_i |x_i|^2 / 2``: gradients taken at the parameters (the prediction) or at the

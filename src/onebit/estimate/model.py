@@ -351,13 +351,12 @@ def delayed_exchange(cluster: Cluster, machine: Machine) -> Exchange:
     t+1's forward and backward (ALGORITHM.md, "Delayed exchange"), and the step takes the
     longer of two bounds.
 
-    * The core computes, does the compression stage's local work and the delayed step's four
-      passes over the weights (``t_pred = k 4N / R_m`` each: the prediction undone, the
-      shared weights set aside, the prediction's two), and moves the exchange's bytes through
-      the collective library: ``T_core = t_c + t_local + 4 t_pred + k 2p / R_h``.
+    * The core computes, does the compression stage's local work and the delayed step's two
+      passes over the weights (``t_pred = k 4N / R_m`` each: the prediction reads the shared
+      weights kept aside and writes the parameters), and moves the exchange's bytes through
+      the collective library: ``T_core = t_c + t_local + 2 t_pred + k 2p / R_h``.
     * The exchanges form a chain, each started once the one before has landed and the step
-      has run its update, set the weights aside and predicted:
-      ``T_chain = u_p t_c + 3 t_pred + t_local + T_flat``.
+      has run its update and predicted: ``T_chain = u_p t_c + 2 t_pred + t_local + T_flat``.
 
     ``seconds`` is what the exchange adds to the step: ``max(T_core, T_chain) - t_c -
     t_local``."""
@@ -366,8 +365,8 @@ def delayed_exchange(cluster: Cluster, machine: Machine) -> Exchange:
         return flat
     compute, local = cluster.compute_seconds, local_compression_seconds(cluster, machine)
     weights_pass = machine.cpu_sharing * FP32_BYTES * cluster.parameters / machine.copy_throughput
-    core = compute + local + 4 * weights_pass + host_seconds(flat.rank_bytes, machine)
-    chain = cluster.update_share * compute + 3 * weights_pass + local + flat.seconds
+    core = compute + local + 2 * weights_pass + host_seconds(flat.rank_bytes, machine)
+    chain = cluster.update_share * compute + 2 * weights_pass + local + flat.seconds
     return Exchange(max(core, chain) - compute - local, flat.rank_bytes, flat.node_link_bytes)
 
 

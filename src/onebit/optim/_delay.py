@@ -153,15 +153,21 @@ class DelayedExchange:
 
 
 class SharedWeights:
-    """The weights every rank shares, set aside while the parameters hold this rank's
-    prediction (ALGORITHM.md, "Delayed exchange"): one flat copy, reused."""
+    """The weights every rank shares, kept aside while the parameters hold this rank's
+    prediction (ALGORITHM.md, "Delayed exchange"): one flat copy, reused. The compression
+    steps apply their updates to it there and predict from it; a step of another kind, or
+    the optimizer's ``finish_exchange()``, puts it back into the parameters."""
 
     def __init__(self) -> None:
         self._copy: Tensor | None = None
         self.set_aside = False
 
     def keep(self, flat: FlatState) -> Tensor:
-        """Copy the flat weights aside, before the prediction moves them; returns the copy."""
+        """The copy of the shared weights: the flat weights copied aside where they are not
+        set aside yet (the stage's first step, the first after they were put back or a load
+        without them), before the prediction moves them."""
+        if self.set_aside:
+            return cast(Tensor, self._copy)
         weights = cast(Tensor, flat.weights)
         if self._copy is None or self._copy.shape != weights.shape:
             self._copy = torch.empty_like(weights)

@@ -18,7 +18,8 @@ whole-tensor quantities (:meth:`FlatState.norms`, :meth:`FlatState.segment_max`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,21 @@ class FlatState:
         """The weights the update is applied to: views of :attr:`weights`, or the local
         slices in FSDP's storage when sharded."""
         return self.tensors if self.weights is None else self.views(self.weights)
+
+    @contextlib.contextmanager
+    def weights_in(self, buffer: Tensor) -> Iterator[None]:
+        """Inside the block :attr:`weights` is ``buffer`` (of its size and dtype), so that
+        the update reads and writes there; the parameters keep what they hold. Used by the
+        delayed exchange, whose update lands on the shared weights kept aside while the
+        parameters hold this rank's prediction."""
+        held = self.weights
+        if held is None or buffer.shape != held.shape or buffer.dtype != held.dtype:
+            raise ValueError("weights_in() takes a buffer of the flat weights' size and dtype")
+        self.weights = buffer
+        try:
+            yield
+        finally:
+            self.weights = held
 
     def copy_weights_into(self, flat: Tensor) -> None:
         """Copy every parameter's weights into its view of ``flat``."""

@@ -277,10 +277,11 @@ class OneBitOptimizer(Optimizer):
                 loss = closure()
         step = self._step + 1
         flat = self._flat_state(step)
-        if self._shared_weights is not None:  # the prediction undone
-            self._shared_weights.put_back(flat)
         self._unscale_for_grad_scaler(flat.params)
         kind = self.schedule.kind(step)
+        delayed = kind == COMPRESSION and self._delay is not None
+        if self._shared_weights is not None and not delayed:  # the prediction undone
+            self._shared_weights.put_back(flat)
         if kind != COMPRESSION:
             self.finish_exchange()
         if kind == REFRESH and self.schedule.refreshes.of(step) == step:
@@ -295,7 +296,7 @@ class OneBitOptimizer(Optimizer):
                 else:
                     self._warn_if_left_out(step, kind, flat, grads)
                     self._clip_own_gradients(grads)
-                    if kind == COMPRESSION and self._delay is not None:
+                    if delayed:
                         applied = self._delayed_compressed_step(step, flat, grads)
                     elif kind == COMPRESSION:
                         applied = self._compressed_step(step, flat, grads)
@@ -403,19 +404,21 @@ class OneBitOptimizer(Optimizer):
         self, step: int, flat: FlatState, grads: list[Tensor | None]
     ) -> bool:
         """The update of the exchange the last step started (none at the stage's first step,
-        nor after a load or :meth:`finish_exchange`), then this rank's momentum of this step
-        formed, the weights moved to this rank's prediction from it (the shared ones set
-        aside) and its exchange started, to run while the caller computes the next step's
-        gradients at the prediction (ALGORITHM.md, "Delayed exchange")."""
+        nor after a load or :meth:`finish_exchange`) applied to the shared weights kept aside,
+        then this rank's momentum of this step formed, the parameters moved to this rank's
+        prediction from it and the shared weights, and its exchange started, to run while the
+        caller computes the next step's gradients at the prediction (ALGORITHM.md, "Delayed
+        exchange")."""
         delay = cast(DelayedExchange, self._delay)
+        shared = cast(SharedWeights, self._shared_weights).keep(flat)
         buffer = self._momentum_buffer(step, flat)
-        if self._apply_delayed_update(flat, buffer):
-            self._watch_variance(step, flat)
+        with flat.weights_in(shared):
+            if self._apply_delayed_update(flat, buffer):
+                self._watch_variance(step, flat)
         active = self._taking_part(flat)
         self._scaled_local_momentum(flat, grads, buffer, active)
         self._check_gradients_once(step, COMPRESSION, buffer)
         applies_to = self._where_some_rank_had(step, COMPRESSION, flat, active, grads)
-        shared = cast(SharedWeights, self._shared_weights).keep(flat)
         self._predict(flat, shared, cast(Tensor, flat.weights), buffer, active)
         exchange = self.exchange
         delay.start(step, lambda: exchange.exchange(buffer), flat.device, applies_to)
@@ -625,9 +628,16 @@ class OneBitOptimizer(Optimizer):
             self._guard.verify_if_due(
                 self._step,
                 self.schedule.replicas_agree(self._step),
-                lambda: flat.tensors + [master for _, master in flat.half_params],
+                lambda: self._replicated_weights(flat),
                 self._data_parallel.process_group,
             )
+
+    def _replicated_weights(self, flat: FlatState) -> list[Tensor]:
+        """The weights every rank holds alike: the parameters (and half-precision ones'
+        masters), or with ``delayed_exchange`` the shared weights where they are kept aside."""
+        if self._shared_weights is not None and self._shared_weights.set_aside:
+            return flat.views(self._shared_weights.flat(flat))
+        return flat.tensors + [master for _, master in flat.half_params]
 
     def _clip_own_gradients(self, grads: Sequence[Tensor | None]) -> None:
         """With ``max_grad_norm``: this rank's own gradients clipped at ``max_grad_norm·√W``
