@@ -125,6 +125,7 @@ COMMIT_DATES = {
     "b83aeee": "2026-12-07",
     "2601711": "2026-12-07",
     "60686f5": "2026-12-07",
+    "3476600": "2026-12-07",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
