@@ -2,7 +2,9 @@
 by name, before anything changes; the first step of the stage applies nothing; the pending
 update is applied by the next step or by ``finish_exchange()``, and a checkpoint carries it;
 between steps the parameters hold the prediction, written out here in float64, which keeps
-a quadratic converging where gradients one update behind do not."""
+a quadratic converging where gradients one update behind do not, while the shared weights
+kept aside take the updates (also under bfloat16 parameters); a step that raises changes
+nothing."""
 
 from __future__ import annotations
 
@@ -358,3 +360,29 @@ def test_the_fused_prediction_is_the_torch_references(dtype):
     assert torch.equal(inactive, flat.view(shared, 2))
     assert out["numba"][11] == shared[11] and out["torch"][11] == shared[11]
     assert not torch.equal(flat.view(out["numba"], 0), flat.view(shared, 0))
+
+
+def test_the_flat_weights_stand_in_a_buffer_only_inside_the_block():
+    """``FlatState.weights_in``: inside it the update's weights are the buffer (the
+    parameters keep theirs), after it the flat weights again, also when the block raises; a
+    buffer of another size or dtype is refused before anything changes."""
+    from onebit.optim._flat import FlatState
+
+    params = _params()
+    flat = FlatState([({}, p) for p in params])
+    weights = flat.weights
+    shared = torch.zeros_like(weights)
+    with pytest.raises(RuntimeError, match="inside"):
+        with flat.weights_in(shared):
+            assert flat.weights is shared
+            assert flat.weight_views()[0].data_ptr() == shared.data_ptr()
+            assert params[0].data_ptr() == weights.data_ptr()
+            raise RuntimeError("inside")
+    assert flat.weights is weights
+    views = flat.weight_views()
+    assert all(p.data_ptr() == v.data_ptr() for p, v in zip(params, views, strict=True))
+    for bad in (shared[:-1], shared.double()):
+        with pytest.raises(ValueError, match="size and dtype"):
+            with flat.weights_in(bad):
+                pass
+        assert flat.weights is weights
