@@ -195,8 +195,9 @@ class SharedWeights:
         return self._copy if self.set_aside else None
 
     def load_state_dict(self, saved: Tensor | None, device: torch.device) -> None:
-        """Take ``saved`` (from :meth:`state_dict`) as the weights set aside, to be put back
-        by the next step, whatever the parameters hold meanwhile."""
+        """Take ``saved`` (from :meth:`state_dict`) as the weights set aside, which the next
+        step updates where they are kept (or puts back), whatever the parameters hold
+        meanwhile."""
         self.set_aside = saved is not None
         self._copy = None if saved is None else saved.detach().to(device, copy=True)
 
