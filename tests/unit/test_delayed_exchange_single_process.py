@@ -321,12 +321,24 @@ def test_a_checkpoint_of_format_3_has_no_prediction_to_undo():
     assert all(torch.equal(a, b) for a, b in zip(params, loaded_params, strict=True))
 
 
-@pytest.mark.skipif("numba" not in onebit.kernels.available(), reason="needs numba")
+def _fused_updates(name: str):
+    if name == "numba":
+        from onebit.kernels._numba_optim import NumbaUpdates
+
+        return NumbaUpdates()
+    from onebit.kernels._triton_optim import TritonUpdates
+
+    return TritonUpdates()
+
+
+@pytest.mark.parametrize("backend", ["numba", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_fused_prediction_is_the_torch_references(dtype):
-    """numba's one-pass prediction against the reference, over two groups, the fused
-    exchange's scaling, a mask, a parameter that takes no part and a non-finite momentum."""
-    from onebit.kernels._numba_optim import NumbaUpdates
+def test_the_fused_prediction_is_the_torch_references(backend, dtype):
+    """numba's and Triton's one-pass prediction (Triton in its interpreter on CPU) against the
+    reference, over two groups, the fused exchange's scaling, a mask, a parameter that takes
+    no part and a non-finite momentum."""
+    if backend not in onebit.kernels.available():
+        pytest.skip(f"needs {backend}")
     from onebit.optim import functional
     from onebit.optim._flat import FlatState
 
@@ -350,16 +362,16 @@ def test_the_fused_prediction_is_the_torch_references(dtype):
     out = {}
     for name, predict in (
         ("torch", functional.predict_weights_),
-        ("numba", NumbaUpdates().predict_weights_),
+        (backend, _fused_updates(backend).predict_weights_),
     ):
         out[name] = torch.full_like(shared, 7.0)
         predict(flat, shared, out[name], momentum, scaling, mask, coefficients, active)
     tolerance = 1e-6 if dtype == torch.float32 else 1e-14
-    torch.testing.assert_close(out["numba"], out["torch"], rtol=tolerance, atol=tolerance)
-    inactive = flat.view(out["numba"], 2)
+    torch.testing.assert_close(out[backend], out["torch"], rtol=tolerance, atol=tolerance)
+    inactive = flat.view(out[backend], 2)
     assert torch.equal(inactive, flat.view(shared, 2))
-    assert out["numba"][11] == shared[11] and out["torch"][11] == shared[11]
-    assert not torch.equal(flat.view(out["numba"], 0), flat.view(shared, 0))
+    assert out[backend][11] == shared[11] and out["torch"][11] == shared[11]
+    assert not torch.equal(flat.view(out[backend], 0), flat.view(shared, 0))
 
 
 def test_the_flat_weights_stand_in_a_buffer_only_inside_the_block():

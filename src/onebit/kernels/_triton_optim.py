@@ -395,6 +395,34 @@ def _synchronised_kernel(rows, exchanged, m, synced, p, v, hyper, rebuild, BLOCK
     tl.store(p + offsets, weights, mask=in_range)
 
 
+@triton.jit
+def _predict_kernel(
+    rows,
+    shared,
+    momentum,
+    limit,
+    v,
+    out,
+    hyper,
+    inverse,
+    steps,
+    HAS_LIMIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The delayed exchange's prediction: ``u = clamp(momentum / s, -limit, limit) / (sqrt(v)
+    + eps) + wd shared``; ``out = shared + steps[t] u`` where ``steps[t] u`` is finite, else
+    ``out = shared``."""
+    segment, offsets, in_range, _, c = _block(rows, hyper, BLOCK)
+    weights = tl.load(shared + offsets, mask=in_range)
+    moved = tl.load(momentum + offsets, mask=in_range) * tl.load(inverse + segment)
+    if HAS_LIMIT:
+        moved = _clamped(moved, tl.load(limit + offsets, mask=in_range, other=0.0))
+    _, _, _, _, u = _adam(moved, tl.load(v + offsets, mask=in_range), weights, moved, c, False)
+    move = tl.load(steps + segment) * u
+    finite = tl.abs(move) < float("inf")
+    tl.store(out + offsets, tl.where(finite, weights + move, weights), mask=in_range)
+
+
 def _launch(kernel, table: _Table, *args, **constants) -> None:
     if table.blocks:
         with torch.cuda.device(table.rows.get_device()):
@@ -765,3 +793,35 @@ class TritonUpdates:
             rebuild.to(flat.dtype).contiguous(),
         )
         lr_sum[table.segments] = 0
+
+    def predict_weights_(
+        self,
+        flat: Any,
+        shared: Tensor,
+        out: Tensor,
+        momentum: Tensor,
+        scaling: Tensor,
+        limit: Tensor | None,
+        coefficients: Tensor | None,
+        active: Sequence[bool],
+    ) -> None:
+        """In one pass over memory (``out = shared`` for the parameters not active)."""
+        constants = _Constants(flat)
+        steps = -constants["lr"]
+        if coefficients is not None:
+            steps = steps * coefficients.to(flat.dtype)
+        _launch(
+            _predict_kernel,
+            _table(flat, _active_segments(active)),
+            shared=shared,
+            momentum=momentum,
+            v=flat.exp_avg_sq,
+            out=out,
+            hyper=constants.table,
+            inverse=scaling.reciprocal().contiguous(),
+            steps=steps.contiguous(),
+            **_limit_input(flat, limit),
+        )
+        for index, on in enumerate(active):
+            if not on:
+                flat.view(out, index).copy_(flat.view(shared, index))
