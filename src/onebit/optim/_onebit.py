@@ -280,10 +280,8 @@ class OneBitOptimizer(Optimizer):
         self._unscale_for_grad_scaler(flat.params)
         kind = self.schedule.kind(step)
         delayed = kind == COMPRESSION and self._delay is not None
-        if self._shared_weights is not None and not delayed:  # the prediction undone
-            self._shared_weights.put_back(flat)
         if kind != COMPRESSION:
-            self.finish_exchange()
+            self.finish_exchange()  # the prediction undone, the pending update applied
         if kind == REFRESH and self.schedule.refreshes.of(step) == step:
             self._return_to_dense()
         with self._data_parallel.counting(kind):
@@ -477,14 +475,16 @@ class OneBitOptimizer(Optimizer):
         update, so the weights hold every step's update and are the same on every rank (at
         the end of training, before evaluating; a checkpoint needs no such call). The next
         ``step()`` then applies nothing. Nothing to do otherwise."""
-        if self._delay is None or self._delay.step is None:
+        shared = self._shared_weights
+        if shared is None or not (shared.set_aside or self.update_pending):
             return
         flat = self._parameters.build(self.param_groups, self.state)  # also after a load
-        cast(SharedWeights, self._shared_weights).put_back(flat)
-        buffer = self._momentum_buffer(self._step + 1, flat)
-        with self._data_parallel.counting(COMPRESSION):
-            self._apply_delayed_update(flat, buffer)
-        flat.refresh_half_params()
+        shared.put_back(flat)
+        if self.update_pending:
+            buffer = self._momentum_buffer(self._step + 1, flat)
+            with self._data_parallel.counting(COMPRESSION):
+                self._apply_delayed_update(flat, buffer)
+            flat.refresh_half_params()
 
     def _gradient_1bit_step(self, step: int, flat: FlatState, grads: list[Tensor | None]) -> bool:
         """0/1 Adam before the freeze: the local gradients (zeros where a rank has none)
