@@ -461,3 +461,37 @@ def test_errors_ahead_refuses_bad_options_by_name(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             tool.main(args)
         assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- overlap_tail
+
+
+@pytest.mark.slow
+@needs_cluster
+def test_overlap_tail_times_both_compressions_step_after_step(tmp_path):
+    record = tmp_path / "tail.json"
+    printed = _run(
+        "overlap_tail",
+        *("--model", "tiny", "--bandwidths", "none", "--steps", "2", "--record", str(record)),
+    )
+    (row,) = json.loads(record.read_text())["rows"]
+    assert row["bandwidth"] == "none" and row["model"] == "tiny"
+    for compression in ("fused", "per_tensor"):
+        timed = row["seconds"][compression]
+        assert all(len(values) == 2 for values in timed.values())  # the untimed steps left out
+        for step in range(2):  # the tail is part of step(), which is part of the step
+            assert 0 < timed["tail"][step] <= timed["step"][step] <= timed["total"][step]
+    ratio = row["per_tensor_tail_median"] / row["fused_tail_median"]
+    assert row["tail_per_tensor_over_fused"] == ratio
+    assert f"tail {ratio:.2f}x" in printed
+
+
+def test_overlap_tail_refuses_bad_options_by_name(monkeypatch, capsys):
+    tool = _tool("overlap_tail", monkeypatch)
+    for args, message in (
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--model", "huge"], "invalid choice: 'huge'"),
+    ):
+        with pytest.raises(SystemExit):
+            tool.main(args)
+        assert message in capsys.readouterr().err
