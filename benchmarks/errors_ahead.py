@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -67,11 +66,7 @@ def _rank_main(model: str, bucket_elements: int, calls: int) -> None:
 
 def _time_on(cluster: Any, model: str, bucket_elements: int, calls: int) -> dict[str, Any]:
     argv = [sys.executable, __file__, RANK_FLAG, model, str(bucket_elements), str(calls)]
-    processes = cluster.launch_ranks(argv, stdout=subprocess.PIPE)
-    outputs = [p.communicate(timeout=1800)[0] for p in processes]
-    if any(p.returncode for p in processes):
-        raise RuntimeError(f"a rank failed at bandwidth {cluster.bandwidth or 'none'}")
-    return json.loads(outputs[0].strip().splitlines()[-1])
+    return cluster.rank0_record(argv, timeout=1800)
 
 
 def main(argv: list[str] | None = None) -> int:

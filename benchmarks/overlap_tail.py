@@ -20,7 +20,6 @@ import argparse
 import collections
 import json
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -80,11 +79,7 @@ def _rank_main(model: str, steps: int) -> None:
 
 def _time_on(cluster: Any, model: str, steps: int) -> dict[str, dict[str, list[float]]]:
     argv = [sys.executable, __file__, RANK_FLAG, model, str(steps)]
-    processes = cluster.launch_ranks(argv, stdout=subprocess.PIPE)
-    outputs = [p.communicate(timeout=3600)[0] for p in processes]
-    if any(p.returncode for p in processes):
-        raise RuntimeError(f"a rank failed at bandwidth {cluster.bandwidth or 'none'}")
-    return json.loads(outputs[0].strip().splitlines()[-1])
+    return cluster.rank0_record(argv, timeout=3600)
 
 
 def _summary(row: dict[str, Any], compression: str) -> str:

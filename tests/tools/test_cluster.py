@@ -74,6 +74,20 @@ def test_ranks_of_several_per_host_get_torchrun_environment() -> None:
 
 
 @needs_cluster
+def test_rank0_record_is_what_rank_0_printed_last_and_a_failed_rank_is_named() -> None:
+    """Every host runs a rank; rank 0's last line of output is the record, and a rank that
+    exits with an error fails the run, by its rank."""
+    prints = (
+        "import json, os; print('warming up'); print(json.dumps({'rank': int(os.environ['RANK'])}))"
+    )
+    fails = "import os, sys; sys.exit(int(os.environ['RANK']))"
+    with EmulatedCluster(2, bandwidth=None) as cluster:
+        assert cluster.rank0_record([sys.executable, "-c", prints], timeout=60) == {"rank": 0}
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\]"):
+            cluster.rank0_record([sys.executable, "-c", fails], timeout=60)
+
+
+@needs_cluster
 def test_traffic_inside_a_host_bypasses_its_link() -> None:
     """Two processes of one host, talking to its own address, go over its loopback: the
     stream is not limited to the link's rate and does not show on the link's counters."""

@@ -4,10 +4,12 @@ rank, and every rank of a multi-host job."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["HostProcesses"]
 
@@ -129,3 +131,14 @@ class HostProcesses:
             host = rank // ranks_per_host
             processes.append(self.popen(host, argv, env=rank_env, **kwargs, **extra))
         return processes
+
+    def rank0_record(self, argv: Sequence[str], timeout: float) -> Any:
+        """Run ``argv`` as one rank per host (:meth:`launch_ranks`), wait up to ``timeout``
+        seconds for every rank, and return the JSON value rank 0 printed on its last line of
+        standard output; raises ``RuntimeError`` where a rank failed."""
+        processes = self.launch_ranks(argv, stdout=subprocess.PIPE)
+        outputs = [p.communicate(timeout=timeout)[0] for p in processes]
+        failed = [rank for rank, p in enumerate(processes) if p.returncode]
+        if failed:
+            raise RuntimeError(f"rank(s) {failed} of {' '.join(argv)} failed")
+        return json.loads(outputs[0].strip().splitlines()[-1])

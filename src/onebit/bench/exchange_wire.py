@@ -19,7 +19,6 @@ two.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from typing import Any
@@ -73,11 +72,7 @@ def time_exchanges(cluster: Any, log2: int, bucket_elements: int, calls: int) ->
     """Rank 0's timings (and bucket count) of the three runs on ``cluster`` (an
     :class:`~onebit.bench.cluster.EmulatedCluster`, one rank per host)."""
     argv = [sys.executable, "-m", __name__, RANK_FLAG, str(log2), str(bucket_elements)]
-    processes = cluster.launch_ranks([*argv, str(calls)], stdout=subprocess.PIPE)
-    outputs = [p.communicate(timeout=1800)[0] for p in processes]
-    if any(p.returncode for p in processes):
-        raise RuntimeError(f"a rank failed at bandwidth {cluster.bandwidth or 'none'}")
-    return json.loads(outputs[0].strip().splitlines()[-1])
+    return cluster.rank0_record([*argv, str(calls)], timeout=1800)
 
 
 def sign_seconds(log2: int, rate_bits_per_second: float, hosts: int = HOSTS) -> float:
