@@ -251,7 +251,7 @@ class Table:
         commits = ", ".join(f"`{c}`" for c in self.commits)
         dates = " to ".join(sorted(set(self.dates))[:: max(1, len(set(self.dates)) - 1)])
         sources = ", ".join(f"`{s}`" for s in self.sources)
-        commands = "; ".join(f"`{c}`" for c in self.commands)
+        commands = "; ".join(_command_span(c) for c in self.commands)
         lines += ["", f"Data: {sources}; {when} {commits}, {dates}. Reproduce: {commands}."]
         return "\n".join(lines)
 
@@ -361,6 +361,12 @@ def _cluster_command(path: str, result: dict[str, Any]) -> str:
     )
     parts.append(f"--methods {','.join(s['methods'])} --output {path}")
     return " ".join(parts)
+
+
+def _command_span(command: str) -> str:
+    """``command`` as code, a closing note in parentheses after it (so the code pastes)."""
+    match = re.fullmatch(r"(.*?) (\([^()]*\))", command)
+    return f"`{match[1]}` {match[2]}" if match else f"`{command}`"
 
 
 def _cluster_commands(files: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:

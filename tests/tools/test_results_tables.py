@@ -53,6 +53,9 @@ def test_every_stamp_names_a_commit_a_date_and_a_command(built):
             assert list(ROOT.glob(pattern)), f"{name}: no file matches {source}"
         stamp = table.markdown().splitlines()[-1]
         assert all(c in stamp for c in table.commits) and "Reproduce:" in stamp, name
+        # each command pastes into a shell: a note in parentheses stays out of its code span
+        spans = re.findall(r"`([^`]+)`", stamp.split("Reproduce:")[1])
+        assert spans and not any(span.endswith(")") for span in spans), name
 
 
 def test_render_refuses_an_unknown_table():
