@@ -188,8 +188,8 @@ class TrainConfig:
         None,
         group=_HYPER,
         help="1-bit LAMB: let a compression step grow at most this many times against the "
-        "weights over the stage (ALGORITHM.md, 'A bound on the frozen coefficient'); default: "
-        "none, the paper's",
+        "weights over the stage (ALGORITHM.md, 'A bound on the frozen coefficient')",
+        default_help="none, the paper's",
     )
     momentum_bound: bool | None = option(
         None,
@@ -205,7 +205,8 @@ class TrainConfig:
         choices=COMPRESSIONS,
         help="1-bit LAMB and 1-bit Adam: how the momentum is exchanged: per_tensor (each tensor "
         "compressed alone) or fused (DeepSpeed's 1-bit LAMB: one buffer of all tensors, scaled "
-        "per tensor); default: per_tensor",
+        "per tensor)",
+        default_help="per_tensor",
     )
     var_freeze_step: int | str | None = option(
         None,
