@@ -41,7 +41,8 @@ class OneBitDDPStrategy(DDPStrategy):
 
     When fitting, after the model is wrapped and ``configure_optimizers`` has run, the hook
     is registered following the optimizer, which must be exactly one
-    :class:`onebit.OneBitLamb` or :class:`onebit.OneBitAdam` (one stage for the whole model).
+    :class:`onebit.OneBitLamb`, :class:`onebit.OneBitAdam` or :class:`onebit.ZeroOneAdam` (one
+    stage for the whole model).
     Validation runs on the optimizer's shared weights (``holding_shared_weights()``), and
     the end of training calls its ``finish_exchange()`` (both matter with
     ``delayed_exchange=True`` only).
@@ -92,6 +93,6 @@ class OneBitDDPStrategy(DDPStrategy):
             names = [type(optimizer).__name__ for optimizer in self.optimizers]
             raise TypeError(
                 f"configure_optimizers returned {names}; OneBitDDPStrategy needs exactly one "
-                "OneBitLamb or OneBitAdam for all the model's parameters"
+                "OneBitLamb, OneBitAdam or ZeroOneAdam for all the model's parameters"
             )
         ddp.register_comm_hook(self.model, optimizer)
