@@ -208,10 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.handler(args) or 0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def flag_name(name: str) -> str:
     """The option ``--name`` of a field ``name``."""
     return name.replace("_", "-")
@@ -240,3 +236,7 @@ def int_or_auto(text: str) -> int | str:
     if value < 1:
         raise ValueError(f"expected 'auto' or a positive integer, got {value}")
     return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

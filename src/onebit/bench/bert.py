@@ -12,6 +12,7 @@ with the MLM head, whose decoder is tied to the word embeddings):
 ========  ======  ======  ======  =======  ==========
 preset    vocab   hidden  layers  heads    parameters
 ========  ======  ======  ======  =======  ==========
+large     30522   1024    24      16       335.2M  (BERT-large)
 base      30522   768     12      12       109.5M  (BERT-base)
 small     30522   512     4       8        28.8M
 mini      30522   256     4       4        11.2M

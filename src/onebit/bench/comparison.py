@@ -13,9 +13,16 @@ starts) and runs, in one run, with the same model, data and per-worker batch, th
 ``onebit-lamb-ddp``       1-bit LAMB, DDP communication-hook path
 ``onebit-lamb``           1-bit LAMB, plain path (no DDP)
 ``onebit-lamb-*overlap``  the same two, the exchange overlapped with backward
+``onebit-lamb-overlap-per-tensor``
+                          the plain path overlapped, per-tensor compression in
+                          buckets of whole tensors
+``onebit-lamb-delayed``   1-bit LAMB, plain path, each step's exchange run behind the
+                          next step's forward and backward
 ``onebit-lamb-hier``      1-bit LAMB, hierarchical exchange over the nodes, DDP hook path
 ``onebit-adam``           1-bit Adam, DDP communication-hook path
 ``zero-one-adam``         0/1 Adam, DDP communication-hook path, each kind of step timed
+``hsdp-lamb``             LAMB on FSDP2's HSDP: sharded in a node, dense between nodes
+``hsdp-onebit-lamb``      1-bit LAMB on FSDP2 sharded in a node, 1-bit between nodes
 ``diloco-dense``          DiLoCo over LAMB, rounds of 4 steps, dense outer exchange; its
                           inner steps and the outer step timed apart
 ``diloco-1bit``           the same with the 1-bit outer exchange

@@ -1,6 +1,6 @@
 """The TCP throughput tool of the emulated cluster: a receiver and a sender, each run inside a
 host's namespace as ``python -I tcp_tool.py tcp-recv|tcp-send ...`` by
-:meth:`onebit.bench.cluster.EmulatedCluster.tcp_transfer`.
+:func:`onebit.bench.cluster_tools.tcp_transfer`.
 
 Standard library only, run as a file in isolated mode: each starts in ~0.1 s instead of paying
 for the package's torch import. Each answers its parent with JSON lines on stdout.

@@ -1,8 +1,9 @@
 """Flat optimizer state: each quantity of every parameter in one buffer, with per-parameter views.
 
 A :class:`FlatState` lays the parameters out one after another, group by group (a
-*segment* per parameter), and keeps ``exp_avg``, ``exp_avg_sq`` (and ``exp_avg_sq_fresh``)
-as flat buffers. The weights the update is applied to live in a flat buffer too: a
+*segment* per parameter), and keeps ``exp_avg``, ``exp_avg_sq`` (and, where the optimizer has
+them, ``exp_avg_sq_fresh`` and 0/1 Adam's synchronised weights ``synced_param``) as flat
+buffers. The weights the update is applied to live in a flat buffer too: a
 parameter whose dtype is the state dtype is re-pointed at its view of that buffer
 (``param.data = view``, as ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)``
 does), and a half-precision parameter gets an fp32 master copy there and is refreshed from it

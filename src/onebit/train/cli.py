@@ -1,4 +1,5 @@
-"""``onebit train``, ``compare``, ``finetune`` and ``probe``: the main job and its checks."""
+"""``onebit train``, ``simulate``, ``compare``, ``finetune`` and ``probe``: the main job and its
+checks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Checks of the job's options that choose how gradients and momenta travel: the bucketed and
-overlapped 1-bit exchange, and PowerSGD for the dense baselines."""
+"""Checks of the job's options that choose how gradients and momenta travel: the bucketed,
+overlapped and delayed 1-bit exchange, FSDP2, DiLoCo (and torchft's as its peer), and PowerSGD
+for the dense baselines."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ rank, so checkpoints and evaluation run the job's own code; a checkpoint's one o
 holds every worker's error-feedback buffers. With ``--sync-every`` the workers train with
 DiLoCo, simulated by :class:`onebit.simulate.SimulatedDiLoCo` (each worker's own weights and
 inner optimizer state; a checkpoint holds them all). Options of the real job that choose how
-workers communicate (``--ddp``, ``--backend``, ``--timeout``) have no meaning here.
+workers communicate or shard (``--ddp``, ``--backend``, ``--timeout``, ``--powersgd-rank``,
+``--fsdp``, ``--outer-implementation``) have no meaning here.
 """
 
 from __future__ import annotations
