@@ -55,11 +55,6 @@ class Compiled:
             numba.set_num_threads(threads)
         return build[name]
 
-    def compile_all(self) -> None:
-        """Compile (or load from the disk cache) every driver of the current build."""
-        for name in self._names:
-            self(name)
-
 
 def _variant(function, parallel: bool):
     """``function`` itself, or a copy named ``<name>_parallel`` for the parallel build."""
