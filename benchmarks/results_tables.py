@@ -126,6 +126,8 @@ COMMIT_DATES = {
     "2601711": "2026-12-07",
     "60686f5": "2026-12-07",
     "3476600": "2026-12-07",
+    "ffb1821": "2026-12-07",
+    "b5b47d1": "2026-12-07",
 }
 
 #: Result files that do not name the commit they were measured on: the commit that recorded
@@ -175,16 +177,18 @@ RECORDED_IN = {
     "docs/main-job/longer/lamb-1000x64": "252367a",
     "docs/main-job/longer/onebit-lamb-1000x64-freeze-200": "252367a",
     "docs/convergence/diloco-study": "ae839b0",
-    "docs/convergence/diloco-study/link-choice.json": "4704429",
+    "docs/convergence/diloco-study/link-choice.json": "b5b47d1",
     "docs/convergence/diloco-study/lamb-n256": "79d17a7",
     "docs/convergence/diloco-study/lamb-powersgd-r4": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-dense": "eb43f95",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit": "eb43f95",
-    "docs/convergence/diloco-study/link-choice-bert-base.json": "4704429",
+    "docs/convergence/diloco-study/link-choice-bert-base.json": "b5b47d1",
     "docs/convergence/diloco-study/onebit-adam-n4-per-tensor": "5de40a3",
     "docs/convergence/diloco-study/zero-one-adam-n4-auto": "5de40a3",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd": "ebdf454",
     "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-m05": "ebdf454",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-dense-sgd": "ffb1821",
+    "docs/convergence/diloco-study/diloco-adam-n4-h60-1bit-sgd-local": "ffb1821",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05": "343f88f",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05-local": "ffde085",
     "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-local": "ffde085",
@@ -1216,7 +1220,9 @@ DILOCO_STUDY_DILOCO = [
     "diloco-adam-n4-h60-1bit-m05",
     "diloco-adam-n4-h60-1bit-m05-local",
     "diloco-adam-n4-h60-1bit-m05-local-b128",
+    "diloco-adam-n4-h60-dense-sgd",
     "diloco-adam-n4-h60-1bit-sgd",
+    "diloco-adam-n4-h60-1bit-sgd-local",
     "diloco-adam-n4-h60-1bit-k3-d5",
 ]
 #: The inner optimizers of the job's DiLoCo, as the tables name them.
