@@ -1,11 +1,13 @@
 """The many-worker simulation (onebit.simulate) in one process: its streamed exchange
-against the oracle, its state, traffic and memory, resume, and argument errors (the test
-model: helpers/simulation.py; against real processes: distributed/test_simulate_on_ranks.py).
+against the oracle, its state, traffic and memory, resume, the delayed exchange's workers
+parting on a quadratic, and argument errors (the test model: helpers/simulation.py; against
+real processes: distributed/test_simulate_on_ranks.py).
 """
 
 from __future__ import annotations
 
 import copy
+from itertools import pairwise
 
 import pytest
 import torch
@@ -187,3 +189,46 @@ def test_bad_input_is_named() -> None:
         exchange.exchange(torch.zeros(16))
     with pytest.raises(SimulationDiverged, match="simulated worker 0"):
         exchange.add_worker(0, torch.full((16,), float("nan")))
+
+
+def test_the_workers_predictions_part_by_minus_a_each_step_on_a_quadratic() -> None:
+    """On ``h·|x|²/2 + n_i·x`` (worker i's constant gradient noise ``n_i``) each worker's
+    prediction sits off the workers' mean by ``δ_i``, and ``δ_{i,t} = -a·δ_{i,t-1} -
+    k·(n_i - n̄)`` with ``k = γ·(1-β1)/(sqrt(v) + ε)`` and ``a = k·h`` per element (ALGORITHM.md,
+    "What the prediction leaves"): step over step the change of ``δ`` is ``-a`` times the
+    last, so the workers part without bound where ``a > 1``, whatever the compression."""
+    curvature, lr, beta1, eps, workers = 2.0, 0.05, 0.9, 1e-8, 4
+    param = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 48, dtype=torch.float64))
+    noise = torch.randn(workers, 48, generator=torch.Generator().manual_seed(0)).double()
+    noise *= torch.logspace(-2, 1, 48, dtype=torch.float64)  # a from about 5 down to 0.02
+    optimizer = onebit.OneBitAdam(
+        [param], lr=lr, betas=(beta1, 0.999), eps=eps, freeze_step=5, delayed_exchange=True
+    )
+    simulation = SimulatedDataParallel(optimizer, workers)
+
+    def backward(rank: int) -> float:
+        loss = 0.5 * curvature * (param**2).sum() + (noise[rank] * param).sum()
+        loss.backward()
+        return loss.item()
+
+    deviations = []  # per step: each worker's point off the workers' mean
+    for _ in range(12):
+        points: list[torch.Tensor] = []
+
+        def recorded(rank: int, points=points) -> float:
+            points.append(param.detach().clone())
+            return backward(rank)
+
+        simulation.step(recorded)
+        stacked = torch.stack(points)
+        deviations.append(stacked - stacked.mean(dim=0))
+    v = optimizer.state[param]["exp_avg_sq"]
+    a = lr * (1 - beta1) * curvature / (v.sqrt() + eps)
+    assert bool((a > 1).any()) and bool((a < 1).any())
+    first = 5 + 1  # the stage's second step: its gradients the first at predictions
+    assert all(torch.equal(d, torch.zeros_like(d)) for d in deviations[:first])
+    changes = [now - before for before, now in pairwise(deviations[first:])]
+    for before, now in pairwise(changes):
+        torch.testing.assert_close(now, -a * before, rtol=1e-6, atol=1e-12)
+    grew = changes[-1].abs() > changes[0].abs()
+    assert torch.equal(grew.all(dim=0), a > 1)
