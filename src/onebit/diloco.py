@@ -162,6 +162,24 @@ class Fragment:
             return None, None
         return self.exchange.worker_error, self.exchange.server_error
 
+    def _layout(self) -> Layout:
+        """The 1-bit exchange's segments: each run padded alone, or the runs in one padded
+        buffer."""
+        assert self.exchange is not None
+        n, sizes = self.exchange.world_size, self.segments
+        if self.per_tensor:
+            return Layout.per_tensor(sizes, n)
+        return Layout.flat(padded_size(sum(sizes), n), n)
+
+    def _run_values(self, flat: Tensor) -> list[Tensor]:
+        """Each run's elements (:attr:`runs`) of ``flat``, a tensor in the worker error's
+        layout, as views: the padding left out."""
+        sizes, layout = self.segments, self._layout()
+        if self.per_tensor:  # each run padded alone
+            padded = flat.split(list(layout.sizes))
+            return [segment[:size] for segment, size in zip(padded, sizes, strict=True)]
+        return list(flat[: sum(sizes)].split(sizes))
+
     def residuals(self, row: int = 0) -> list[Tensor]:
         """A worker's residual of each run (:attr:`runs`) in the last 1-bit exchange (its
         worker error, the padding left out), flat views; zeros before the first. ``row``: the
@@ -169,13 +187,41 @@ class Fragment:
         distributed exchange holds this rank's only, row 0."""
         assert self.exchange is not None
         worker, _ = self.exchange.errors()
-        n, sizes = self.exchange.world_size, self.segments
-        if self.per_tensor:  # each run padded alone
-            layout = Layout.per_tensor(sizes, n)
-            padded = worker.view(-1, layout.width)[row].split(list(layout.sizes))
-            return [segment[:size] for segment, size in zip(padded, sizes, strict=True)]
-        total = sum(sizes)
-        return list(worker.view(-1, padded_size(total, n))[row][:total].split(sizes))
+        return self._run_values(worker.view(-1, self._layout().width)[row])
+
+    def error_share(self, row: int, server: int) -> Tensor:
+        """``u = ρ + W·s`` of each run's elements, one after another (the pseudo-gradient's
+        layout, the padding left out), a new tensor: worker ``row``'s error plus ``W`` times
+        the error of ``server``, the rank that serves chunk ``server`` of every segment,
+        placed at that chunk. The mean of every rank's share is ``ē``, what the exchange has
+        not delivered (ALGORITHM.md, "The errors delivered at the end"). ``row`` and
+        ``server``: as in :meth:`residuals`; a distributed rank holds row 0 of each, and
+        serves its own rank's chunks."""
+        assert self.exchange is not None
+        worker, server_error = self.exchange.errors()
+        layout, n = self._layout(), self.exchange.world_size
+        share = worker.view(-1, layout.width)[row].clone()
+        chunks = server_error.view(-1, sum(layout.chunks))[row].split(layout.chunks)
+        for segment, chunk in zip(share.split(list(layout.sizes)), chunks, strict=True):
+            width = chunk.numel()
+            segment[server * width : (server + 1) * width].add_(chunk, alpha=n)
+        return torch.cat(self._run_values(share))
+
+    def deliver(
+        self, workers: Sequence[Sequence[Tensor]], mean_error: Tensor, moves: list[float]
+    ) -> None:
+        """``θ ← θ - κ ē``: each row of ``workers`` (a worker's weights of this fragment) and
+        the start weights moved by ``mean_error`` (``ē``, laid out as :meth:`error_share`'s)
+        times the κ of each parameter, ``moves``; the errors are then zero, delivered."""
+        for (param, start, elements), error in zip(
+            self.runs, mean_error.split(self.segments), strict=True
+        ):
+            for weights in (*workers, self.starts):
+                weight = weights[param].view(-1)[start : start + elements]
+                weight.add_(error.to(weight.dtype), alpha=-moves[param])
+        assert self.exchange is not None
+        for error in self.exchange.errors():
+            error.zero_()
 
     def take_residual_moves(self, rows: int = 1) -> None:
         """The error of each of ``rows`` workers' residuals times ``1 - κ``, κ that of the
@@ -500,13 +546,18 @@ class DiLoCo:
         return [moves[id(param)] for param in fragment.params]
 
     @torch.no_grad()
-    def sync(self) -> None:
+    def sync(self, deliver_errors: bool = False) -> None:
         """End the current turn now, and with it every fragment's round: the turn's exchange
         completes (or runs now) and its outer step runs, then every other fragment's exchange
         and outer step; every rank then holds the start weights. With
         ``worker_residual="local"``, the fragment whose outer step has just run (no inner step
         since) is not exchanged again: its weights are set back to its start weights, the
-        move by the residual undone (the residual stays in the error buffer, undelivered)."""
+        move by the residual undone (the residual stays in the error buffer, undelivered).
+        With ``deliver_errors`` (the 1-bit exchange, an outer SGD without dampening), each
+        fragment's undelivered errors ``ē`` are then averaged densely and the weights moved
+        by ``-κ ē`` (ALGORITHM.md, "The errors delivered at the end")."""
+        if deliver_errors:
+            self.check_deliverable()
         index, just_ended = self.fragment, self.residual_move_to_undo()
         if just_ended is not None:
             self.undo_residual_moves(just_ended)
@@ -517,6 +568,43 @@ class DiLoCo:
                 fragment.pseudo_gradient(fragment.buffer)
                 self._average(other)
                 self.outer_step(fragment.buffer, other)
+        if deliver_errors:
+            means = []
+            for fragment in self.fragments:
+                share = fragment.error_share(0, _group_rank(self._exchange_group))
+                allreduce_mean_(share, self._exchange_group, traffic=fragment.traffic)
+                means.append(share)
+            self.deliver_errors(means)
+
+    def check_deliverable(self) -> None:
+        """``ValueError`` (``TypeError``: another outer optimizer) unless the errors can be
+        delivered: the 1-bit exchange, an outer SGD without dampening."""
+        if self.exchange_kind != "1bit":
+            raise ValueError(
+                "deliver_errors delivers what the 1-bit exchange has not: it needs "
+                f"exchange='1bit', not {self.exchange_kind!r}"
+            )
+        _check_residual_moves(self.outer_optimizer, "deliver_errors")
+
+    def deliver_errors(
+        self,
+        means: Sequence[Tensor],
+        workers: Sequence[Sequence[Sequence[Tensor]]] | None = None,
+    ) -> None:
+        """Each fragment's weights (for fragment f, the rows ``workers[f]`` as for
+        :meth:`move_by_residuals`; default: this rank's parameters) and start weights moved
+        by ``-κ ē``, ``means[f]`` its ranks' mean undelivered error (any not finite:
+        ``FloatingPointError``, nothing changed); the errors are then zero, and the bytes of
+        the exchange that averaged them counted."""
+        if not all(bool(torch.isfinite(mean).all()) for mean in means):
+            raise FloatingPointError(
+                "DiLoCo: the undelivered errors of the 1-bit exchange are not finite; the "
+                "weights are left as they are"
+            )
+        for index, (part, mean) in enumerate(zip(self.fragments, means, strict=True)):
+            rows = [part.params] if workers is None else workers[index]
+            part.deliver(rows, mean, self._residual_moves(part))
+            self.traffic.take(part.traffic)
 
     def pseudo_gradient(self, out: Tensor, fragment: int = 0) -> None:
         """``out`` (:meth:`buffer_size` fp32 elements) = this worker's pseudo-gradient
@@ -740,23 +828,33 @@ class DiLoCo:
                 self.fragments[self.fragment].traffic.bytes_sent[kind] = int(nbytes)
 
 
-def _check_residual_moves(optimizer: Optimizer) -> None:
-    """``worker_residual="local"`` moves each worker by its residual as the outer step moves
-    the weights on a pseudo-gradient, which is known for SGD without dampening."""
+def _check_residual_moves(optimizer: Optimizer, feature: str = "worker_residual") -> None:
+    """``feature`` moves weights as the outer step moves them on a pseudo-gradient, which is
+    known for SGD without dampening (κ, ALGORITHM.md, "Where a worker's residual goes")."""
+    what, instead = {
+        "worker_residual": (
+            "worker_residual='local' (the 1-bit exchange's default) moves each worker",
+            "pass worker_residual='carried'",
+        ),
+        "deliver_errors": ("deliver_errors moves the weights", "do not deliver the errors"),
+    }[feature]
     if not isinstance(optimizer, torch.optim.SGD):
         raise TypeError(
-            "worker_residual='local' (the 1-bit exchange's default) moves each worker as the "
-            "outer SGD would: the outer optimizer must be a torch.optim.SGD, got "
-            f"{type(optimizer).__name__}; with another, pass worker_residual='carried'"
+            f"{what} as the outer SGD would: the outer optimizer must be a torch.optim.SGD, "
+            f"got {type(optimizer).__name__}; with another, {instead}"
         )
     for index, group in enumerate(optimizer.param_groups):
         if group["dampening"] or group["maximize"]:
             raise ValueError(
-                "worker_residual='local' moves each worker as the outer SGD would: param "
-                f"group {index} of the outer SGD has dampening={group['dampening']} and "
-                f"maximize={group['maximize']}; it needs dampening=0 and maximize=False (or "
-                "pass worker_residual='carried')"
+                f"{what} as the outer SGD would: param group {index} of the outer SGD has "
+                f"dampening={group['dampening']} and maximize={group['maximize']}; it needs "
+                f"dampening=0 and maximize=False (or {instead})"
             )
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (0 outside ``torch.distributed``)."""
+    return dist.get_rank(group) if world_size(group) > 1 else 0
 
 
 def _is_int(value: object) -> bool:

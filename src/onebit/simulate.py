@@ -385,11 +385,15 @@ class SimulatedDiLoCo:
         return results
 
     @torch.no_grad()
-    def sync(self) -> None:
+    def sync(self, deliver_errors: bool = False) -> None:
         """End the current turn now, and with it every fragment's round (as
         :meth:`onebit.DiLoCo.sync`, which leaves out a fragment whose residual moves have
-        just been made: they are undone); every worker then holds the start weights."""
+        just been made: they are undone); every worker then holds the start weights. With
+        ``deliver_errors``, as :meth:`onebit.DiLoCo.sync`'s: every worker's share of the
+        undelivered errors summed in rank order, their mean delivered to every worker."""
         diloco = self.diloco
+        if deliver_errors:
+            diloco.check_deliverable()
         index, just_ended = diloco.fragment, diloco.residual_move_to_undo()
         if just_ended is not None:
             diloco.undo_residual_moves(just_ended, self._rows(just_ended))
@@ -398,6 +402,15 @@ class SimulatedDiLoCo:
         for other in range(len(diloco.fragments)):
             if other not in (index, just_ended):
                 self._apply(self._average(other), other, local_share=0.0, residual=False)
+        if deliver_errors:
+            means = []
+            for other, fragment in enumerate(diloco.fragments):
+                mean = fragment.error_share(0, 0)
+                for rank in range(1, self.workers):
+                    mean.add_(fragment.error_share(rank, rank))
+                means.append(mean.div_(self.workers))
+                diloco.count_dense_average(other, mean, self.workers)
+            diloco.deliver_errors(means, [self._rows(i) for i in range(len(diloco.fragments))])
         _copy_into(self.params, self._weights[-1])
 
     @torch.no_grad()

@@ -108,8 +108,9 @@ def test_cli_simulation_equals_onebit_train_and_resumes(
         ["--sync-every", "5"],
         ["--sync-every", "6", "--fragments", "2", "--fragment-delay", "1", "--local-share", "0.5"],
         ["--sync-every", "5", "--worker-residual", "local"],
+        ["--sync-every", "5", "--worker-residual", "local", "--deliver-errors"],
     ],
-    ids=["rounds", "streaming", "local"],
+    ids=["rounds", "streaming", "local", "delivered"],
 )
 def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
     tmp_path: Path,
@@ -122,7 +123,8 @@ def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
     a simulation resumed from its checkpoint of step 8 (inside the second round, where the
     workers' weights differ) ends where the uninterrupted one does. Likewise streaming, in two
     fragments of 3-step turns with a delay of 1 step, where the checkpoint of step 8 holds
-    the exchange that started at step 8, and with each worker moved by its residual."""
+    the exchange that started at step 8, with each worker moved by its residual, and with
+    the errors delivered at the end."""
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
     corpus = str(write_corpus(tmp_path / "corpus.txt"))
     options = [*TINY, "--corpus", corpus, "--optimizer", "adam", *diloco]

@@ -143,6 +143,15 @@ from onebit.train.run_dir import prepare_run_dir
             "--outer-block-size is an option of DiLoCo: give --sync-every too",
         ),
         (
+            ["--optimizer", "adam", "--deliver-errors"],
+            "--deliver-errors is an option of DiLoCo: give --sync-every too",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--outer-exchange", "dense"]
+            + ["--deliver-errors"],
+            "--deliver-errors delivers what the 1-bit outer exchange has not: give",
+        ),
+        (
             ["--optimizer", "adam", "--sync-every", "5", "--outer-block-size", "100"],
             "--outer-block-size sets the blocks of the 1-bit outer exchange: a multiple of 8",
         ),

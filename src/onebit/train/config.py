@@ -381,6 +381,13 @@ class TrainConfig:
         "the signs')",
         default_help="one scale per tensor",
     )
+    deliver_errors: bool = option(
+        False,
+        group=_SYSTEM,
+        help="with --sync-every and --outer-exchange 1bit: at the end of training, deliver "
+        "what the 1-bit exchange has not yet (its errors) in one dense exchange, the weights "
+        "moved as the outer step would (an outer SGD)",
+    )
     backend: str = option("gloo", group=_SYSTEM, choices=BACKENDS, help="collective backend")
     device: str = option("cpu", group=_SYSTEM, choices=DEVICES, help="device of each worker")
     eval_every: int | None = option(

@@ -117,6 +117,7 @@ def _check_diloco(config: TrainConfig) -> None:
             "--local-share": config.local_share != 0.0,
             "--worker-residual": config.worker_residual is not None,
             "--outer-block-size": config.outer_block_size is not None,
+            "--deliver-errors": config.deliver_errors,
         }
         for flag, is_given in given.items():
             if is_given:
@@ -155,6 +156,11 @@ def _check_diloco(config: TrainConfig) -> None:
         raise ValueError(
             f"--worker-residual {config.worker_residual} places the 1-bit exchange's residual: "
             "give --outer-exchange 1bit"
+        )
+    if config.deliver_errors and config.outer_exchange != "1bit":
+        raise ValueError(
+            "--deliver-errors delivers what the 1-bit outer exchange has not: give "
+            "--outer-exchange 1bit"
         )
     if config.outer_block_size is not None:
         check_positive_int_option("outer_block_size", config.outer_block_size)

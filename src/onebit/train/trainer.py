@@ -183,8 +183,13 @@ class Trainer:
         return state
 
     def _end_round(self) -> None:
-        """End every DiLoCo round now (the run's last step ends the rounds it is in)."""
-        self.diloco.sync()
+        """End every DiLoCo round now (the run's last step ends the rounds it is in), and
+        with ``--deliver-errors`` deliver the 1-bit exchange's errors."""
+        self.diloco.sync(**self._sync_options())
+
+    def _sync_options(self) -> dict[str, bool]:
+        """The keyword arguments of the last step's ``sync()``."""
+        return {"deliver_errors": True} if self.config.deliver_errors else {}
 
     def _parallelize(self) -> None:
         """The optimizer, how gradients are averaged (``self.dense_traffic`` counts the dense
@@ -359,8 +364,9 @@ class Trainer:
         loss_sum, masked = self._gradient_step(step, inputs, labels)
         if step == config.steps and isinstance(self.optimizer, onebit.OneBitOptimizer):
             self.optimizer.finish_exchange()  # a delayed exchange's last update lands
-        if step == config.steps and self.diloco is not None and not self.diloco.weights_shared:
-            self._end_round()
+        if step == config.steps and self.diloco is not None:
+            if not self.diloco.weights_shared or config.deliver_errors:
+                self._end_round()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         sent = self._bytes_sent() - sent_before
