@@ -261,7 +261,9 @@ class DiLoCo:
     ``outer_optimizer`` (built over the same parameters; default: the exchange's
     :data:`OUTER_DEFAULTS`, DiLoCo's Nesterov SGD for the dense exchange, with momentum 0.5
     for the 1-bit one). A step post-hook on the inner optimizer ends the rounds
-    (:meth:`close` removes it); :meth:`sync` ends one at once. ``worker_residual`` (1-bit
+    (:meth:`close` removes it); :meth:`sync` ends one at once, and with
+    ``deliver_errors=True`` delivers the 1-bit exchange's errors at the end of training (one
+    dense exchange; ALGORITHM.md, "The errors delivered at the end"). ``worker_residual`` (1-bit
     exchange): ``"carried"``, each worker's residual of the compression joins its next
     round's message (error feedback); ``"local"``, besides, each worker's next inner steps
     start where the outer step would have put it had its message carried the residual (the
