@@ -100,7 +100,7 @@ class SimulatedTrainer(Trainer):
             self.simulation.load_state_dict(resumed.rank_state["simulation"])
 
     def _end_round(self) -> None:
-        self.simulation.sync(**self._sync_options())
+        self.simulation.sync(deliver_errors=self.config.deliver_errors)
 
     def _rounds_state(self) -> dict[str, Any]:
         return {"diloco": self.simulation.state_dict()}  # every worker's weights inside

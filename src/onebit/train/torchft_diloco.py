@@ -129,8 +129,9 @@ class TorchftDiLoCo:
         """Bytes this rank has sent in the outer exchanges so far."""
         return self.traffic.total()
 
-    def sync(self) -> None:
-        """torchft's DiLoCo cannot end a round early."""
+    def sync(self, deliver_errors: bool = False) -> None:
+        """torchft's DiLoCo cannot end a round early (nor has errors to deliver: its exchange
+        is dense)."""
         raise RuntimeError(
             f"torchft's DiLoCo ends a round at every {self.turn_steps}-th step only "
             f"(step {self.local_step} of the round)"

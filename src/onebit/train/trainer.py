@@ -185,11 +185,7 @@ class Trainer:
     def _end_round(self) -> None:
         """End every DiLoCo round now (the run's last step ends the rounds it is in), and
         with ``--deliver-errors`` deliver the 1-bit exchange's errors."""
-        self.diloco.sync(**self._sync_options())
-
-    def _sync_options(self) -> dict[str, bool]:
-        """The keyword arguments of the last step's ``sync()``."""
-        return {"deliver_errors": True} if self.config.deliver_errors else {}
+        self.diloco.sync(deliver_errors=self.config.deliver_errors)
 
     def _parallelize(self) -> None:
         """The optimizer, how gradients are averaged (``self.dense_traffic`` counts the dense
