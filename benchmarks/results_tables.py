@@ -47,6 +47,11 @@ PAGES = (
 #: result, or the commit that recorded a file that names none), from ``git log``: the
 #: result files do not record a date, and the check must not need the repository's history.
 COMMIT_DATES = {
+    "f2c6e9e": "2026-12-07",
+    "524fcaf": "2026-12-07",
+    "9b5754e": "2026-12-07",
+    "29107f6": "2026-12-07",
+    "4d2d8ad": "2026-12-07",
     "e41c598": "2026-11-30",
     "ce967f0": "2026-11-30",
     "61e58fd": "2026-11-30",
@@ -133,6 +138,17 @@ COMMIT_DATES = {
 #: them (``git log -1 -- FILE``), or, where the page that described them named the library
 #: commit they were measured on, that commit.
 RECORDED_IN = {
+    "docs/convergence/diloco-study/seed-1/diloco-adam-n4-h40-dense-m05": "9b5754e",
+    "docs/convergence/diloco-study/seed-1/diloco-adam-n4-h40-1bit-m05-local": "9b5754e",
+    "docs/convergence/diloco-study/seed-3": "29107f6",
+    "docs/main-job/diloco-delivered": "29107f6",
+    "docs/convergence/diloco-study/diloco-adam-n4-h20-1bit-m05-local-delivered": "29107f6",
+    "docs/convergence/diloco-study/seed-1/diloco-adam-n4-h20-dense-m05": "f2c6e9e",
+    "docs/convergence/diloco-study/seed-1/diloco-adam-n4-h20-1bit-m05-local": "f2c6e9e",
+    "docs/convergence/diloco-study/seed-1/diloco-adam-n4-h20-1bit-m05-local-delivered": "29107f6",
+    "docs/convergence/diloco-study/seed-2/diloco-adam-n4-h20-dense-m05": "4d2d8ad",
+    "docs/convergence/diloco-study/seed-2/diloco-adam-n4-h20-1bit-m05-local": "524fcaf",
+    "docs/convergence/diloco-study/seed-2/diloco-adam-n4-h20-1bit-m05-local-delivered": "29107f6",
     "docs/bench/micro-allreduce.json": "e41c598",
     "docs/bench/micro-optimizer.json": "b83aeee",
     "docs/bench/errors-ahead": "b83aeee",
@@ -1201,6 +1217,145 @@ def table_diloco_blocks() -> Table:
     )
 
 
+#: The errors delivered at the end: (run, H, outer SGD (lr, momentum), seed) -> the dense
+#: exchange's folder, the 1-bit one's (each worker moved by its residual) and the 1-bit one's
+#: with ``--deliver-errors``.
+DILOCO_DELIVERED = {
+    **{
+        ("main job", h, (lr, momentum), 0): (
+            DILOCO_OUTER_RUNS[lr, momentum].format(h=h, x="dense"),
+            DILOCO_LOCAL_RUNS[lr, momentum].format(h=h),
+            DILOCO_LOCAL_RUNS[lr, momentum].format(h=h).replace("diloco-local", "diloco-delivered"),
+        )
+        for h in (10, 25)
+        for lr, momentum in DILOCO_LOCAL_RUNS
+    },
+    **{
+        ("study", 20, (0.7, 0.5), seed): tuple(
+            f"{DILOCO_STUDY}{f'/seed-{seed}' if seed else ''}/diloco-adam-n4-h20-{arm}"
+            for arm in ("dense-m05", "1bit-m05-local", "1bit-m05-local-delivered")
+        )
+        for seed in (1,)
+    },
+}
+STUDY_SEED_RUN = (
+    "python3 run.py onebit train --optimizer adam --steps 600 --batch-size 1024 --lr 0.002 "
+    "--freeze-step 120 --sync-every 20 --outer-lr 0.7 --outer-momentum 0.5 --eval-every 50 "
+    "--eval-seqs 2048 --checkpoint-every 50 --workers 4 --seed {seed} --outer-exchange "
+)
+
+
+def table_diloco_delivered() -> Table:
+    """The 1-bit outer exchange (each worker moved by its residual) with and without its
+    errors delivered at the end, against the dense exchange: final validation losses, and
+    bytes over the whole run."""
+    rows, paths, commands = [], [], []
+    for (where, h, (lr, momentum), seed), runs in DILOCO_DELIVERED.items():
+        _first_losses_agree(runs)
+        dense, local, delivered = (
+            _read(f"{run}/summary.json")["final_validation_loss"] for run in runs
+        )
+        dense_bytes, *one_bit_bytes = map(_outer_bytes, runs)
+        nesterov = f"Nesterov {momentum:g}" if momentum else "no momentum"
+        rows.append(
+            [
+                where,
+                str(h),
+                f"{lr:g}, {nesterov}",
+                str(seed),
+                f"{dense:.4f}",
+                f"{local:.4f} ({_pct(local / dense - 1)})",
+                f"{delivered:.4f} ({_pct(delivered / dense - 1)})",
+                ", ".join(_x(dense_bytes / sent) for sent in one_bit_bytes),
+            ]
+        )
+        paths += runs
+        if where == "main job":
+            commands.append(
+                f"python3 run.py train --optimizer adam {EARLIER_MAIN_JOB} --sync-every {h} "
+                f"--outer-exchange 1bit --outer-lr {lr:g} --outer-momentum {momentum:g} "
+                "--worker-residual local --deliver-errors"
+            )
+        else:
+            commands += [
+                STUDY_SEED_RUN.format(seed=seed) + "dense",
+                STUDY_SEED_RUN.format(seed=seed) + "1bit --worker-residual local",
+                STUDY_SEED_RUN.format(seed=seed) + "1bit --worker-residual local --deliver-errors",
+            ]
+    commits, dates = _stamp(f"{path}/summary.json" for path in paths)
+    return Table(
+        "diloco-delivered",
+        [
+            "run",
+            "H",
+            "outer SGD: lr, momentum",
+            "seed",
+            "dense",
+            "1-bit, residual local",
+            "1-bit, errors delivered",
+            "bytes of the run, fewer than dense (1-bit, delivered)",
+        ],
+        "lrlrrrrr",
+        rows,
+        [f"{path}/summary.json" for path in paths],
+        commits,
+        dates,
+        commands,
+    )
+
+
+#: The seeds of the study's DiLoCo at H = 20 and 40, outer Nesterov SGD (0.7, 0.5), the dense
+#: exchange and the 1-bit one (each worker moved by its residual): H -> seeds.
+DILOCO_SEEDS = {20: (0, 1, 2, 3), 40: (0, 1)}
+
+
+def _seed_run(h: int, seed: int, arm: str) -> str:
+    """The study's DiLoCo run folder of ``arm`` at ``h`` and ``seed`` (0: the study's own)."""
+    return f"{DILOCO_STUDY}{f'/seed-{seed}' if seed else ''}/diloco-adam-n4-h{h}-{arm}"
+
+
+def table_diloco_seeds() -> Table:
+    """The 1-bit outer exchange against the dense one at the same H under several seeds:
+    final validation losses, and bytes per round."""
+    rows, paths, commands = [], [], []
+    for h, seeds in DILOCO_SEEDS.items():
+        gaps = []
+        for seed in seeds:
+            runs = [_seed_run(h, seed, arm) for arm in ("dense-m05", "1bit-m05-local")]
+            _first_losses_agree(runs)
+            dense, one_bit = (_read(f"{run}/summary.json")["final_validation_loss"] for run in runs)
+            dense_bytes, one_bit_bytes = map(_outer_bytes, runs)
+            gaps.append(one_bit / dense - 1)
+            rows.append(
+                [
+                    str(h),
+                    str(seed),
+                    f"{dense:.4f}",
+                    f"{one_bit:.4f}",
+                    _pct(gaps[-1]),
+                    _x(dense_bytes / one_bit_bytes),
+                ]
+            )
+            paths += runs
+        rows.append([str(h), "mean", "", "", _pct(sum(gaps) / len(gaps)), ""])
+        commands += [
+            STUDY_SEED_RUN.format(seed="SEED").replace("--sync-every 20", f"--sync-every {h}")
+            + exchange
+            for exchange in ("dense", "1bit --worker-residual local")
+        ]
+    commits, dates = _stamp(f"{path}/summary.json" for path in paths)
+    return Table(
+        "diloco-seeds",
+        ["H", "seed", "dense", "1-bit, residual local", "1-bit vs dense", "fewer bytes"],
+        "llrrrr",
+        rows,
+        [f"{path}/summary.json" for path in paths],
+        commits,
+        dates,
+        commands,
+    )
+
+
 DELAYED_PREDICTION = "docs/convergence/delayed/prediction"
 DELAYED_ORACLE = "docs/convergence/delayed/oracle"
 MOMENTUM_BOUND = "docs/convergence/variance-guard/momentum-bound"
@@ -2207,6 +2362,8 @@ TABLES: dict[str, Callable[[], Table]] = {
     "diloco-main-job": table_diloco_main_job,
     "diloco-outer": table_diloco_outer,
     "diloco-blocks": table_diloco_blocks,
+    "diloco-delivered": table_diloco_delivered,
+    "diloco-seeds": table_diloco_seeds,
     "diloco-study": table_diloco_study,
     "link-choice": table_link_choice,
     "link-choice-bert-base": table_link_choice_bert_base,
