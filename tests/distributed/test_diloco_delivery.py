@@ -51,10 +51,9 @@ class MoveCounter:
             total.add_(before - p.detach().to(torch.float64))
 
 
-def _diloco(model, inner, compression, residual, block) -> onebit.DiLoCo:
-    return onebit.DiLoCo(
-        model.parameters(),
-        inner,
+def _options(model, compression, residual, block) -> dict:
+    """Every case's DiLoCo: the 1-bit exchange, the outer SGD at lr 1 without momentum."""
+    return dict(
         sync_every=H,
         exchange="1bit",
         compression=compression,
@@ -69,7 +68,9 @@ def _run(rank: int, compression, residual, block, steps, deliver: bool):
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), **INNER)
     moves = MoveCounter(inner, list(model.parameters()))
-    diloco = _diloco(model, inner, compression, residual, block)
+    diloco = onebit.DiLoCo(
+        model.parameters(), inner, **_options(model, compression, residual, block)
+    )
     for step in range(steps):
         inner_step(model, inner, rank, step)
     before = diloco.bytes_sent
@@ -89,16 +90,7 @@ def _simulated(compression, residual, block, steps):
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), **INNER)
     simulation = SimulatedDiLoCo(
-        model.parameters(),
-        inner,
-        WORLD,
-        sync_every=H,
-        exchange="1bit",
-        compression=compression,
-        outer_optimizer=outer_sgd(model.parameters(), lr=1.0, momentum=0.0),
-        worker_residual=residual,
-        block_size=block,
-        kernels="torch",
+        model.parameters(), inner, WORLD, **_options(model, compression, residual, block)
     )
     for step in range(steps):
         simulation.step(lambda rank, step=step: backward(model, rank, step))
