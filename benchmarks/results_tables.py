@@ -1240,7 +1240,7 @@ DILOCO_DELIVERED = {
 }
 STUDY_SEED_RUN = (
     "python3 run.py onebit train --optimizer adam --steps 600 --batch-size 1024 --lr 0.002 "
-    "--freeze-step 120 --sync-every 20 --outer-lr 0.7 --outer-momentum 0.5 --eval-every 50 "
+    "--freeze-step 120 --sync-every {h} --outer-lr 0.7 --outer-momentum 0.5 --eval-every 50 "
     "--eval-seqs 2048 --checkpoint-every 50 --workers 4 --seed {seed} --outer-exchange "
 )
 
@@ -1278,9 +1278,10 @@ def table_diloco_delivered() -> Table:
             )
         else:
             commands += [
-                STUDY_SEED_RUN.format(seed=seed) + "dense",
-                STUDY_SEED_RUN.format(seed=seed) + "1bit --worker-residual local",
-                STUDY_SEED_RUN.format(seed=seed) + "1bit --worker-residual local --deliver-errors",
+                STUDY_SEED_RUN.format(h=h, seed=seed) + "dense",
+                STUDY_SEED_RUN.format(h=h, seed=seed) + "1bit --worker-residual local",
+                STUDY_SEED_RUN.format(h=h, seed=seed)
+                + "1bit --worker-residual local --deliver-errors",
             ]
     commits, dates = _stamp(f"{path}/summary.json" for path in paths)
     return Table(
@@ -1339,8 +1340,7 @@ def table_diloco_seeds() -> Table:
             paths += runs
         rows.append([str(h), "mean", "", "", _pct(sum(gaps) / len(gaps)), ""])
         commands += [
-            STUDY_SEED_RUN.format(seed="SEED").replace("--sync-every 20", f"--sync-every {h}")
-            + exchange
+            STUDY_SEED_RUN.format(h=h, seed="SEED") + exchange
             for exchange in ("dense", "1bit --worker-residual local")
         ]
     commits, dates = _stamp(f"{path}/summary.json" for path in paths)
