@@ -94,7 +94,10 @@ class Fragment:
     residual since the fragment's last exchange (:attr:`residual_moves`; 0: not moved).
     The 1-bit exchange compresses each of :attr:`runs` alone: ``(parameter, offset,
     elements)``, a run per tensor, or with ``block_size = b`` each tensor's blocks of ``b·W``
-    elements (ALGORITHM.md, "Blocks of one scale")."""
+    elements (ALGORITHM.md, "Blocks of one scale"). With ``reference_share = c > 0`` it
+    holds :attr:`reference`, its last round's average ``Δ̂_{r-1}``, of which every worker
+    sends its pseudo-gradient less ``c`` times (ALGORITHM.md, "The last round's average as a
+    reference")."""
 
     def __init__(
         self,
@@ -105,10 +108,17 @@ class Fragment:
         backend: backends.Backend,
         per_tensor: bool = True,
         block_size: int | None = None,
+        reference_share: float = 0.0,
     ) -> None:
         self.indices, self.params, self.starts = indices, params, starts
         self.per_tensor, self.block_size = per_tensor, block_size
         self.numels = [p.numel() for p in params]
+        self.reference_share = reference_share
+        self.reference = (
+            torch.zeros(sum(self.numels), dtype=torch.float32, device=params[0].device)
+            if reference_share
+            else None
+        )
         self.exchange = exchange
         self.traffic = TrafficCounter()
         self.runs = self._runs(1 if exchange is None else exchange.world_size)
@@ -143,6 +153,21 @@ class Fragment:
         ):
             delta.copy_((start - param.detach()).reshape(-1))
         out[total:].zero_()
+
+    def subtract_reference(self, pseudo: Tensor) -> None:
+        """``Δ_i - c·Δ̂_{r-1}`` in place: ``pseudo``, a pseudo-gradient in :attr:`buffer`'s
+        layout, less the reference share of the last round's average (its first elements,
+        the padding untouched); nothing without a reference."""
+        if self.reference is not None:
+            pseudo[: self.reference.numel()].sub_(self.reference, alpha=self.reference_share)
+
+    def add_reference(self, average: Tensor) -> None:
+        """``Δ̂_r = average + c·Δ̂_{r-1}`` in place: the exchange's result given back the
+        share taken out, which becomes the next round's reference; nothing without one."""
+        if self.reference is not None:
+            head = average[: self.reference.numel()]
+            head.add_(self.reference, alpha=self.reference_share)
+            self.reference.copy_(head)
 
     def use_exchange(self, exchange: Exchange) -> None:
         """Exchange through ``exchange`` (bound here to this fragment's runs over its ranks)
@@ -273,6 +298,9 @@ class DiLoCo:
     exchange, per tensor): ``b``, each tensor compressed in blocks of ``b·W`` elements over
     ``W`` ranks, every block with its own scales, ``b`` elements to each server scale
     (ALGORITHM.md, "Blocks of one scale"); ``None``: one scale per tensor.
+    ``reference_share`` (1-bit exchange): ``c`` in [0, 1], each worker sends its
+    pseudo-gradient less ``c`` times the last round's average, which every rank adds back to
+    the result (ALGORITHM.md, "The last round's average as a reference"); 0: sent whole.
 
     Streaming (ALGORITHM.md, "Streaming fragments and the delayed outer exchange"):
     ``fragments`` (an int K, the parameters cut in order into K runs of about equal size, or
@@ -298,6 +326,7 @@ class DiLoCo:
         local_share: float = 0.0,
         worker_residual: str | None = None,
         block_size: int | None = None,
+        reference_share: float = 0.0,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
@@ -332,6 +361,13 @@ class DiLoCo:
             raise ValueError(
                 "worker_residual='local' places the 1-bit exchange's residual: it needs "
                 f"exchange='1bit', not {exchange!r}"
+            )
+        if isinstance(reference_share, bool) or not 0.0 <= float(reference_share) <= 1.0:
+            raise ValueError(f"reference_share must be a float in [0, 1], got {reference_share!r}")
+        if reference_share and exchange != "1bit":
+            raise ValueError(
+                "reference_share takes the last round's average out of the 1-bit exchange's "
+                f"messages: it needs exchange='1bit', not {exchange!r}"
             )
         if not isinstance(inner_optimizer, Optimizer):
             raise TypeError(
@@ -371,7 +407,7 @@ class DiLoCo:
         self.sync_every, self.turn_steps = sync_every, turn_steps
         self.delay, self.local_share = delay, float(local_share)
         self.exchange_kind, self.worker_residual = exchange, worker_residual
-        self.block_size = block_size
+        self.block_size, self.reference_share = block_size, float(reference_share)
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
         self.process_group = process_group
         self.traffic = TrafficCounter()
@@ -394,6 +430,7 @@ class DiLoCo:
                 backend,
                 per_tensor=compression == "per_tensor",
                 block_size=block_size,
+                reference_share=self.reference_share,
             )
             for indices in groups
         ]
@@ -451,7 +488,9 @@ class DiLoCo:
             self.check_finite(fragment.buffer)
             return
         self.take_residual_moves(index)
+        fragment.subtract_reference(fragment.buffer)
         fragment.exchange.exchange(fragment.buffer).decode(fragment.buffer)
+        fragment.add_reference(fragment.buffer)
 
     @property
     def exchange_started(self) -> bool:
@@ -710,8 +749,9 @@ class DiLoCo:
         """The inner step within the turn, the turns ended, the round's start weights, the
         outer optimizer's state, this rank's error buffers of every fragment, the average of
         an exchange in flight (waited for: every rank saves at the same inner step) and the
-        bytes sent, and with ``worker_residual="local"`` the κ each fragment's residual moved
-        this worker by (the model and the inner optimizer are saved by the caller)."""
+        bytes sent, with ``worker_residual="local"`` the κ each fragment's residual moved
+        this worker by, and with ``reference_share`` every fragment's reference (the model
+        and the inner optimizer are saved by the caller)."""
         pending, pending_bytes = None, None
         if self._in_flight is not None:
             self._in_flight.result()
@@ -735,6 +775,10 @@ class DiLoCo:
             "pending_bytes": pending_bytes,
             "bytes_sent": dict(self.traffic.bytes_sent),
             "residual_moves": [list(fragment.residual_moves) for fragment in self.fragments],
+            "reference_share": self.reference_share,
+            "references": [
+                None if f.reference is None else f.reference.clone() for f in self.fragments
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -755,6 +799,12 @@ class DiLoCo:
             raise ValueError(
                 f"checkpoint of a DiLoCo with block_size={state.get('block_size')!r}; this one "
                 f"has block_size={self.block_size!r}"
+            )
+        saved_share = float(state.get("reference_share", 0.0))
+        if saved_share != self.reference_share:
+            raise ValueError(
+                f"checkpoint of a DiLoCo with reference_share={saved_share!r}; this one has "
+                f"reference_share={self.reference_share!r}"
             )
         layout = [list(f.indices) for f in self.fragments]
         saved_layout = state.get("fragments", [list(range(len(self.params)))])
@@ -803,6 +853,16 @@ class DiLoCo:
                         f"checkpoint's error buffers hold {(worker.numel(), server.numel())} "
                         f"elements; this exchange over {self.world_size} ranks needs {sizes}"
                     )
+        references = state.get("references", [None] * len(self.fragments))
+        for fragment, reference in zip(self.fragments, references, strict=True):
+            if fragment.reference is not None and (
+                reference is None or reference.numel() != fragment.reference.numel()
+            ):
+                raise ValueError(
+                    f"checkpoint's reference of a fragment holds "
+                    f"{None if reference is None else reference.numel()} elements; this "
+                    f"fragment has {fragment.reference.numel()}"
+                )
         self._drop_in_flight()
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         for start, saved in zip(self._round_start, starts, strict=True):
@@ -821,6 +881,9 @@ class DiLoCo:
                     fragment.exchange.backend,
                     fragment.traffic,
                 )
+        for fragment, reference in zip(self.fragments, references, strict=True):
+            if fragment.reference is not None:
+                fragment.reference.copy_(reference)
         for fragment, saved_moves in zip(self.fragments, moves, strict=True):
             fragment.traffic.reset()
             fragment.residual_moves = [float(move) for move in saved_moves]

@@ -307,6 +307,8 @@ class SimulatedDiLoCo:
         worker_residual: as :class:`onebit.DiLoCo`'s (the 1-bit exchange's default
             ``"local"``): each simulated worker is moved by its own residual, as each rank is.
         block_size: as :class:`onebit.DiLoCo`'s, blocks of ``block_size·workers`` elements.
+        reference_share: as :class:`onebit.DiLoCo`'s, the same reference taken out of every
+            simulated worker's pseudo-gradient.
 
     Use: ``results = simulation.step(worker_backward)``, where ``worker_backward(rank)`` runs
     worker ``rank``'s forward and backward pass at its own weights (which the parameters hold
@@ -333,6 +335,7 @@ class SimulatedDiLoCo:
         local_share: float = 0.0,
         worker_residual: str | None = None,
         block_size: int | None = None,
+        reference_share: float = 0.0,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
@@ -349,6 +352,7 @@ class SimulatedDiLoCo:
             local_share=local_share,
             worker_residual=worker_residual,
             block_size=block_size,
+            reference_share=reference_share,
         )
         self.diloco.close()  # every worker's inner step runs here: the turns are ended below
         self.exchanges: list[SimulatedExchange | PerTensorSimulatedExchange] = []
@@ -423,15 +427,18 @@ class SimulatedDiLoCo:
         size = diloco.buffer_size(fragment)
         work = torch.zeros(size, dtype=torch.float32, device=self.params[0].device)
         average = torch.zeros_like(work)
+        part = diloco.fragments[fragment]
         for rank in range(self.workers):
             _copy_into(self.params, self._weights[rank])
             diloco.pseudo_gradient(work, fragment)
+            part.subtract_reference(work)
             if exchange is None:
                 average.add_(work)
             elif rank < self.workers - 1:
                 exchange.add_worker(rank, work)
             else:
                 exchange.exchange(work).decode(average)
+        part.add_reference(average)
         if exchange is None:
             average.div_(self.workers)
             diloco.count_dense_average(fragment, average, self.workers)

@@ -1,7 +1,8 @@
 """DiLoCo (ALGORITHM.md, "DiLoCo with a 1-bit outer exchange") on 2 gloo ranks against a
 single-process model of both workers written here from the text: AdamW inner steps on each
 worker's own batches, the mean of the pseudo-gradients (or the per-tensor 1-bit oracle with
-errors that persist from round to round, also with each worker moved by its residual) and
+errors that persist from round to round, also with each worker moved by its residual, and
+with the last round's average taken out of the messages) and
 each exchange's default outer SGD written out (its lr also halved after every round);
 ranks bit-identical after every round (their round start weights, where each is moved by its
 residual); exact resume from a save in the middle of a round; the bytes of each exchange; bad
@@ -29,13 +30,16 @@ SHAPES = [(6, 5), (6,), (2, 6), (2,)]
 OUTER = {"dense": (0.7, 0.9), "1bit": (0.7, 0.5)}
 #: The DiLoCos run: (name, exchange, its compression, where the worker's residual goes, the
 #: factor of the outer lr after each round, the elements to each server scale: blocks of
-#: 8·WORLD = 16 elements cut the tensors of 30, 6, 12 and 2 into 16+14, 6, 12 and 2).
+#: 8·WORLD = 16 elements cut the tensors of 30, 6, 12 and 2 into 16+14, 6, 12 and 2; the
+#: share of the last round's average taken out of the messages).
 VARIANTS = [
-    ("dense", "dense", "per_tensor", "carried", 1.0, None),
-    ("1bit", "1bit", "per_tensor", "carried", 1.0, None),
-    ("1bit-local", "1bit", "per_tensor", "local", 0.5, None),
-    ("1bit-fused-local", "1bit", "fused", "local", 1.0, None),
-    ("1bit-blocks-local", "1bit", "per_tensor", "local", 1.0, 8),
+    ("dense", "dense", "per_tensor", "carried", 1.0, None, 0.0),
+    ("1bit", "1bit", "per_tensor", "carried", 1.0, None, 0.0),
+    ("1bit-local", "1bit", "per_tensor", "local", 0.5, None, 0.0),
+    ("1bit-fused-local", "1bit", "fused", "local", 1.0, None, 0.0),
+    ("1bit-blocks-local", "1bit", "per_tensor", "local", 1.0, 8, 0.0),
+    ("1bit-reference-local", "1bit", "per_tensor", "local", 1.0, None, 0.5),
+    ("1bit-fused-reference", "1bit", "fused", "carried", 1.0, None, 0.75),
 ]
 
 
@@ -60,6 +64,7 @@ def _train(
     residual: str,
     decay: float,
     block: int | None,
+    reference: float,
     save_at: int | None = None,
 ):
     """The round start weights and this rank's weights after every round; with ``save_at``,
@@ -68,7 +73,12 @@ def _train(
     def build():
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), **INNER)
-        options = dict(compression=compression, worker_residual=residual, block_size=block)
+        options = dict(
+            compression=compression,
+            worker_residual=residual,
+            block_size=block,
+            reference_share=reference,
+        )
         return model, inner, _diloco(model, inner, exchange, **options)
 
     model, inner, diloco = build()
@@ -111,6 +121,7 @@ def _model_of_both_workers(
     compression: str = "per_tensor",
     decay: float = 1.0,
     block: int | None = None,
+    reference: float = 0.0,
 ) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
     """Both workers in one process, from the text: after every round, the start weights and
     each worker's weights. With ``node_size``, each worker a node whose inner steps take the
@@ -119,7 +130,9 @@ def _model_of_both_workers(
     and its error keeps 1 - κ of it for the next message (κ of that outer step, whatever the
     lr is when the message leaves); with ``compression="fused"``, the 1-bit oracle of one
     padded buffer; the outer lr multiplied by ``decay`` after every round; with ``block``,
-    each tensor cut into blocks of ``block·WORLD`` elements, compressed as tensors of their own."""
+    each tensor cut into blocks of ``block·WORLD`` elements, compressed as tensors of their own;
+    with ``reference``, each message less that share of the last round's average, added back
+    to the result."""
     replicas = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
     theta = weights(replicas[0])
@@ -138,6 +151,7 @@ def _model_of_both_workers(
     worker_errors, server_errors = torch.zeros(WORLD, width), torch.zeros(WORLD, width // WORLD)
     lr, momentum = OUTER[exchange]
     kappa = 0.0  # of the last move by the residuals
+    last = [torch.zeros(n) for n in numels]  # the last round's average
 
     def residuals(worker: int) -> list[torch.Tensor]:
         """Views of ``worker``'s error of each run, the padding left out."""
@@ -161,7 +175,9 @@ def _model_of_both_workers(
             [(t - p.detach()).reshape(-1) for t, p in zip(theta, m.parameters(), strict=True)]
             for m in replicas
         ]
-        per_tensor = [torch.stack([d[t] for d in deltas]) for t in range(len(theta))]
+        per_tensor = [
+            torch.stack([d[t] for d in deltas]) - reference * last[t] for t in range(len(theta))
+        ]
         if exchange == "dense":
             average = [rows.sum(dim=0) / WORLD for rows in per_tensor]
         else:
@@ -187,6 +203,8 @@ def _model_of_both_workers(
                     torch.cat([p for p, (t, _, _) in zip(pieces, runs, strict=True) if t == tensor])
                     for tensor in range(len(numels))
                 ]
+            average = [a + reference * b for a, b in zip(average, last, strict=True)]
+            last = average
         grads = [a.view_as(t) for a, t in zip(average, theta, strict=True)]
         if buffers is None:
             buffers = [g.clone() for g in grads]
@@ -222,12 +240,17 @@ def ranks():
     return spawn_workers(_runs, WORLD, timeout_s=240)
 
 
-@pytest.mark.parametrize("name, exchange, compression, residual, decay, block", VARIANTS)
+@pytest.mark.parametrize("name, exchange, compression, residual, decay, block, reference", VARIANTS)
 def test_diloco_follows_the_model_of_both_workers_and_ranks_agree(
-    ranks, name, exchange, compression, residual, decay, block
+    ranks, name, exchange, compression, residual, decay, block, reference
 ):
     expected = _model_of_both_workers(
-        exchange, residual=residual, compression=compression, decay=decay, block=block
+        exchange,
+        residual=residual,
+        compression=compression,
+        decay=decay,
+        block=block,
+        reference=reference,
     )
     for rank in range(WORLD):
         (rounds, _, count, _), _ = ranks[rank][name]
@@ -279,6 +302,7 @@ def test_the_bytes_of_each_outer_exchange(ranks):
     blocks = [16, 14, 6, 12, 2]  # VARIANTS' blocks of 16 elements
     in_blocks = compressed_allreduce_per_tensor_bytes(blocks, WORLD, torch.float32)
     assert ranks[0]["1bit-blocks-local"][0][1] == ROUNDS * in_blocks > ROUNDS * one_bit
+    assert ranks[0]["1bit-reference-local"][0][1] == ROUNDS * one_bit  # the same messages
     # At a model's size the 1-bit exchange sends about 32 times fewer bytes a round.
     big = [4096 * 1024, 4096, 1024 * 1024]
     ratio = ring_allreduce_bytes(4 * sum(big), 4) / compressed_allreduce_per_tensor_bytes(
@@ -309,6 +333,9 @@ def test_bad_arguments_are_named_before_anything_changes():
         ({"sync_every": 2, "block_size": 12}, ValueError, "multiple of 8"),
         ({"sync_every": 2, "block_size": 8, "compression": "fused"}, ValueError, "'fused'"),
         ({"sync_every": 2, "block_size": 8, "exchange": "dense"}, ValueError, "'dense'"),
+        ({"sync_every": 2, "reference_share": 1.5}, ValueError, "reference_share"),
+        ({"sync_every": 2, "reference_share": True}, ValueError, "reference_share"),
+        ({"sync_every": 2, "reference_share": 0.5, "exchange": "dense"}, ValueError, "'dense'"),
     ]
     for options, error, name in cases:
         with pytest.raises(error, match=name):
@@ -333,6 +360,13 @@ def test_bad_arguments_are_named_before_anything_changes():
     )
     with pytest.raises(ValueError, match="block_size=None; this one has block_size=8"):
         blocks.load_state_dict(saved)
+    referenced = onebit.DiLoCo(
+        model.parameters(), inner, sync_every=2, reference_share=0.5, worker_residual="carried"
+    )
+    with pytest.raises(ValueError, match="reference_share=0.0; this one has reference_share=0.5"):
+        referenced.load_state_dict(saved)
+    with pytest.raises(ValueError, match="reference of a fragment holds None elements"):
+        referenced.load_state_dict(saved | {"reference_share": 0.5})
     local = onebit.DiLoCo(model.parameters(), inner, sync_every=2)  # the default
     with pytest.raises(ValueError, match="worker_residual='carried'"):
         local.load_state_dict(saved)

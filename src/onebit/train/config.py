@@ -381,6 +381,13 @@ class TrainConfig:
         "the signs')",
         default_help="one scale per tensor",
     )
+    outer_reference_share: float = option(
+        0.0,
+        group=_SYSTEM,
+        help="with --sync-every and --outer-exchange 1bit: the share of the last round's "
+        "averaged pseudo-gradient each worker takes out of its message, added back to the "
+        "exchange's result (in [0, 1]; 0: the pseudo-gradient sent whole)",
+    )
     deliver_errors: bool = option(
         False,
         group=_SYSTEM,
@@ -565,6 +572,7 @@ class TrainConfig:
             "local_share": self.local_share,
             "worker_residual": self.worker_residual,
             "block_size": self.outer_block_size,
+            "reference_share": self.outer_reference_share,
         }
 
     @property

@@ -117,6 +117,7 @@ def _check_diloco(config: TrainConfig) -> None:
             "--local-share": config.local_share != 0.0,
             "--worker-residual": config.worker_residual is not None,
             "--outer-block-size": config.outer_block_size is not None,
+            "--outer-reference-share": config.outer_reference_share != 0.0,
             "--deliver-errors": config.deliver_errors,
         }
         for flag, is_given in given.items():
@@ -156,6 +157,15 @@ def _check_diloco(config: TrainConfig) -> None:
         raise ValueError(
             f"--worker-residual {config.worker_residual} places the 1-bit exchange's residual: "
             "give --outer-exchange 1bit"
+        )
+    if not 0.0 <= config.outer_reference_share <= 1.0:
+        raise ValueError(
+            f"Invalid --outer-reference-share={config.outer_reference_share}: it must be in [0, 1]"
+        )
+    if config.outer_reference_share and config.outer_exchange != "1bit":
+        raise ValueError(
+            "--outer-reference-share takes the last round's average out of the 1-bit outer "
+            "exchange's messages: give --outer-exchange 1bit"
         )
     if config.deliver_errors and config.outer_exchange != "1bit":
         raise ValueError(
