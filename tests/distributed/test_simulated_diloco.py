@@ -1,7 +1,7 @@
 """DiLoCo with its workers simulated in one process (onebit.simulate.SimulatedDiLoCo) against
 DiLoCo on real gloo ranks: every worker's weights after every round the rank's, bit for bit,
 dense and 1-bit (each tensor alone, in blocks and fused, each worker also moved by its
-residual); the same
+residual, the last round's average also taken out of the messages); the same
 bytes; a simulation saved inside a round and resumed by new objects goes on bit for bit;
 ``sync()`` on a round's last step undoes the residual moves as the ranks' does."""
 
@@ -18,14 +18,17 @@ from onebit.testing import spawn_workers
 
 H, ROUNDS = 3, 3
 #: (outer exchange, compression, where each worker's residual goes, elements to each server
-#: scale: 8, blocks of 16 elements at 2 workers, 24 at 3)
+#: scale: 8, blocks of 16 elements at 2 workers, 24 at 3; the share of the last round's
+#: average taken out of the messages)
 CASES = [
-    ("dense", "per_tensor", "carried", None),
-    ("1bit", "per_tensor", "carried", None),
-    ("1bit", "fused", "carried", None),
-    ("1bit", "per_tensor", "local", None),
-    ("1bit", "fused", "local", None),
-    ("1bit", "per_tensor", "local", 8),
+    ("dense", "per_tensor", "carried", None, 0.0),
+    ("1bit", "per_tensor", "carried", None, 0.0),
+    ("1bit", "fused", "carried", None, 0.0),
+    ("1bit", "per_tensor", "local", None, 0.0),
+    ("1bit", "fused", "local", None, 0.0),
+    ("1bit", "per_tensor", "local", 8, 0.0),
+    ("1bit", "per_tensor", "local", None, 0.5),
+    ("1bit", "fused", "carried", None, 0.5),
 ]
 
 
@@ -37,7 +40,7 @@ def _real(rank: int, world: int):
     """Every case on this rank: its weights after every round and after ``sync()`` on the
     last round's last step, and the bytes sent."""
     runs = {}
-    for exchange, compression, residual, block in CASES:
+    for exchange, compression, residual, block, reference in CASES:
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), **INNER)
         diloco = onebit.DiLoCo(
@@ -48,6 +51,7 @@ def _real(rank: int, world: int):
             compression=compression,
             worker_residual=residual,
             block_size=block,
+            reference_share=reference,
             kernels="torch",
         )
         rounds = []
@@ -56,7 +60,11 @@ def _real(rank: int, world: int):
             if diloco.local_step == 0:
                 rounds.append(weights(model))
         diloco.sync()
-        runs[exchange, compression, residual, block] = rounds, weights(model), diloco.bytes_sent
+        runs[exchange, compression, residual, block, reference] = (
+            rounds,
+            weights(model),
+            diloco.bytes_sent,
+        )
     return runs
 
 
@@ -66,6 +74,7 @@ def _simulated(
     compression: str,
     residual: str,
     block: int | None,
+    reference: float,
     save_after: int | None = None,
 ):
     """The simulation of the same run: every worker's weights after every round and after
@@ -84,6 +93,7 @@ def _simulated(
             compression=compression,
             worker_residual=residual,
             block_size=block,
+            reference_share=reference,
             kernels="torch",
         )
         return model, simulation

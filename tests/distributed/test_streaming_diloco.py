@@ -3,7 +3,8 @@ gloo ranks against a single-process model of both workers written here from the 
 fragments' turns, the pseudo-gradient taken ``delay`` steps before the outer step, the mean
 (or the per-tensor 1-bit oracle with each fragment's own errors), the outer SGD written out
 and the local share kept; ranks agree bit for bit on the start weights; a run saved while an
-exchange is in flight resumes bit for bit; the simulation computes what the ranks compute;
+exchange is in flight resumes bit for bit, also with each fragment's last average taken out
+of the messages; the simulation computes what the ranks compute;
 ``sync`` ends every fragment's round; bad arguments are named before anything changes."""
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ STREAMING = dict(sync_every=H, kernels="torch", fragments=K, delay=DELAY)
 
 
 def _streaming(
-    model, inner, exchange: str, share: float, residual: str = "carried"
+    model, inner, exchange: str, share: float, residual: str = "carried", reference: float = 0.0
 ) -> onebit.DiLoCo:
     return onebit.DiLoCo(
         model.parameters(),
@@ -45,6 +46,7 @@ def _streaming(
         exchange=exchange,
         local_share=share,
         worker_residual=residual,
+        reference_share=reference,
         **STREAMING,
     )
 
@@ -60,12 +62,13 @@ def _train(
     share: float,
     save_after: int | None = None,
     residual: str = "carried",
+    reference: float = 0.0,
 ):
     """The start weights and this rank's weights after every turn, and the bytes; with
     ``save_after``, the run is saved after that inner step and continued by new objects."""
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), **INNER)
-    diloco = _streaming(model, inner, exchange, share, residual)
+    diloco = _streaming(model, inner, exchange, share, residual, reference)
     turns = []
     for step in range(H // K * TURNS):
         inner_step(model, inner, rank, step)
@@ -78,7 +81,7 @@ def _train(
             diloco.close()
             model = _model()
             inner = torch.optim.AdamW(model.parameters(), **INNER)
-            diloco = _streaming(model, inner, exchange, share, residual)
+            diloco = _streaming(model, inner, exchange, share, residual, reference)
             model.load_state_dict(saved[0])
             inner.load_state_dict(saved[1])
             diloco.load_state_dict(saved[2])
@@ -123,6 +126,10 @@ def _runs(rank: int, world: int):
     results["synced"] = _synced(rank)
     results["synced-local"] = _synced_local(rank)
     results["local"] = _train(rank, "1bit", 0.5, residual="local")
+    results["reference"] = _train(rank, "1bit", 0.5, reference=0.5)
+    results["reference-resumed"] = _train(
+        rank, "1bit", 0.5, save_after=2 * turn - DELAY, reference=0.5
+    )
     return results
 
 
@@ -205,10 +212,16 @@ def test_the_local_share_keeps_part_of_each_workers_move(ranks):
     assert not torch.equal(kept[0][first], kept[1][first])
 
 
-def test_a_run_saved_with_an_exchange_in_flight_resumes_bit_for_bit(ranks):
+@pytest.mark.parametrize(
+    ("straight_run", "resumed_run"),
+    [(("1bit", 0.5), "resumed"), ("reference", "reference-resumed")],
+)
+def test_a_run_saved_with_an_exchange_in_flight_resumes_bit_for_bit(
+    ranks, straight_run, resumed_run
+):
     for rank in ranks:
-        straight, sent, _ = rank["1bit", 0.5]
-        resumed, resumed_sent, _ = rank["resumed"]
+        straight, sent, _ = rank[straight_run]
+        resumed, resumed_sent, _ = rank[resumed_run]
         for (start, own), (r_start, r_own) in zip(straight[-1:], resumed[-1:], strict=True):
             assert all(torch.equal(a, b) for a, b in zip(start, r_start, strict=True))
             assert all(torch.equal(a, b) for a, b in zip(own, r_own, strict=True))
@@ -244,7 +257,7 @@ def test_sync_exchanges_every_fragment_but_the_one_whose_local_residual_was_just
         )
 
 
-def _simulated(exchange: str, share: float, residual: str = "carried"):
+def _simulated(exchange: str, share: float, residual: str = "carried", reference: float = 0.0):
     """The start weights and every worker's weights after every turn, and the bytes."""
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), **INNER)
@@ -255,6 +268,7 @@ def _simulated(exchange: str, share: float, residual: str = "carried"):
         exchange=exchange,
         local_share=share,
         worker_residual=residual,
+        reference_share=reference,
         **STREAMING,
     )
     turns = []
@@ -267,11 +281,14 @@ def _simulated(exchange: str, share: float, residual: str = "carried"):
 
 
 @pytest.mark.parametrize(
-    ("case", "exchange", "share", "residual"),
-    [((e, s), e, s, "carried") for e, s in CASES] + [("local", "1bit", 0.5, "local")],
+    ("case", "exchange", "share", "residual", "reference"),
+    [((e, s), e, s, "carried", 0.0) for e, s in CASES]
+    + [("local", "1bit", 0.5, "local", 0.0), ("reference", "1bit", 0.5, "carried", 0.5)],
 )
-def test_the_simulation_computes_what_the_ranks_compute(ranks, case, exchange, share, residual):
-    turns, sent = _simulated(exchange, share, residual)
+def test_the_simulation_computes_what_the_ranks_compute(
+    ranks, case, exchange, share, residual, reference
+):
+    turns, sent = _simulated(exchange, share, residual, reference)
     for rank, runs in enumerate(ranks):
         real, real_sent, _ = runs[case]
         assert sent == real_sent

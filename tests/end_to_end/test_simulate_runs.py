@@ -109,8 +109,9 @@ def test_cli_simulation_equals_onebit_train_and_resumes(
         ["--sync-every", "6", "--fragments", "2", "--fragment-delay", "1", "--local-share", "0.5"],
         ["--sync-every", "5", "--worker-residual", "local"],
         ["--sync-every", "5", "--worker-residual", "local", "--deliver-errors"],
+        ["--sync-every", "5", "--outer-reference-share", "0.5"],
     ],
-    ids=["rounds", "streaming", "local", "delivered"],
+    ids=["rounds", "streaming", "local", "delivered", "reference"],
 )
 def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
     tmp_path: Path,
@@ -123,8 +124,9 @@ def test_simulated_diloco_equals_onebit_train_and_resumes_inside_a_round(
     a simulation resumed from its checkpoint of step 8 (inside the second round, where the
     workers' weights differ) ends where the uninterrupted one does. Likewise streaming, in two
     fragments of 3-step turns with a delay of 1 step, where the checkpoint of step 8 holds
-    the exchange that started at step 8, with each worker moved by its residual, and with
-    the errors delivered at the end."""
+    the exchange that started at step 8, with each worker moved by its residual, with the
+    errors delivered at the end, and with half the last round's average taken out of the
+    messages."""
     monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path / "cache"))
     corpus = str(write_corpus(tmp_path / "corpus.txt"))
     options = [*TINY, "--corpus", corpus, "--optimizer", "adam", *diloco]

@@ -152,6 +152,19 @@ from onebit.train.run_dir import prepare_run_dir
             "--deliver-errors delivers what the 1-bit outer exchange has not: give",
         ),
         (
+            ["--optimizer", "adam", "--outer-reference-share", "0.5"],
+            "--outer-reference-share is an option of DiLoCo: give --sync-every too",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--outer-reference-share", "1.5"],
+            "Invalid --outer-reference-share=1.5: it must be in [0, 1]",
+        ),
+        (
+            ["--optimizer", "adam", "--sync-every", "5", "--outer-exchange", "dense"]
+            + ["--outer-reference-share", "0.5"],
+            "--outer-reference-share takes the last round's average out of the 1-bit outer",
+        ),
+        (
             ["--optimizer", "adam", "--sync-every", "5", "--outer-block-size", "100"],
             "--outer-block-size sets the blocks of the 1-bit outer exchange: a multiple of 8",
         ),
