@@ -47,6 +47,7 @@ PAGES = (
 #: result, or the commit that recorded a file that names none), from ``git log``: the
 #: result files do not record a date, and the check must not need the repository's history.
 COMMIT_DATES = {
+    "656a864": "2026-12-08",
     "f2c6e9e": "2026-12-07",
     "524fcaf": "2026-12-07",
     "9b5754e": "2026-12-07",
@@ -138,6 +139,11 @@ COMMIT_DATES = {
 #: them (``git log -1 -- FILE``), or, where the page that described them named the library
 #: commit they were measured on, that commit.
 RECORDED_IN = {
+    "docs/main-job/diloco-reference": "656a864",
+    **{
+        f"docs/convergence/diloco-study/{seed}diloco-adam-n4-h20-1bit-m05-local-ref05": "656a864"
+        for seed in ("", "seed-1/", "seed-2/", "seed-3/")
+    },
     "docs/convergence/diloco-study/seed-1/diloco-adam-n4-h40-dense-m05": "9b5754e",
     "docs/convergence/diloco-study/seed-1/diloco-adam-n4-h40-1bit-m05-local": "9b5754e",
     "docs/convergence/diloco-study/seed-3": "29107f6",
@@ -1356,6 +1362,94 @@ def table_diloco_seeds() -> Table:
     )
 
 
+#: The last round's average as a reference (outer Nesterov SGD, lr 0.7, momentum 0.5; each
+#: worker moved by its residual): (run, H, seed, the share) -> the dense exchange's folder, the
+#: 1-bit one's without a reference and with it.
+DILOCO_REFERENCE = {
+    **{
+        ("main job", 10, 0, share): (
+            DILOCO_OUTER_RUNS[0.7, 0.5].format(h=10, x="dense"),
+            DILOCO_LOCAL_RUNS[0.7, 0.5].format(h=10),
+            f"docs/main-job/diloco-reference/h10-m05-c{share:g}",
+        )
+        for share in (0.25, 0.5, 0.75, 1.0)
+    },
+    ("main job", 25, 0, 0.5): (
+        DILOCO_OUTER_RUNS[0.7, 0.5].format(h=25, x="dense"),
+        DILOCO_LOCAL_RUNS[0.7, 0.5].format(h=25),
+        "docs/main-job/diloco-reference/h25-m05-c0.5",
+    ),
+    **{
+        ("study", 20, seed, 0.5): tuple(
+            _seed_run(20, seed, arm)
+            for arm in ("dense-m05", "1bit-m05-local", "1bit-m05-local-ref05")
+        )
+        for seed in DILOCO_SEEDS[20]
+    },
+}
+
+
+def table_diloco_reference() -> Table:
+    """The 1-bit outer exchange (each worker moved by its residual) with and without a share
+    of the last round's average taken out of its messages, against the dense exchange: final
+    validation losses, and bytes per round."""
+    rows, paths, commands, study_gaps = [], [], [], []
+    for (where, h, seed, share), runs in DILOCO_REFERENCE.items():
+        _first_losses_agree(runs)
+        dense, local, referenced = (
+            _read(f"{run}/summary.json")["final_validation_loss"] for run in runs
+        )
+        dense_bytes, _, referenced_bytes = map(_outer_bytes, runs)
+        if where == "study":
+            study_gaps.append((local / dense - 1, referenced / dense - 1))
+        rows.append(
+            [
+                where,
+                str(h),
+                str(seed),
+                f"{share:g}",
+                f"{dense:.4f}",
+                f"{local:.4f} ({_pct(local / dense - 1)})",
+                f"{referenced:.4f} ({_pct(referenced / dense - 1)})",
+                _x(dense_bytes / referenced_bytes),
+            ]
+        )
+        paths += runs
+        if where == "main job":
+            commands.append(
+                f"python3 run.py train --optimizer adam {EARLIER_MAIN_JOB} --sync-every {h} "
+                "--outer-exchange 1bit --outer-lr 0.7 --outer-momentum 0.5 "
+                f"--worker-residual local --outer-reference-share {share:g}"
+            )
+    mean_local, mean_referenced = (sum(gaps) / len(gaps) for gaps in zip(*study_gaps, strict=True))
+    rows.append(["study", "20", "mean", "0.5", "", _pct(mean_local), _pct(mean_referenced), ""])
+    commands.append(
+        STUDY_SEED_RUN.format(h=20, seed="SEED") + "1bit --worker-residual local "
+        "--outer-reference-share 0.5"
+    )
+    paths = list(dict.fromkeys(paths))  # each run once: the dense and the 1-bit one recur
+    commits, dates = _stamp(f"{path}/summary.json" for path in paths)
+    return Table(
+        "diloco-reference",
+        [
+            "run",
+            "H",
+            "seed",
+            "share",
+            "dense",
+            "1-bit, residual local",
+            "1-bit, with the reference",
+            "fewer bytes",
+        ],
+        "lrrrrrrr",
+        rows,
+        [f"{path}/summary.json" for path in paths],
+        commits,
+        dates,
+        commands,
+    )
+
+
 DELAYED_PREDICTION = "docs/convergence/delayed/prediction"
 DELAYED_ORACLE = "docs/convergence/delayed/oracle"
 MOMENTUM_BOUND = "docs/convergence/variance-guard/momentum-bound"
@@ -2364,6 +2458,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "diloco-blocks": table_diloco_blocks,
     "diloco-delivered": table_diloco_delivered,
     "diloco-seeds": table_diloco_seeds,
+    "diloco-reference": table_diloco_reference,
     "diloco-study": table_diloco_study,
     "link-choice": table_link_choice,
     "link-choice-bert-base": table_link_choice_bert_base,
