@@ -362,7 +362,11 @@ class DiLoCo:
                 "worker_residual='local' places the 1-bit exchange's residual: it needs "
                 f"exchange='1bit', not {exchange!r}"
             )
-        if isinstance(reference_share, bool) or not 0.0 <= float(reference_share) <= 1.0:
+        if (
+            isinstance(reference_share, bool)
+            or not isinstance(reference_share, (int, float))
+            or not 0.0 <= reference_share <= 1.0
+        ):
             raise ValueError(f"reference_share must be a float in [0, 1], got {reference_share!r}")
         if reference_share and exchange != "1bit":
             raise ValueError(

@@ -335,6 +335,7 @@ def test_bad_arguments_are_named_before_anything_changes():
         ({"sync_every": 2, "block_size": 8, "exchange": "dense"}, ValueError, "'dense'"),
         ({"sync_every": 2, "reference_share": 1.5}, ValueError, "reference_share"),
         ({"sync_every": 2, "reference_share": True}, ValueError, "reference_share"),
+        ({"sync_every": 2, "reference_share": "0.5"}, ValueError, "reference_share"),
         ({"sync_every": 2, "reference_share": 0.5, "exchange": "dense"}, ValueError, "'dense'"),
     ]
     for options, error, name in cases:
